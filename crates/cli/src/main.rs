@@ -1,0 +1,2 @@
+//! The `forkless` binary (work in progress).
+fn main() {}

@@ -1,0 +1,1 @@
+//! forkless-client (work in progress).

@@ -1,0 +1,1 @@
+//! forkless-routing (work in progress).

@@ -1,0 +1,1 @@
+//! forkless-server (work in progress).

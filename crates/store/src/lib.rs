@@ -1,0 +1,1 @@
+//! forkless-store (work in progress).
