@@ -1,1 +1,377 @@
-//! forkless-store (work in progress).
+//! Per-shard durable state: execution logs, the routing-key and idempotency
+//! indexes, the shard's epoch (the fence), and group commit.
+//!
+//! One fjall database per shard (`<data>/shards/<shard>/`), so a shard can be
+//! snapshotted, shipped and dropped as a unit, and shards fsync in parallel.
+//! All writes to a shard go through its single writer thread
+//! ([`writer`]), which drains a bounded queue into one atomic batch and one
+//! fsync (group commit). fjall writes a batch to its journal, fsyncs it, and
+//! only then makes it visible to readers, so a reader never sees an event
+//! that a crash could take back, and an append is acknowledged only after it
+//! is durable.
+//!
+//! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
+//! are opaque bytes; the caller validated them.
+
+mod codec;
+mod shard;
+mod writer;
+
+pub use shard::{ShardStore, StoreConfig};
+
+use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+/// Largest number of commands one group commit takes from the queue.
+pub const GROUP_COMMIT_COMMANDS_MAX: usize = 1024;
+/// Largest number of payload bytes one group commit takes from the queue
+/// (it always takes at least one command, whatever its size).
+pub const GROUP_COMMIT_BYTES_MAX: usize = 16 * 1024 * 1024;
+/// Commands that may wait for a shard's writer before senders block.
+pub const WRITER_QUEUE_DEPTH: usize = 4096;
+/// Longest event type, routing key, idempotency key or workflow name the
+/// on-disk format can hold (length-prefixed with a u16).
+pub const STRING_BYTES_MAX: usize = u16::MAX as usize;
+
+/// Where an execution is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExecutionStatus {
+    Running,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl ExecutionStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExecutionStatus::Running => "running",
+            ExecutionStatus::Completed => "completed",
+            ExecutionStatus::Failed => "failed",
+            ExecutionStatus::Cancelled => "cancelled",
+        }
+    }
+    pub fn is_terminal(self) -> bool {
+        self != ExecutionStatus::Running
+    }
+    fn code(self) -> u8 {
+        match self {
+            ExecutionStatus::Running => 0,
+            ExecutionStatus::Completed => 1,
+            ExecutionStatus::Failed => 2,
+            ExecutionStatus::Cancelled => 3,
+        }
+    }
+    fn from_code(c: u8) -> Option<ExecutionStatus> {
+        Some(match c {
+            0 => ExecutionStatus::Running,
+            1 => ExecutionStatus::Completed,
+            2 => ExecutionStatus::Failed,
+            3 => ExecutionStatus::Cancelled,
+            _ => return None,
+        })
+    }
+}
+
+/// The event types that end an execution, and the status each leaves.
+pub const TERMINAL_EVENT_TYPES: [(&str, ExecutionStatus); 3] = [
+    ("execution.completed", ExecutionStatus::Completed),
+    ("execution.failed", ExecutionStatus::Failed),
+    ("execution.cancelled", ExecutionStatus::Cancelled),
+];
+
+/// The status an event of this type leaves its execution in, if it ends it.
+pub fn terminal_status(event_type: &str) -> Option<ExecutionStatus> {
+    TERMINAL_EVENT_TYPES
+        .iter()
+        .find(|(t, _)| *t == event_type)
+        .map(|(_, s)| *s)
+}
+
+/// The type of the first event of every execution.
+pub const STARTED_EVENT_TYPE: &str = "execution.started";
+
+/// What the store keeps about one execution.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutionMeta {
+    pub id: ExecutionId,
+    pub status: ExecutionStatus,
+    pub last_seq: u64,
+    pub created_at_ms: u64,
+    pub updated_at_ms: u64,
+    pub workflow: String,
+    pub routing_key: Option<String>,
+}
+
+/// One event as stored. `payload` is the caller's opaque bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredEvent {
+    pub seq: u64,
+    pub event_type: String,
+    pub idempotency_key: Option<String>,
+    pub recorded_at_ms: u64,
+    pub payload: Vec<u8>,
+}
+
+/// An event to append.
+#[derive(Debug, Clone)]
+pub struct NewEvent {
+    pub event_type: String,
+    pub payload: Vec<u8>,
+    pub idempotency_key: Option<String>,
+}
+
+/// A request to create an execution. Its first event (seq 1) is
+/// `execution.started` with `started_payload`.
+#[derive(Debug, Clone)]
+pub struct StartRequest {
+    pub epoch: Epoch,
+    pub id: ExecutionId,
+    pub workflow: String,
+    pub started_payload: Vec<u8>,
+    pub routing_key: Option<String>,
+    pub idempotency_key: Option<String>,
+}
+
+impl StartRequest {
+    /// The key that steers this start and indexes its idempotency key: the
+    /// routing key if given, else the idempotency key.
+    pub fn steering_key(&self) -> Option<&str> {
+        self.routing_key
+            .as_deref()
+            .or(self.idempotency_key.as_deref())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartOutcome {
+    pub meta: ExecutionMeta,
+    /// True when an earlier start with the same (routing key, idempotency
+    /// key) already created this execution and nothing was written.
+    pub existing: bool,
+}
+
+/// A request to append events to one execution.
+#[derive(Debug, Clone)]
+pub struct AppendRequest {
+    pub epoch: Epoch,
+    pub id: ExecutionId,
+    pub events: Vec<NewEvent>,
+    pub expected_last_seq: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendOutcome {
+    pub first_seq: u64,
+    pub last_seq: u64,
+    /// True when every event carried an idempotency key that was already
+    /// recorded: the original sequence numbers are returned, nothing written.
+    pub deduplicated: bool,
+}
+
+/// Every way a store operation can fail, one variant per distinct reaction.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("execution {0} not found")]
+    NotFound(ExecutionId),
+    #[error("expected_last_seq is {expected} but the execution's last seq is {last_seq}")]
+    SequenceConflict { expected: u64, last_seq: u64 },
+    #[error("execution is {} (last seq {last_seq}); no more events can be appended", status.as_str())]
+    ExecutionClosed {
+        status: ExecutionStatus,
+        last_seq: u64,
+    },
+    #[error(
+        "events[{index}].idempotency_key {key:?} was already used (seq {seq}) but other events in \
+         the batch are new; retry the original batch exactly, or use fresh keys"
+    )]
+    IdempotencyConflict { index: usize, key: String, seq: u64 },
+    #[error("write carries epoch {presented} but the shard is at epoch {current}: this writer is not the owner")]
+    Fenced { presented: Epoch, current: Epoch },
+    #[error("epoch may only grow: shard is at {current}, asked for {requested}")]
+    EpochRegression { current: Epoch, requested: Epoch },
+    #[error("execution id {0} already exists")]
+    ExecutionExists(ExecutionId),
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("shard {0} is not hosted on this node")]
+    ShardNotHosted(ShardId),
+    #[error(
+        "data directory {dir} was written with shard count {on_disk}, but {requested} was asked for; \
+         changing the shard count is a resize, not a restart"
+    )]
+    ShardCountMismatch {
+        dir: String,
+        on_disk: u32,
+        requested: u32,
+    },
+    #[error("corrupt data: {0}")]
+    Corrupt(String),
+    #[error("storage I/O failed: {0}")]
+    Io(String),
+    #[error("the shard's writer has stopped")]
+    WriterGone,
+}
+
+impl StoreError {
+    /// True for failures of the storage itself (as opposed to a refusal of
+    /// this request): the caller should answer 5xx.
+    pub fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Corrupt(_) | StoreError::Io(_) | StoreError::WriterGone
+        )
+    }
+}
+
+impl From<fjall::Error> for StoreError {
+    fn from(e: fjall::Error) -> Self {
+        StoreError::Io(e.to_string())
+    }
+}
+
+/// The node's store: one [`ShardStore`] per hosted shard under `<dir>/shards`.
+pub struct Store {
+    dir: PathBuf,
+    shard_count: ShardCount,
+    config: StoreConfig,
+    shards: RwLock<BTreeMap<ShardId, Arc<ShardStore>>>,
+}
+
+const LAYOUT_FILE: &str = "layout";
+
+impl Store {
+    /// Opens (or creates) the node's data directory. Refuses a directory
+    /// written with another shard count: that is a resize, not a restart.
+    pub fn open(
+        dir: &Path,
+        shard_count: ShardCount,
+        config: StoreConfig,
+    ) -> Result<Store, StoreError> {
+        std::fs::create_dir_all(dir.join("shards"))
+            .map_err(|e| StoreError::Io(format!("{}: {e}", dir.display())))?;
+        let layout = dir.join(LAYOUT_FILE);
+        match std::fs::read_to_string(&layout) {
+            Ok(text) => {
+                let on_disk = parse_layout(&text).ok_or_else(|| {
+                    StoreError::Corrupt(format!("{}: unreadable layout file", layout.display()))
+                })?;
+                if on_disk != shard_count.get() {
+                    return Err(StoreError::ShardCountMismatch {
+                        dir: dir.display().to_string(),
+                        on_disk,
+                        requested: shard_count.get(),
+                    });
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                write_durably(
+                    &layout,
+                    format!("format = 1\nshard_count = {}\n", shard_count.get()).as_bytes(),
+                )?;
+            }
+            Err(e) => return Err(StoreError::Io(format!("{}: {e}", layout.display()))),
+        }
+        let store = Store {
+            dir: dir.to_path_buf(),
+            shard_count,
+            config,
+            shards: RwLock::new(BTreeMap::new()),
+        };
+        // Reopen every shard that has data here, owned or not: a shard this
+        // node no longer owns must still be there to be fenced and read.
+        let entries =
+            std::fs::read_dir(dir.join("shards")).map_err(|e| StoreError::Io(e.to_string()))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| StoreError::Io(e.to_string()))?;
+            if let Some(s) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            {
+                if s < shard_count.get() {
+                    store.open_shard(ShardId(s), Epoch(0))?;
+                }
+            }
+        }
+        Ok(store)
+    }
+
+    /// Opens the shard, creating it at `initial_epoch` if it has no data yet.
+    pub fn open_shard(
+        &self,
+        shard: ShardId,
+        initial_epoch: Epoch,
+    ) -> Result<Arc<ShardStore>, StoreError> {
+        if shard.get() >= self.shard_count.get() {
+            return Err(StoreError::Invalid(format!(
+                "shard {shard} is outside shard count {}",
+                self.shard_count
+            )));
+        }
+        let mut shards = self.shards.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = shards.get(&shard) {
+            return Ok(s.clone());
+        }
+        let path = self.dir.join("shards").join(shard.get().to_string());
+        let s = Arc::new(ShardStore::open(&path, shard, initial_epoch, &self.config)?);
+        shards.insert(shard, s.clone());
+        Ok(s)
+    }
+
+    /// The shard's store, if this node hosts it.
+    pub fn shard(&self, shard: ShardId) -> Option<Arc<ShardStore>> {
+        self.shards
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&shard)
+            .cloned()
+    }
+
+    pub fn hosted(&self) -> Vec<Arc<ShardStore>> {
+        self.shards
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    pub fn shard_count(&self) -> ShardCount {
+        self.shard_count
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The partition an execution lives in (a pure function of its id).
+    pub fn partition_of(id: ExecutionId) -> PartitionId {
+        id.partition()
+    }
+}
+
+fn parse_layout(text: &str) -> Option<u32> {
+    text.lines()
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| k.trim() == "shard_count")
+        .and_then(|(_, v)| v.trim().parse().ok())
+}
+
+fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let io = |e: std::io::Error| StoreError::Io(format!("{}: {e}", path.display()));
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(bytes).map_err(io)?;
+    f.sync_all().map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)?;
+    if let Some(parent) = path.parent() {
+        std::fs::File::open(parent)
+            .and_then(|d| d.sync_all())
+            .map_err(io)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,232 @@
+//! One shard's database: reads straight from fjall, writes through the
+//! shard's single writer thread (see `writer.rs`).
+
+use crate::codec;
+use crate::writer::{self, Command};
+use crate::{
+    AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
+    StoredEvent, WRITER_QUEUE_DEPTH,
+};
+use fjall::{Database, Keyspace, KeyspaceCreateOptions, Readable};
+use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// Tuning of each shard's database.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Block cache per shard.
+    pub cache_bytes_per_shard: u64,
+    /// Background flush/compaction threads per shard.
+    pub worker_threads_per_shard: usize,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            cache_bytes_per_shard: 32 * 1024 * 1024,
+            worker_threads_per_shard: 1,
+        }
+    }
+}
+
+/// The keyspaces of one shard.
+#[derive(Clone)]
+pub(crate) struct Keyspaces {
+    pub db: Database,
+    /// Shard-level facts: the epoch.
+    pub meta: Keyspace,
+    /// `partition | execution` -> execution metadata.
+    pub executions: Keyspace,
+    /// `partition | execution | seq` -> event.
+    pub events: Keyspace,
+    /// `partition | execution | idempotency key` -> seq.
+    pub event_idem: Keyspace,
+    /// `key partition | len | routing key | execution` -> ().
+    pub routing_keys: Keyspace,
+    /// `key partition | len | routing key | idempotency key` -> execution.
+    pub start_idem: Keyspace,
+}
+
+pub(crate) const EPOCH_KEY: &[u8] = b"epoch";
+
+/// A handle on one shard's durable state. Cheap to share (`Arc`).
+pub struct ShardStore {
+    shard: ShardId,
+    ks: Keyspaces,
+    tx: mpsc::Sender<Command>,
+    epoch: Arc<AtomicU64>,
+    commits: watch::Receiver<u64>,
+}
+
+impl ShardStore {
+    pub(crate) fn open(
+        path: &Path,
+        shard: ShardId,
+        initial_epoch: Epoch,
+        config: &StoreConfig,
+    ) -> Result<ShardStore, StoreError> {
+        let db = Database::builder(path)
+            .cache_size(config.cache_bytes_per_shard)
+            .worker_threads(config.worker_threads_per_shard.max(1))
+            .open()?;
+        let opts = KeyspaceCreateOptions::default;
+        let ks = Keyspaces {
+            meta: db.keyspace("meta", opts)?,
+            executions: db.keyspace("executions", opts)?,
+            events: db.keyspace("events", opts)?,
+            event_idem: db.keyspace("event_idem", opts)?,
+            routing_keys: db.keyspace("routing_keys", opts)?,
+            start_idem: db.keyspace("start_idem", opts)?,
+            db,
+        };
+        let epoch = match ks.meta.get(EPOCH_KEY)? {
+            Some(v) => Epoch(codec::decode_u64(&v, "shard epoch")?),
+            None => {
+                let mut batch = ks.db.batch().durability(Some(fjall::PersistMode::SyncAll));
+                batch.insert(
+                    &ks.meta,
+                    EPOCH_KEY,
+                    codec::u64_value(initial_epoch.get()).to_vec(),
+                );
+                batch.commit()?;
+                initial_epoch
+            }
+        };
+        let epoch = Arc::new(AtomicU64::new(epoch.get()));
+        let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
+        let (commits_tx, commits) = watch::channel(0u64);
+        writer::spawn(shard, ks.clone(), rx, epoch.clone(), commits_tx)?;
+        Ok(ShardStore {
+            shard,
+            ks,
+            tx,
+            epoch,
+            commits,
+        })
+    }
+
+    pub fn id(&self) -> ShardId {
+        self.shard
+    }
+
+    /// The shard's current epoch: writes must carry exactly this.
+    pub fn epoch(&self) -> Epoch {
+        Epoch(self.epoch.load(Ordering::Acquire))
+    }
+
+    /// Creates an execution (durably), or returns the one an earlier start
+    /// with the same steering and idempotency key created.
+    pub async fn start(&self, req: StartRequest) -> Result<StartOutcome, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Start(req, reply)).await?;
+        rx.await.map_err(|_| StoreError::WriterGone)?
+    }
+
+    /// Appends events (durably): acknowledged only after fsync.
+    pub async fn append(&self, req: AppendRequest) -> Result<AppendOutcome, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::Append(req, reply)).await?;
+        rx.await.map_err(|_| StoreError::WriterGone)?
+    }
+
+    /// Moves the shard to a newer epoch (durably). Writes carrying an older
+    /// epoch are refused from then on. An older epoch than the current one
+    /// is refused; the same one is a no-op.
+    pub async fn advance_epoch(&self, epoch: Epoch) -> Result<Epoch, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Command::AdvanceEpoch(epoch, reply)).await?;
+        rx.await.map_err(|_| StoreError::WriterGone)?
+    }
+
+    async fn send(&self, cmd: Command) -> Result<(), StoreError> {
+        self.tx.send(cmd).await.map_err(|_| StoreError::WriterGone)
+    }
+
+    /// A counter bumped after every durable commit; long-polls wait on it.
+    pub fn commits(&self) -> watch::Receiver<u64> {
+        self.commits.clone()
+    }
+
+    pub fn execution(&self, id: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
+        let key = codec::execution_key(id.partition(), id);
+        match self.ks.executions.get(key)? {
+            Some(v) => Ok(Some(codec::decode_meta(id, &v)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The execution and up to `limit` of its events with seq > `after`, in
+    /// order, read from one consistent snapshot. `None` if it does not exist.
+    pub fn read_events(
+        &self,
+        id: ExecutionId,
+        after: u64,
+        limit: usize,
+    ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
+        let snap = self.ks.db.snapshot();
+        let p = id.partition();
+        let meta = match snap.get(&self.ks.executions, codec::execution_key(p, id))? {
+            Some(v) => codec::decode_meta(id, &v)?,
+            None => return Ok(None),
+        };
+        let mut events = Vec::new();
+        if after < meta.last_seq && limit > 0 {
+            let from = codec::event_key(p, id, after.saturating_add(1));
+            let to = codec::event_key(p, id, meta.last_seq);
+            let mut expect = after + 1;
+            for item in snap.range(&self.ks.events, from..=to).take(limit) {
+                let (k, v) = item.into_inner()?;
+                let seq = codec::decode_u64(&k[12..], "event key")?;
+                // Logs are gap-free by construction; a gap here is corruption
+                // and must not be papered over.
+                if seq != expect {
+                    return Err(StoreError::Corrupt(format!(
+                        "execution {id}: expected seq {expect}, found {seq}"
+                    )));
+                }
+                events.push(codec::decode_event(seq, &v)?);
+                expect += 1;
+            }
+            let want = (meta.last_seq - after).min(limit as u64);
+            if events.len() as u64 != want {
+                return Err(StoreError::Corrupt(format!(
+                    "execution {id}: metadata says last seq {} but {} of {want} events were found after {after}",
+                    meta.last_seq,
+                    events.len()
+                )));
+            }
+        }
+        Ok(Some((meta, events)))
+    }
+
+    /// The executions started with this routing key (oldest id first).
+    pub fn executions_for_key(
+        &self,
+        key: &str,
+        limit: usize,
+    ) -> Result<Vec<ExecutionId>, StoreError> {
+        let prefix = codec::routing_key_prefix(PartitionId::for_key(key), key);
+        let mut out = Vec::new();
+        for item in self.ks.routing_keys.prefix(&prefix).take(limit) {
+            let k = item.key()?;
+            out.push(codec::decode_execution_id(
+                &k[prefix.len()..],
+                "routing key index",
+            )?);
+        }
+        Ok(out)
+    }
+
+    /// Number of executions whose keys lie in this shard (approximate).
+    pub fn approximate_executions(&self) -> usize {
+        self.ks.executions.approximate_len()
+    }
+
+    /// Bytes this shard takes on disk.
+    pub fn disk_bytes(&self) -> u64 {
+        self.ks.db.disk_space().unwrap_or(0)
+    }
+}

@@ -1,0 +1,379 @@
+//! Behaviour of the store through its public API, on a real disk.
+
+use forkless_store::*;
+use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
+use std::sync::Arc;
+
+fn id(n: i64) -> ExecutionId {
+    ExecutionId::new(n).unwrap()
+}
+
+fn ev(t: &str, idem: Option<&str>) -> NewEvent {
+    NewEvent {
+        event_type: t.into(),
+        payload: b"{\"x\":1}".to_vec(),
+        idempotency_key: idem.map(String::from),
+    }
+}
+
+fn start(e: u64, n: i64, rk: Option<&str>, idem: Option<&str>) -> StartRequest {
+    StartRequest {
+        epoch: Epoch(e),
+        id: id(n),
+        workflow: "wf".into(),
+        started_payload: b"{}".to_vec(),
+        routing_key: rk.map(String::from),
+        idempotency_key: idem.map(String::from),
+    }
+}
+
+fn append(e: u64, n: i64, events: Vec<NewEvent>, expected: Option<u64>) -> AppendRequest {
+    AppendRequest {
+        epoch: Epoch(e),
+        id: id(n),
+        events,
+        expected_last_seq: expected,
+    }
+}
+
+fn one_shard(dir: &std::path::Path) -> (Store, Arc<ShardStore>) {
+    let store = Store::open(dir, ShardCount::ONE, StoreConfig::default()).unwrap();
+    let shard = store.open_shard(ShardId(0), Epoch(1)).unwrap();
+    (store, shard)
+}
+
+#[tokio::test]
+async fn start_append_read_and_close() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, s) = one_shard(dir.path());
+    let out = s.start(start(1, 10, Some("tenant/a"), None)).await.unwrap();
+    assert!(!out.existing);
+    assert_eq!(out.meta.last_seq, 1);
+
+    let a = s
+        .append(append(1, 10, vec![ev("a", None), ev("b", None)], Some(1)))
+        .await
+        .unwrap();
+    assert_eq!((a.first_seq, a.last_seq, a.deduplicated), (2, 3, false));
+    let err = s
+        .append(append(1, 10, vec![ev("c", None)], Some(1)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        StoreError::SequenceConflict {
+            expected: 1,
+            last_seq: 3
+        }
+    );
+
+    let done = s
+        .append(append(1, 10, vec![ev("execution.completed", None)], None))
+        .await
+        .unwrap();
+    assert_eq!(done.last_seq, 4);
+    let err = s
+        .append(append(1, 10, vec![ev("late", None)], None))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        StoreError::ExecutionClosed {
+            status: ExecutionStatus::Completed,
+            last_seq: 4
+        }
+    );
+
+    let (meta, events) = s.read_events(id(10), 0, 100).unwrap().unwrap();
+    assert_eq!(meta.status, ExecutionStatus::Completed);
+    let types: Vec<_> = events
+        .iter()
+        .map(|e| (e.seq, e.event_type.as_str()))
+        .collect();
+    assert_eq!(
+        types,
+        vec![
+            (1, "execution.started"),
+            (2, "a"),
+            (3, "b"),
+            (4, "execution.completed")
+        ]
+    );
+    let (_, tail) = s.read_events(id(10), 2, 1).unwrap().unwrap();
+    assert_eq!(tail.len(), 1);
+    assert_eq!(tail[0].seq, 3);
+    assert!(s.read_events(id(11), 0, 10).unwrap().is_none());
+    assert_eq!(s.executions_for_key("tenant/a", 10).unwrap(), vec![id(10)]);
+    assert!(s.executions_for_key("tenant/b", 10).unwrap().is_empty());
+    assert_eq!(
+        s.append(append(1, 11, vec![ev("a", None)], None))
+            .await
+            .unwrap_err(),
+        StoreError::NotFound(id(11))
+    );
+}
+
+#[tokio::test]
+async fn idempotent_start_and_append() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, s) = one_shard(dir.path());
+    let first = s.start(start(1, 20, Some("k"), Some("i1"))).await.unwrap();
+    // Same routing key and idempotency key, a different freshly minted id.
+    let again = s.start(start(1, 21, Some("k"), Some("i1"))).await.unwrap();
+    assert!(again.existing);
+    assert_eq!(again.meta.id, first.meta.id);
+    // Same idempotency key under another routing key is another execution.
+    assert!(
+        !s.start(start(1, 22, Some("k2"), Some("i1")))
+            .await
+            .unwrap()
+            .existing
+    );
+    // Idempotency key without routing key.
+    assert!(
+        !s.start(start(1, 23, None, Some("solo")))
+            .await
+            .unwrap()
+            .existing
+    );
+    assert_eq!(
+        s.start(start(1, 24, None, Some("solo")))
+            .await
+            .unwrap()
+            .meta
+            .id,
+        id(23)
+    );
+    // An id collision is refused, never merged.
+    assert_eq!(
+        s.start(start(1, 20, None, None)).await.unwrap_err(),
+        StoreError::ExecutionExists(id(20))
+    );
+
+    let a = s
+        .append(append(
+            1,
+            20,
+            vec![ev("a", Some("e1")), ev("b", Some("e2"))],
+            Some(1),
+        ))
+        .await
+        .unwrap();
+    assert_eq!((a.first_seq, a.last_seq), (2, 3));
+    s.append(append(1, 20, vec![ev("c", None)], None))
+        .await
+        .unwrap();
+    // The retry (with its now stale expected_last_seq) gets the original answer.
+    let r = s
+        .append(append(
+            1,
+            20,
+            vec![ev("a", Some("e1")), ev("b", Some("e2"))],
+            Some(1),
+        ))
+        .await
+        .unwrap();
+    assert_eq!((r.first_seq, r.last_seq, r.deduplicated), (2, 3, true));
+    let err = s
+        .append(append(
+            1,
+            20,
+            vec![ev("a", Some("e1")), ev("z", Some("new"))],
+            None,
+        ))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::IdempotencyConflict {
+                index: 0,
+                seq: 2,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let (meta, _) = s.read_events(id(20), 0, 0).unwrap().unwrap();
+    assert_eq!(
+        meta.last_seq, 4,
+        "nothing was written by the retry or the conflict"
+    );
+}
+
+#[tokio::test]
+async fn invalid_batches_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, s) = one_shard(dir.path());
+    s.start(start(1, 30, None, None)).await.unwrap();
+    for bad in [
+        vec![],
+        vec![ev("", None)],
+        vec![ev("execution.started", None)],
+        vec![ev("execution.failed", None), ev("after", None)],
+        vec![ev("a", Some("dup")), ev("b", Some("dup"))],
+    ] {
+        assert!(matches!(
+            s.append(append(1, 30, bad, None)).await,
+            Err(StoreError::Invalid(_))
+        ));
+    }
+    assert_eq!(s.execution(id(30)).unwrap().unwrap().last_seq, 1);
+}
+
+#[tokio::test]
+async fn the_fence_refuses_any_other_epoch_and_epochs_only_grow() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, s) = one_shard(dir.path());
+    s.start(start(1, 40, None, None)).await.unwrap();
+    assert_eq!(
+        s.append(append(2, 40, vec![ev("a", None)], None))
+            .await
+            .unwrap_err(),
+        StoreError::Fenced {
+            presented: Epoch(2),
+            current: Epoch(1)
+        }
+    );
+    assert_eq!(s.advance_epoch(Epoch(3)).await.unwrap(), Epoch(3));
+    assert_eq!(s.epoch(), Epoch(3));
+    assert_eq!(
+        s.append(append(1, 40, vec![ev("a", None)], None))
+            .await
+            .unwrap_err(),
+        StoreError::Fenced {
+            presented: Epoch(1),
+            current: Epoch(3)
+        }
+    );
+    assert!(matches!(
+        s.start(start(1, 41, None, None)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+    assert_eq!(
+        s.advance_epoch(Epoch(2)).await.unwrap_err(),
+        StoreError::EpochRegression {
+            current: Epoch(3),
+            requested: Epoch(2)
+        }
+    );
+    assert_eq!(
+        s.append(append(3, 40, vec![ev("a", None)], None))
+            .await
+            .unwrap()
+            .last_seq,
+        2
+    );
+    // The epoch is durable: after a reopen the old epoch is still refused.
+    drop(s);
+    drop(store);
+    let store = Store::open(dir.path(), ShardCount::ONE, StoreConfig::default()).unwrap();
+    let s = store.shard(ShardId(0)).unwrap();
+    assert_eq!(s.epoch(), Epoch(3));
+    assert!(matches!(
+        s.append(append(1, 40, vec![ev("a", None)], None)).await,
+        Err(StoreError::Fenced { .. })
+    ));
+}
+
+#[tokio::test]
+async fn reopening_with_another_shard_count_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(
+        Store::open(
+            dir.path(),
+            ShardCount::new(4).unwrap(),
+            StoreConfig::default(),
+        )
+        .unwrap(),
+    );
+    let err = Store::open(
+        dir.path(),
+        ShardCount::new(8).unwrap(),
+        StoreConfig::default(),
+    )
+    .err()
+    .unwrap();
+    assert!(
+        matches!(
+            err,
+            StoreError::ShardCountMismatch {
+                on_disk: 4,
+                requested: 8,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert!(Store::open(
+        dir.path(),
+        ShardCount::new(4).unwrap(),
+        StoreConfig::default()
+    )
+    .is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_writers_get_gap_free_logs_and_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, s) = one_shard(dir.path());
+    let executions = 8i64;
+    for n in 1..=executions {
+        s.start(start(1, n, None, None)).await.unwrap();
+    }
+    let mut tasks = Vec::new();
+    for w in 0..32 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut acked = Vec::new();
+            for i in 0..50 {
+                let target = 1 + (w + i) % executions;
+                let out = s
+                    .append(append(
+                        1,
+                        target,
+                        vec![ev(&format!("w{w}-{i}"), None)],
+                        None,
+                    ))
+                    .await
+                    .unwrap();
+                acked.push((target, out.last_seq, format!("w{w}-{i}")));
+            }
+            acked
+        }));
+    }
+    let mut acked = Vec::new();
+    for t in tasks {
+        acked.extend(t.await.unwrap());
+    }
+    assert_eq!(acked.len(), 32 * 50);
+    drop(s);
+    drop(store);
+    let store = Store::open(dir.path(), ShardCount::ONE, StoreConfig::default()).unwrap();
+    let s = store.shard(ShardId(0)).unwrap();
+    let mut total = 0;
+    for n in 1..=executions {
+        let (meta, events) = s.read_events(id(n), 0, 10_000).unwrap().unwrap();
+        assert_eq!(meta.last_seq as usize, events.len());
+        for (i, e) in events.iter().enumerate() {
+            assert_eq!(e.seq, i as u64 + 1);
+        }
+        total += events.len() - 1;
+    }
+    assert_eq!(total, 32 * 50);
+    for (n, seq, t) in acked {
+        let (_, events) = s.read_events(id(n), seq - 1, 1).unwrap().unwrap();
+        assert_eq!(events[0].event_type, t, "acked event missing at {n}/{seq}");
+    }
+}
+
+#[tokio::test]
+async fn long_poll_counter_moves_on_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, s) = one_shard(dir.path());
+    let mut commits = s.commits();
+    let before = *commits.borrow_and_update();
+    s.start(start(1, 50, None, None)).await.unwrap();
+    commits.changed().await.unwrap();
+    assert!(*commits.borrow() > before);
+}
