@@ -1,0 +1,339 @@
+//! The shard directory: which node owns each shard, at which epoch, and
+//! whether that node is believed alive.
+
+use crate::{Owner, OwnerHint};
+use forkless_types::{Epoch, NodeId, ShardCount, ShardId};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::RwLock;
+
+/// A node's view of shard ownership.
+pub trait Directory: Send + Sync {
+    fn local_node(&self) -> NodeId;
+    fn shard_count(&self) -> ShardCount;
+    /// Who owns `shard`, as this node believes now.
+    fn owner_of(&self, shard: ShardId) -> Owner;
+    /// Grows whenever the map changes; lets a client tell which of two
+    /// disagreeing answers is newer.
+    fn map_version(&self) -> u64;
+    /// False when routing is inert (one shard, or one node owning all).
+    fn routing_active(&self) -> bool;
+    fn owns(&self, shard: ShardId) -> bool {
+        matches!(self.owner_of(shard), Owner::Local { .. })
+    }
+}
+
+/// A cluster member as the config names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    pub api_addr: String,
+    pub peer_addr: String,
+}
+
+/// One shard's owner of record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShardAssignment {
+    pub owner: NodeId,
+    pub epoch: Epoch,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StaticDirectoryError {
+    UnknownLocalNode(NodeId),
+    WrongAssignmentCount { shards: u32, assignments: usize },
+    UnknownOwner { shard: u32, owner: NodeId },
+}
+
+impl std::fmt::Display for StaticDirectoryError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::UnknownLocalNode(n) => write!(f, "node {n} is not in the cluster's node list"),
+            Self::WrongAssignmentCount {
+                shards,
+                assignments,
+            } => {
+                write!(f, "{assignments} shard assignments for {shards} shards: every shard needs exactly one owner")
+            }
+            Self::UnknownOwner { shard, owner } => write!(
+                f,
+                "shard {shard} is assigned to node {owner}, which is not in the node list"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for StaticDirectoryError {}
+
+/// Which peers are believed alive. Written by the prober, read by routing.
+#[derive(Debug)]
+pub struct Liveness {
+    alive: BTreeMap<NodeId, AtomicBool>,
+}
+
+impl Liveness {
+    /// Every node starts believed alive: a forward to a dead one fails
+    /// closed anyway, and the prober corrects the belief within a period.
+    pub fn new(nodes: impl IntoIterator<Item = NodeId>) -> Liveness {
+        Liveness {
+            alive: nodes
+                .into_iter()
+                .map(|n| (n, AtomicBool::new(true)))
+                .collect(),
+        }
+    }
+    pub fn set(&self, node: NodeId, alive: bool) -> bool {
+        self.alive
+            .get(&node)
+            .map(|a| a.swap(alive, Ordering::AcqRel))
+            .unwrap_or(false)
+    }
+    pub fn is_alive(&self, node: NodeId) -> bool {
+        self.alive
+            .get(&node)
+            .is_some_and(|a| a.load(Ordering::Acquire))
+    }
+}
+
+/// A directory from a static cluster map, overlaid with live peer liveness
+/// and with newer epochs learned from peers.
+pub struct StaticDirectory {
+    local: NodeId,
+    shard_count: ShardCount,
+    nodes: BTreeMap<NodeId, NodeInfo>,
+    assignments: RwLock<Vec<ShardAssignment>>,
+    liveness: Liveness,
+}
+
+impl StaticDirectory {
+    pub fn new(
+        local: NodeId,
+        shard_count: ShardCount,
+        nodes: Vec<NodeInfo>,
+        assignments: Vec<ShardAssignment>,
+    ) -> Result<StaticDirectory, StaticDirectoryError> {
+        let nodes: BTreeMap<_, _> = nodes.into_iter().map(|n| (n.id, n)).collect();
+        if !nodes.contains_key(&local) {
+            return Err(StaticDirectoryError::UnknownLocalNode(local));
+        }
+        if assignments.len() != shard_count.get() as usize {
+            return Err(StaticDirectoryError::WrongAssignmentCount {
+                shards: shard_count.get(),
+                assignments: assignments.len(),
+            });
+        }
+        for (s, a) in assignments.iter().enumerate() {
+            if !nodes.contains_key(&a.owner) {
+                return Err(StaticDirectoryError::UnknownOwner {
+                    shard: s as u32,
+                    owner: a.owner,
+                });
+            }
+        }
+        let liveness = Liveness::new(nodes.keys().copied());
+        Ok(StaticDirectory {
+            local,
+            shard_count,
+            nodes,
+            assignments: RwLock::new(assignments),
+            liveness,
+        })
+    }
+
+    /// The embedded default: this node alone, owning every shard at epoch 1.
+    pub fn single_node(
+        local: NodeId,
+        shard_count: ShardCount,
+        api_addr: String,
+    ) -> StaticDirectory {
+        let nodes = vec![NodeInfo {
+            id: local,
+            api_addr: api_addr.clone(),
+            peer_addr: api_addr,
+        }];
+        let assignments = vec![
+            ShardAssignment {
+                owner: local,
+                epoch: Epoch(1)
+            };
+            shard_count.get() as usize
+        ];
+        // Cannot fail: the only owner is the local node, and the count matches.
+        match StaticDirectory::new(local, shard_count, nodes, assignments) {
+            Ok(d) => d,
+            Err(e) => unreachable!("single-node directory is always valid: {e}"),
+        }
+    }
+
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
+
+    pub fn nodes(&self) -> impl Iterator<Item = &NodeInfo> {
+        self.nodes.values()
+    }
+
+    pub fn node(&self, id: NodeId) -> Option<&NodeInfo> {
+        self.nodes.get(&id)
+    }
+
+    pub fn assignment(&self, shard: ShardId) -> Option<ShardAssignment> {
+        self.assignments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(shard.get() as usize)
+            .copied()
+    }
+
+    pub fn assignments(&self) -> Vec<ShardAssignment> {
+        self.assignments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// A peer says `owner` holds `shard` at `epoch`. A newer epoch than the
+    /// map's wins (ownership moved after this node's config was written);
+    /// an older or equal one changes nothing. Returns true if the map changed.
+    pub fn observe(&self, shard: ShardId, owner: NodeId, epoch: Epoch) -> bool {
+        if !self.nodes.contains_key(&owner) {
+            return false;
+        }
+        let mut a = self.assignments.write().unwrap_or_else(|e| e.into_inner());
+        match a.get_mut(shard.get() as usize) {
+            Some(cur) if epoch > cur.epoch => {
+                *cur = ShardAssignment { owner, epoch };
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn hint(&self, a: ShardAssignment) -> Option<OwnerHint> {
+        self.nodes.get(&a.owner).map(|n| OwnerHint {
+            node: n.id,
+            api_addr: n.api_addr.clone(),
+            peer_addr: n.peer_addr.clone(),
+            epoch: a.epoch,
+        })
+    }
+}
+
+impl Directory for StaticDirectory {
+    fn local_node(&self) -> NodeId {
+        self.local
+    }
+
+    fn shard_count(&self) -> ShardCount {
+        self.shard_count
+    }
+
+    fn owner_of(&self, shard: ShardId) -> Owner {
+        let Some(a) = self.assignment(shard) else {
+            return Owner::Unknown { hint: None };
+        };
+        if a.owner == self.local {
+            return Owner::Local { epoch: a.epoch };
+        }
+        let hint = self.hint(a);
+        match hint {
+            Some(h) if self.liveness.is_alive(a.owner) => Owner::Remote(h),
+            h => Owner::Unknown { hint: h },
+        }
+    }
+
+    fn map_version(&self) -> u64 {
+        self.assignments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|a| a.epoch.get())
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn routing_active(&self) -> bool {
+        self.shard_count.get() > 1
+            && self
+                .assignments
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .any(|a| a.owner != self.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(n: u64) -> NodeInfo {
+        NodeInfo {
+            id: NodeId::new(n).unwrap(),
+            api_addr: format!("a{n}"),
+            peer_addr: format!("p{n}"),
+        }
+    }
+
+    fn dir() -> StaticDirectory {
+        let n = |x| NodeId::new(x).unwrap();
+        let a = |o, e| ShardAssignment {
+            owner: n(o),
+            epoch: Epoch(e),
+        };
+        StaticDirectory::new(
+            n(1),
+            ShardCount::new(4).unwrap(),
+            vec![node(1), node(2), node(3)],
+            vec![a(1, 1), a(2, 1), a(3, 1), a(2, 2)],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn owners_follow_the_map_and_liveness() {
+        let d = dir();
+        assert!(d.routing_active());
+        assert_eq!(d.owner_of(ShardId(0)), Owner::Local { epoch: Epoch(1) });
+        assert!(
+            matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node.get() == 2 && h.peer_addr == "p2")
+        );
+        assert_eq!(d.map_version(), 2);
+        d.liveness().set(NodeId::new(2).unwrap(), false);
+        assert!(
+            matches!(d.owner_of(ShardId(1)), Owner::Unknown { hint: Some(h) } if h.node.get() == 2)
+        );
+        assert!(matches!(d.owner_of(ShardId(2)), Owner::Remote(_)));
+        assert_eq!(d.owner_of(ShardId(9)), Owner::Unknown { hint: None });
+    }
+
+    #[test]
+    fn newer_epochs_learned_from_peers_win_and_older_ones_do_not() {
+        let d = dir();
+        let n3 = NodeId::new(3).unwrap();
+        assert!(!d.observe(ShardId(0), n3, Epoch(1)));
+        assert_eq!(d.owner_of(ShardId(0)), Owner::Local { epoch: Epoch(1) });
+        assert!(d.observe(ShardId(0), n3, Epoch(5)));
+        assert!(
+            matches!(d.owner_of(ShardId(0)), Owner::Remote(h) if h.node == n3 && h.epoch == Epoch(5))
+        );
+        assert_eq!(d.map_version(), 5);
+        assert!(!d.observe(ShardId(0), NodeId::new(1).unwrap(), Epoch(4)));
+    }
+
+    #[test]
+    fn bad_maps_are_refused() {
+        let n = |x| NodeId::new(x).unwrap();
+        let c = ShardCount::new(2).unwrap();
+        let a = |o| ShardAssignment {
+            owner: n(o),
+            epoch: Epoch(1),
+        };
+        assert!(StaticDirectory::new(n(9), c, vec![node(1)], vec![a(1), a(1)]).is_err());
+        assert!(StaticDirectory::new(n(1), c, vec![node(1)], vec![a(1)]).is_err());
+        assert!(StaticDirectory::new(n(1), c, vec![node(1)], vec![a(1), a(4)]).is_err());
+        let single = StaticDirectory::single_node(n(1), c, "x".into());
+        assert!(!single.routing_active());
+        assert!(single.owns(ShardId(1)));
+    }
+}
