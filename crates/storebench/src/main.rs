@@ -68,6 +68,8 @@ struct Config {
     steady_group: usize,
     read_secs: f64,
     cache_mb: usize,
+    /// fjall's max journal size per database, MiB (0 = fjall's default, 512 MiB).
+    fjall_journal_mb: u64,
     root: PathBuf,
 }
 
@@ -89,6 +91,7 @@ impl Default for Config {
             steady_group: 512,
             read_secs: 2.0,
             cache_mb: 64,
+            fjall_journal_mb: 0,
             root: PathBuf::from("target/storebench-tmp"),
         }
     }
@@ -106,6 +109,7 @@ const HELP: &str = "forkless-storebench [options]
   --steady-secs S          steady-state time limit; stops early if reached (default 25)
   --read-secs S            time per read measurement (default 2)
   --cache-mb N             cache per shard database, MiB (default 64)
+  --fjall-journal-mb N     fjall max journal size per database, >= 64 (default: fjall's 512)
   --dir PATH               scratch dir, removed afterwards (default target/storebench-tmp)";
 
 fn parse_args(args: &[String]) -> Result<Config> {
@@ -143,10 +147,14 @@ fn parse_args(args: &[String]) -> Result<Config> {
             "--steady-group" => c.steady_group = v.parse()?,
             "--read-secs" => c.read_secs = v.parse()?,
             "--cache-mb" => c.cache_mb = v.parse()?,
+            "--fjall-journal-mb" => c.fjall_journal_mb = v.parse()?,
             "--dir" => c.root = PathBuf::from(v),
             _ => return Err(format!("unknown option {flag}\n{HELP}").into()),
         }
         i += 2;
+    }
+    if c.fjall_journal_mb != 0 && c.fjall_journal_mb < 64 {
+        return Err("--fjall-journal-mb must be 0 or >= 64".into());
     }
     if c.shards == 0 || c.executions == 0 || c.groups.contains(&0) {
         return Err("shards, executions and groups must be > 0".into());
@@ -332,10 +340,12 @@ struct FjallShard {
 }
 
 impl FjallShard {
-    fn open(path: &Path, cache: usize) -> Result<Self> {
-        let db = fjall::Database::builder(path)
-            .cache_size(cache as u64)
-            .open()?;
+    fn open(path: &Path, cache: usize, journal_mb: u64) -> Result<Self> {
+        let mut b = fjall::Database::builder(path).cache_size(cache as u64);
+        if journal_mb > 0 {
+            b = b.max_journaling_size(journal_mb << 20);
+        }
+        let db = b.open()?;
         let events = db.keyspace("events", fjall::KeyspaceCreateOptions::default)?;
         let execs = db.keyspace("executions", fjall::KeyspaceCreateOptions::default)?;
         Ok(FjallShard { db, events, execs })
@@ -376,20 +386,15 @@ fn shard_path(dir: &Path, engine: Engine, i: usize) -> PathBuf {
     }
 }
 
-fn open_shards(
-    engine: Engine,
-    dir: &Path,
-    shards: usize,
-    cache_mb: usize,
-) -> Result<Vec<Box<dyn Shard>>> {
+fn open_shards(engine: Engine, dir: &Path, cfg: &Config) -> Result<Vec<Box<dyn Shard>>> {
     fs::create_dir_all(dir)?;
-    (0..shards)
+    (0..cfg.shards)
         .map(|i| -> Result<Box<dyn Shard>> {
             let p = shard_path(dir, engine, i);
-            let cache = cache_mb << 20;
+            let cache = cfg.cache_mb << 20;
             Ok(match engine {
                 Engine::Redb => Box::new(RedbShard::open(&p, cache)?),
-                Engine::Fjall => Box::new(FjallShard::open(&p, cache)?),
+                Engine::Fjall => Box::new(FjallShard::open(&p, cache, cfg.fjall_journal_mb)?),
             })
         })
         .collect()
@@ -622,7 +627,7 @@ fn case_scattered(cfg: &Config, engine: Engine) -> Result<()> {
             .join(format!("{}-scattered-{group}", engine.name()));
         let _ = fs::remove_dir_all(&dir);
         let wb0 = proc_write_bytes();
-        let shards = open_shards(engine, &dir, cfg.shards, cfg.cache_mb)?;
+        let shards = open_shards(engine, &dir, cfg)?;
         let execs = make_execs(cfg.executions, cfg.shards);
         let (shards, r) = run_writes(
             shards,
@@ -656,7 +661,7 @@ fn case_scattered(cfg: &Config, engine: Engine) -> Result<()> {
 /// without closing anything (a process crash, as far as the engines can tell).
 fn steady_child(cfg: &Config, engine: Engine, dir: &Path) -> Result<()> {
     let wb0 = proc_write_bytes();
-    let shards = open_shards(engine, dir, cfg.shards, cfg.cache_mb)?;
+    let shards = open_shards(engine, dir, cfg)?;
     let execs = make_execs(cfg.executions, cfg.shards);
     let (shards, r) = run_writes(
         shards,
@@ -705,7 +710,7 @@ fn case_steady(cfg: &Config, engine: Engine, args: &[String]) -> Result<()> {
 
     // Case 4a: reopen after the crash (redb repairs, fjall replays its journal).
     let t = Instant::now();
-    let shards = open_shards(engine, &dir, cfg.shards, cfg.cache_mb)?;
+    let shards = open_shards(engine, &dir, cfg)?;
     let reopen_crash = t.elapsed();
 
     // Case 3: read path.
@@ -718,7 +723,7 @@ fn case_steady(cfg: &Config, engine: Engine, args: &[String]) -> Result<()> {
     let close = t.elapsed();
     let size_closed = dir_size(&dir);
     let t = Instant::now();
-    let shards = open_shards(engine, &dir, cfg.shards, cfg.cache_mb)?;
+    let shards = open_shards(engine, &dir, cfg)?;
     let reopen_clean = t.elapsed();
     drop(shards);
     fs::remove_dir_all(&dir)?;
@@ -767,8 +772,11 @@ fn main() -> Result<()> {
     }
     fs::create_dir_all(&cfg.root)?;
     println!(
-        "# forkless-storebench: {} shard(s), one writer thread per shard, {} executions, cache {} MiB/shard",
-        cfg.shards, cfg.executions, cfg.cache_mb
+        "# forkless-storebench: {} shard(s), one writer thread per shard, {} executions, cache {} MiB/shard, fjall journal {}",
+        cfg.shards,
+        cfg.executions,
+        cfg.cache_mb,
+        if cfg.fjall_journal_mb == 0 { "default (512 MiB)".to_string() } else { format!("{} MiB", cfg.fjall_journal_mb) }
     );
     let run = |cfg: &Config| -> Result<()> {
         for case in &cfg.cases {
