@@ -1,0 +1,175 @@
+//! The comparison chart: events/s against clients (left) and p99 latency
+//! against clients (right), one line per system, drawn with plotters'
+//! bitmap backend and a TrueType font read from disk (ab_glyph, so no
+//! fontconfig is needed).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, Context};
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+
+use crate::results::{latest, Point};
+
+/// Fonts tried when none is given (Debian's fonts-dejavu-core first).
+pub const FONT_CANDIDATES: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+];
+
+fn load_font(font: Option<&Path>) -> anyhow::Result<()> {
+    let path: PathBuf = match font {
+        Some(p) => p.to_path_buf(),
+        None => FONT_CANDIDATES
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .ok_or_else(|| {
+                anyhow!(
+                    "no TrueType font found (tried {FONT_CANDIDATES:?}); install fonts-dejavu-core or pass --font"
+                )
+            })?,
+    };
+    let bytes = std::fs::read(&path).with_context(|| format!("reading font {}", path.display()))?;
+    let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+        .map_err(|_| anyhow!("{} is not a usable TrueType font", path.display()))?;
+    Ok(())
+}
+
+/// Draws the chart of `points` into the PNG at `out`.
+pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> anyhow::Result<()> {
+    load_font(font)?;
+    let series = latest(points);
+    if series.is_empty() {
+        return Err(anyhow!("no points to chart"));
+    }
+    let max_clients = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|p| p.report.clients))
+        .max()
+        .unwrap_or(1)
+        .max(2);
+    let x_max = (max_clients as f64).log2().ceil() + 0.3;
+    let max_rate = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|p| p.report.events_per_s))
+        .fold(1.0, f64::max);
+    let p99s: Vec<f64> = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|p| p.report.p99_ms))
+        .filter(|v| *v > 0.0)
+        .collect();
+    let p99_max = p99s.iter().copied().fold(1.0, f64::max) * 1.6;
+    let p99_min = p99s.iter().copied().fold(f64::INFINITY, f64::min).min(1.0) / 1.6;
+
+    let root = BitMapBackend::new(out, (1500, 680)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| anyhow!("{e}"))?;
+    let root = root
+        .titled(title, ("sans-serif", 24))
+        .map_err(|e| anyhow!("{e}"))?;
+    let (left, right) = root.split_horizontally(750);
+    let x_fmt = |x: &f64| format!("{}", 2f64.powf(*x).round());
+    let color = |i: usize| Palette99::pick(i).to_rgba();
+
+    // Left: throughput.
+    let mut chart = ChartBuilder::on(&left)
+        .caption(
+            "acknowledged durable appends per second",
+            ("sans-serif", 18),
+        )
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(80)
+        .build_cartesian_2d(-0.3f64..x_max, 0f64..max_rate * 1.1)
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("concurrent clients (log scale)")
+        .y_desc("events/s")
+        .x_labels(8)
+        .x_label_formatter(&x_fmt)
+        .y_label_formatter(&|y| format!("{:.0}", y))
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let c = color(i);
+        let xy: Vec<(f64, f64)> = pts
+            .iter()
+            .map(|p| ((p.report.clients as f64).log2(), p.report.events_per_s))
+            .collect();
+        let width = if pts.iter().all(|p| p.durable) { 3 } else { 1 };
+        chart
+            .draw_series(LineSeries::new(xy.clone(), c.stroke_width(width)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
+        chart
+            .draw_series(xy.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+
+    // Right: p99 latency, log scale.
+    let mut chart = ChartBuilder::on(&right)
+        .caption("p99 latency per append (ms, log scale)", ("sans-serif", 18))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70)
+        .build_cartesian_2d(-0.3f64..x_max, (p99_min..p99_max).log_scale())
+        .map_err(|e| anyhow!("{e}"))?;
+    chart
+        .configure_mesh()
+        .x_desc("concurrent clients (log scale)")
+        .y_desc("p99 ms")
+        .x_labels(8)
+        .x_label_formatter(&x_fmt)
+        .y_label_formatter(&|y| {
+            if *y < 1.0 {
+                format!("{y:.2}")
+            } else {
+                format!("{y:.0}")
+            }
+        })
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let c = color(i);
+        let xy: Vec<(f64, f64)> = pts
+            .iter()
+            .filter(|p| p.report.p99_ms > 0.0)
+            .map(|p| ((p.report.clients as f64).log2(), p.report.p99_ms))
+            .collect();
+        let width = if pts.iter().all(|p| p.durable) { 3 } else { 1 };
+        chart
+            .draw_series(LineSeries::new(xy.clone(), c.stroke_width(width)))
+            .map_err(|e| anyhow!("{e}"))?
+            .label(label.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
+        chart
+            .draw_series(xy.iter().map(|p| Circle::new(*p, 4, c.filled())))
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+
+    root.present().map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}

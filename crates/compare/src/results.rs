@@ -1,0 +1,212 @@
+//! The results file (one JSON object per line, one line per measured point)
+//! and the markdown section made from it.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::Context;
+use forkless_loadgen::Report;
+use serde::{Deserialize, Serialize};
+
+use crate::probe::Probe;
+
+/// Where the compare section sits in BENCHMARKS.md.
+pub const BEGIN_MARKER: &str = "<!-- compare:begin -->";
+pub const END_MARKER: &str = "<!-- compare:end -->";
+
+/// One measured point.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Point {
+    /// Display label, e.g. `redis (appendfsync always)`; one line per label
+    /// in the chart.
+    pub label: String,
+    /// False for configurations that acknowledge before fsync.
+    pub durable: bool,
+    /// Seconds since the Unix epoch when the point finished.
+    pub unix_time: u64,
+    /// The disk probe taken right before the point.
+    pub probe: Option<Probe>,
+    /// The probe showed a slow spell.
+    pub slow_probe: bool,
+    /// This point is a rerun of one taken in a slow spell.
+    pub rerun: bool,
+    pub report: Report,
+}
+
+/// Appends one point to the results file.
+pub fn append(path: &Path, point: &Point) -> anyhow::Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    let mut line = serde_json::to_string(point)?;
+    line.push('\n');
+    f.write_all(line.as_bytes())?;
+    Ok(())
+}
+
+/// Reads every point of a results file (JSON lines, or one JSON array).
+pub fn load(path: &Path) -> anyhow::Result<Vec<Point>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    if text.trim_start().starts_with('[') {
+        return Ok(serde_json::from_str(&text)?);
+    }
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .enumerate()
+        .map(|(i, l)| {
+            serde_json::from_str(l).with_context(|| format!("{} line {}", path.display(), i + 1))
+        })
+        .collect()
+}
+
+/// The points that count: for each (label, clients), the last one taken
+/// (a rerun supersedes the slow-spell point), in first-seen label order
+/// and ascending client count.
+pub fn latest(points: &[Point]) -> Vec<(String, Vec<Point>)> {
+    let mut order: Vec<String> = Vec::new();
+    let mut by: BTreeMap<(usize, usize), Point> = BTreeMap::new();
+    for p in points {
+        let li = match order.iter().position(|l| *l == p.label) {
+            Some(i) => i,
+            None => {
+                order.push(p.label.clone());
+                order.len() - 1
+            }
+        };
+        by.insert((li, p.report.clients), p.clone());
+    }
+    order
+        .iter()
+        .enumerate()
+        .map(|(li, label)| {
+            let pts = by
+                .range((li, 0)..(li, usize::MAX))
+                .map(|(_, p)| p.clone())
+                .collect();
+            (label.clone(), pts)
+        })
+        .collect()
+}
+
+fn opt(v: Option<f64>) -> String {
+    v.map_or_else(|| "n/a".into(), |v| format!("{v:.0}%"))
+}
+
+fn thousands(v: f64) -> String {
+    let n = v.round() as u64;
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The markdown results table.
+pub fn table(points: &[Point]) -> String {
+    let mut s = String::from(
+        "| system | C | events/s | p50 ms | p99 ms | p99.9 ms | errors | server CPU | loadgen CPU | disk probe fsyncs/s |\n\
+         | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n",
+    );
+    for (label, pts) in latest(points) {
+        for p in pts {
+            let r = &p.report;
+            let probe = p.probe.as_ref().map_or_else(
+                || "n/a".to_string(),
+                |pr| {
+                    let mut t = thousands(pr.fsync_per_s);
+                    if p.slow_probe {
+                        t.push_str(" (slow)");
+                    }
+                    if p.rerun {
+                        t.push_str(" (rerun)");
+                    }
+                    t
+                },
+            );
+            s.push_str(&format!(
+                "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |\n",
+                label,
+                r.clients,
+                thousands(r.events_per_s),
+                r.p50_ms,
+                r.p99_ms,
+                r.p999_ms,
+                r.errors,
+                opt(r.server_cpu_pct),
+                opt(r.loadgen_cpu_pct),
+                probe
+            ));
+        }
+    }
+    s
+}
+
+/// Replaces the text between the markers in `doc` with `section`, or
+/// appends a marked section if the markers are absent. Everything outside
+/// the markers is kept byte for byte.
+pub fn splice(doc: &str, section: &str) -> String {
+    let block = format!("{BEGIN_MARKER}\n{}\n{END_MARKER}", section.trim_end());
+    match (doc.find(BEGIN_MARKER), doc.find(END_MARKER)) {
+        (Some(b), Some(e)) if e > b => {
+            format!("{}{}{}", &doc[..b], block, &doc[e + END_MARKER.len()..])
+        }
+        _ => {
+            let mut out = doc.to_string();
+            if !out.is_empty() && !out.ends_with('\n') {
+                out.push('\n');
+            }
+            if !out.is_empty() {
+                out.push('\n');
+            }
+            out.push_str(&block);
+            out.push('\n');
+            out
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splice_keeps_outside_text() {
+        let doc = format!("# B\n\nintro\n{BEGIN_MARKER}\nold\n{END_MARKER}\ntail\n");
+        let out = splice(&doc, "new table\n");
+        assert_eq!(
+            out,
+            format!("# B\n\nintro\n{BEGIN_MARKER}\nnew table\n{END_MARKER}\ntail\n")
+        );
+        let again = splice(&out, "newer");
+        assert!(
+            again.contains("newer") && !again.contains("new table") && again.ends_with("tail\n")
+        );
+    }
+
+    #[test]
+    fn splice_appends_when_markers_missing() {
+        let out = splice("# Benchmarks\n", "t");
+        assert_eq!(
+            out,
+            format!("# Benchmarks\n\n{BEGIN_MARKER}\nt\n{END_MARKER}\n")
+        );
+        let out = splice("", "t");
+        assert_eq!(out, format!("{BEGIN_MARKER}\nt\n{END_MARKER}\n"));
+    }
+
+    #[test]
+    fn thousands_separators() {
+        assert_eq!(thousands(0.0), "0");
+        assert_eq!(thousands(999.4), "999");
+        assert_eq!(thousands(1234.0), "1,234");
+        assert_eq!(thousands(1234567.0), "1,234,567");
+    }
+}
