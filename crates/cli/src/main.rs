@@ -1,2 +1,43 @@
-//! The `forkless` binary (work in progress).
-fn main() {}
+//! The `forkless` binary: one entry point for the server, the local dev
+//! cluster, the client verbs, `route`, and the load generator.
+
+mod route;
+mod serve;
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "forkless",
+    version,
+    about = "Single-owner, never-forking event logs for workflow executions"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a node. With no arguments: one node, one shard, data in
+    /// ./forkless-data, listening on 127.0.0.1:7070.
+    Serve(serve::ServeArgs),
+    /// Print the partition and shard of an execution id or routing key.
+    Route(route::RouteArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Route(a) => route::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

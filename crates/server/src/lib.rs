@@ -1,1 +1,156 @@
-//! forkless-server (work in progress).
+//! The HTTP edge of a forkless node: the client API, validation, routing to
+//! the owner (locally or one forwarded hop), peer probing, config and
+//! metrics. The only crate that knows HTTP and JSON.
+//!
+//! Request flow: parse and validate (400/413 before any routing), resolve
+//! the shard, ask `forkless_routing::decide`, then perform the answer:
+//! the local store, a forward, `421 not_owner` or `503 owner_unavailable`.
+
+pub mod api;
+pub mod config;
+pub mod error;
+pub mod forward;
+pub mod metrics;
+pub mod peer;
+pub mod wire;
+
+use config::ServerConfig;
+use forkless_routing::{Directory, StaticDirectory};
+use forkless_store::{Store, StoreConfig};
+use forkless_types::{IdMinter, ShardId};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Hops a forwarded request has taken. Only peers may set it.
+pub const HOPS_HEADER: &str = "x-forkless-hops";
+/// The cluster secret, proving a request comes from a peer.
+pub const PEER_TOKEN_HEADER: &str = "x-forkless-peer-token";
+/// The node that produced an answer.
+pub const NODE_HEADER: &str = "x-forkless-node";
+
+/// Everything a request handler needs.
+pub struct App {
+    pub cfg: ServerConfig,
+    pub dir: Arc<StaticDirectory>,
+    pub store: Arc<Store>,
+    pub minter: IdMinter,
+    pub forwarder: forward::Forwarder,
+    pub metrics: metrics::Metrics,
+    pub secret: String,
+    pub ready: AtomicBool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    #[error("{0}")]
+    Config(#[from] config::ConfigError),
+    #[error("{0}")]
+    Store(#[from] forkless_store::StoreError),
+    #[error("cannot listen on {addr}: {reason}")]
+    Bind { addr: String, reason: String },
+}
+
+impl App {
+    /// Opens the store and the shards this node owns, moving each to the
+    /// epoch the map gives it.
+    pub async fn open(cfg: ServerConfig) -> Result<Arc<App>, StartupError> {
+        let dir = Arc::new(cfg.directory()?);
+        let store = Arc::new(Store::open(
+            &cfg.data_dir,
+            cfg.shard_count,
+            StoreConfig::default(),
+        )?);
+        for s in 0..cfg.shard_count.get() {
+            let shard = ShardId(s);
+            if let forkless_routing::Owner::Local { epoch } = dir.owner_of(shard) {
+                let st = store.open_shard(shard, epoch)?;
+                if st.epoch() < epoch {
+                    st.advance_epoch(epoch).await?;
+                } else if st.epoch() > epoch {
+                    tracing::warn!(
+                        shard = s, config_epoch = epoch.get(), store_epoch = st.epoch().get(),
+                        "the store has seen a newer owner of this shard than the config names: writes stay fenced"
+                    );
+                }
+            }
+        }
+        let secret = cfg
+            .cluster
+            .as_ref()
+            .map(|c| c.secret.clone())
+            .unwrap_or_default();
+        Ok(Arc::new(App {
+            minter: IdMinter::new(cfg.node_id),
+            forwarder: forward::Forwarder::new(cfg.peer.forward_connect_timeout(), &secret),
+            metrics: metrics::Metrics::new(),
+            secret,
+            ready: AtomicBool::new(false),
+            dir,
+            store,
+            cfg,
+        }))
+    }
+}
+
+/// Runs the node until `shutdown` resolves: the client listener, the peer
+/// listener (if distinct) and the peer prober.
+pub async fn run(
+    cfg: ServerConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), StartupError> {
+    let app = App::open(cfg).await?;
+    let bind = |addr: std::net::SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| StartupError::Bind {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            })
+    };
+    let api_listener = bind(app.cfg.listen).await?;
+    let peer_listener = match app.cfg.peer_listen {
+        Some(a) => Some(bind(a).await?),
+        None => None,
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let router = api::router(app.clone());
+    let mut tasks = Vec::new();
+    for listener in std::iter::once(api_listener).chain(peer_listener) {
+        let router = router.clone();
+        let mut stop = stop_rx.clone();
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        tasks.push(tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                })
+                .await
+        }));
+    }
+    if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
+        tokio::spawn(peer::probe_loop(app.clone(), stop_rx.clone()));
+    }
+    app.ready.store(true, Ordering::Release);
+    tracing::info!(
+        node = %app.cfg.node_id, listen = %app.cfg.listen, peer = ?app.cfg.peer_listen,
+        shards = app.cfg.shard_count.get(), data_dir = %app.cfg.data_dir.display(),
+        owned = ?(0..app.cfg.shard_count.get()).filter(|s| app.dir.owns(ShardId(*s))).collect::<Vec<_>>(),
+        "forkless node ready"
+    );
+    for t in tasks {
+        match t.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(error = %e, "listener failed"),
+            Err(e) => tracing::error!(error = %e, "listener task failed"),
+        }
+    }
+    tracing::info!("forkless node stopped");
+    Ok(())
+}

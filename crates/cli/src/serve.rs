@@ -1,0 +1,98 @@
+//! `forkless serve`: runs one node until SIGTERM or Ctrl-C.
+
+use anyhow::Context;
+use forkless_server::config::{self, Overrides};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// A TOML file: single-node settings, or a whole static cluster.
+    #[arg(long, env = "FORKLESS_CONFIG")]
+    config: Option<PathBuf>,
+    /// Which member of the cluster file to run.
+    #[arg(long, env = "FORKLESS_NODE")]
+    node: Option<u64>,
+    /// Where the node keeps its data [default: ./forkless-data].
+    #[arg(long, env = "FORKLESS_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// The client API address [default: 127.0.0.1:7070].
+    #[arg(long, env = "FORKLESS_LISTEN")]
+    listen: Option<String>,
+    /// Shards: a power of two from 1 to 4096 [default: 1].
+    #[arg(long, env = "FORKLESS_SHARD_COUNT")]
+    shard_count: Option<u64>,
+    /// Largest JSON payload of one event, bytes [default: 1048576].
+    #[arg(long, env = "FORKLESS_EVENT_PAYLOAD_BYTES_MAX")]
+    event_payload_bytes_max: Option<usize>,
+    /// Largest request body, bytes [default: 8388608].
+    #[arg(long, env = "FORKLESS_REQUEST_BODY_BYTES_MAX")]
+    request_body_bytes_max: Option<usize>,
+    /// Most events in one append [default: 1000].
+    #[arg(long, env = "FORKLESS_BATCH_EVENTS_MAX")]
+    batch_events_max: Option<usize>,
+    /// How long a forward may wait for the owner, ms [default: 2000].
+    #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
+    forward_timeout_ms: Option<u64>,
+    /// Log as JSON lines instead of text.
+    #[arg(long, env = "FORKLESS_LOG_JSON")]
+    log_json: bool,
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    init_logging(a.log_json);
+    let file = match &a.config {
+        Some(p) => Some(config::read_file(p)?),
+        None => None,
+    };
+    let overrides = Overrides {
+        data_dir: a.data_dir,
+        listen: a.listen,
+        shard_count: a.shard_count,
+        event_payload_bytes_max: a.event_payload_bytes_max,
+        request_body_bytes_max: a.request_body_bytes_max,
+        batch_events_max: a.batch_events_max,
+        forward_timeout_ms: a.forward_timeout_ms,
+    };
+    let cfg = config::resolve(file, a.node, overrides)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    rt.block_on(forkless_server::run(cfg, shutdown_signal()))?;
+    Ok(())
+}
+
+pub fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FORKLESS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down: finishing requests in flight");
+}

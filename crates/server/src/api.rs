@@ -1,0 +1,965 @@
+//! The client API handlers and the routing step every execution-scoped
+//! request goes through (`dispatch`).
+
+use crate::error::{from_store, ApiError, Executed};
+use crate::forward::ForwardRequest;
+use crate::metrics::outcome;
+use crate::wire::{self, check_name, parse, NAME_BYTES_MAX, ROUTING_KEY_BYTES_MAX};
+use crate::{App, HOPS_HEADER, NODE_HEADER, PEER_TOKEN_HEADER};
+use axum::body::Body;
+use axum::extract::{Path, Query, Request, State};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use forkless_routing::{decide, Decision, Directory, Facts, FailClosed, Owner};
+use forkless_store::{
+    AppendRequest, ExecutionMeta, NewEvent, ShardStore, StartRequest, StoreError, StoredEvent,
+};
+use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
+use serde::Serialize;
+use serde_json::json;
+use serde_json::value::RawValue;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use subtle::ConstantTimeEq;
+
+type AppState = State<Arc<App>>;
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/api/executions", post(start))
+        .route("/api/executions/{id}", get(get_execution))
+        .route("/api/executions/{id}/events", post(append).get(read_events))
+        .route("/api/events", post(append_by_body_id))
+        .route("/api/executions/{id}/signals", post(signal))
+        .route("/api/executions/{id}/cancel", post(cancel))
+        .route("/api/keys/{*key}", get(by_key))
+        .route("/api/cluster", get(cluster))
+        .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/internal/v1/status", get(crate::peer::status))
+        .fallback(|uri: Uri| async move {
+            (StatusCode::NOT_FOUND, Json(json!({"error": "not_found", "message": format!("no route for {}", uri.path())})))
+        })
+        .method_not_allowed_fallback(|method: Method, uri: Uri| async move {
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                Json(json!({"error": "method_not_allowed", "message": format!("{method} is not allowed on {}", uri.path())})),
+            )
+        })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), stamp))
+        .with_state(app)
+}
+
+/// Every answer says which node produced it, and is counted by status.
+async fn stamp(State(app): AppState, req: Request, next: Next) -> Response {
+    let mut resp = next.run(req).await;
+    resp.headers_mut()
+        .entry(NODE_HEADER)
+        .or_insert_with(|| HeaderValue::from(app.cfg.node_id.get()));
+    app.metrics
+        .responses
+        .get_or_create(&crate::metrics::StatusLabel {
+            status: resp.status().as_u16(),
+        })
+        .inc();
+    resp
+}
+
+// ---------------------------------------------------------------------------
+// Request plumbing
+
+/// Reads the body up to the configured limit: over it is 413, nothing read.
+async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
+    let limit = app.cfg.limits.request_body_bytes_max;
+    axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::TooLarge {
+            what: "request body".into(),
+            size: limit + 1,
+            limit,
+        })
+}
+
+/// The hops a request has taken. Only a peer, proven by the cluster
+/// secret, may say a request was forwarded; a client that sets the header
+/// is refused, never trusted, so it cannot bypass routing.
+fn hops_taken(app: &App, headers: &HeaderMap) -> Result<u8, ApiError> {
+    let Some(h) = headers.get(HOPS_HEADER) else {
+        return Ok(0);
+    };
+    if !peer_authenticated(app, headers) {
+        app.metrics.outcome(outcome::REFUSED_HOP_HEADER);
+        tracing::warn!("refused a request carrying {HOPS_HEADER} without valid peer credentials");
+        return Err(ApiError::Forbidden(format!(
+            "{HOPS_HEADER} may only be set by cluster peers, and this request carries no valid peer credentials"
+        )));
+    }
+    h.to_str()
+        .ok()
+        .and_then(|s| s.parse::<u8>().ok())
+        .ok_or_else(|| ApiError::invalid(HOPS_HEADER, "must be a small non-negative integer"))
+}
+
+pub(crate) fn peer_authenticated(app: &App, headers: &HeaderMap) -> bool {
+    if app.secret.is_empty() {
+        return false;
+    }
+    headers
+        .get(PEER_TOKEN_HEADER)
+        .is_some_and(|t| bool::from(t.as_bytes().ct_eq(app.secret.as_bytes())))
+}
+
+fn parse_id(raw: &str) -> Result<ExecutionId, ApiError> {
+    raw.parse::<ExecutionId>()
+        .map_err(|e| ApiError::invalid("execution_id", e.to_string()))
+}
+
+/// Where a request goes, and who it was routed by.
+struct Route {
+    partition: Option<PartitionId>,
+    shard: ShardId,
+    hops_taken: u8,
+    /// Extra time a forward may take (long-polls).
+    extra_wait: Duration,
+}
+
+fn set_route_headers(app: &App, resp: &mut Response, route: &Route, owner: &Owner) {
+    let (node, epoch) = match owner {
+        Owner::Local { epoch } => (Some(app.cfg.node_id), Some(*epoch)),
+        Owner::Remote(h) => (Some(h.node), Some(h.epoch)),
+        Owner::Unknown { hint } => (
+            hint.as_ref().map(|h| h.node),
+            hint.as_ref().map(|h| h.epoch),
+        ),
+    };
+    let h = resp.headers_mut();
+    if let Some(p) = route.partition {
+        h.insert("x-forkless-partition", HeaderValue::from(p.get()));
+    }
+    h.insert("x-forkless-shard", HeaderValue::from(route.shard.get()));
+    if let Some(n) = node {
+        h.insert("x-forkless-owner", HeaderValue::from(n.get()));
+    }
+    if let Some(e) = epoch {
+        h.insert("x-forkless-epoch", HeaderValue::from(e.get()));
+    }
+    h.insert(
+        "x-forkless-map-version",
+        HeaderValue::from(app.dir.map_version()),
+    );
+    h.insert(
+        "x-forkless-hops",
+        HeaderValue::from(route.hops_taken as u16),
+    );
+}
+
+/// The routing step: decide, then perform. `local` runs only when this node
+/// owns the shard at the current epoch; every other answer leaves the local
+/// store untouched.
+async fn dispatch<F, Fut>(
+    app: &Arc<App>,
+    method: Method,
+    uri: &Uri,
+    body: Bytes,
+    route: Route,
+    local: F,
+) -> Response
+where
+    F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
+    Fut: Future<Output = Result<Response, ApiError>>,
+{
+    let owner = app.dir.owner_of(route.shard);
+    let facts = Facts {
+        routing_active: app.dir.routing_active(),
+        hops_taken: route.hops_taken,
+        owner: owner.clone(),
+    };
+    let partition = route.partition.map(|p| p.get());
+    let shard = route.shard.get();
+    let mut resp = match decide(&facts) {
+        Decision::Local { epoch } => {
+            app.metrics.outcome(outcome::LOCAL);
+            match app.store.shard(route.shard) {
+                Some(st) => local(epoch, st).await.unwrap_or_else(|e| e.into_response()),
+                None => from_store(
+                    StoreError::ShardNotHosted(route.shard),
+                    shard,
+                    partition,
+                    app.dir.map_version(),
+                )
+                .into_response(),
+            }
+        }
+        Decision::Forward { owner: to, hops } => {
+            let started = std::time::Instant::now();
+            let req = ForwardRequest {
+                method,
+                path_and_query: uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"),
+                body,
+                hops,
+                timeout: app.cfg.peer.forward_timeout() + route.extra_wait,
+                shard,
+            };
+            let r = app.forwarder.forward(&to, req).await;
+            app.metrics
+                .forward_seconds
+                .observe(started.elapsed().as_secs_f64());
+            match r {
+                Ok(resp) => {
+                    app.metrics.outcome(outcome::FORWARDED_OK);
+                    // The owner's answer, verbatim, with the owner's route headers.
+                    return resp;
+                }
+                Err(e) => {
+                    app.metrics.outcome(outcome::FORWARD_FAILED);
+                    tracing::warn!(shard, owner = %to.node, error = ?e.body(), "forward failed; answering 503 (fail closed)");
+                    e.into_response()
+                }
+            }
+        }
+        Decision::NotOwner { hint } => {
+            app.metrics.outcome(outcome::NOT_OWNER);
+            tracing::info!(
+                shard,
+                hops = route.hops_taken,
+                "not the owner; answering 421 with a hint"
+            );
+            ApiError::NotOwner {
+                partition,
+                shard,
+                hint,
+                map_version: app.dir.map_version(),
+                detail: "re-resolve the owner from the hint or GET /api/cluster".into(),
+            }
+            .into_response()
+        }
+        Decision::FailClosed { reason, hint } => {
+            app.metrics.outcome(outcome::FAIL_CLOSED);
+            let why = match reason {
+                FailClosed::OwnerDown => "the owner is believed down (it missed its last probe)",
+                FailClosed::NoOwner => "the map names no owner",
+            };
+            tracing::warn!(shard, owner = ?hint.as_ref().map(|h| h.node.get()), why, "failing closed with 503");
+            ApiError::OwnerUnavailable {
+                shard,
+                executed: Executed::No,
+                reason: why.into(),
+                hint,
+            }
+            .into_response()
+        }
+    };
+    set_route_headers(app, &mut resp, &route, &owner);
+    resp
+}
+
+fn id_route(id: ExecutionId, app: &App, hops_taken: u8) -> Route {
+    let n = app.dir.shard_count();
+    Route {
+        partition: Some(id.partition()),
+        shard: id.shard(n),
+        hops_taken,
+        extra_wait: Duration::ZERO,
+    }
+}
+
+fn json_response(status: StatusCode, v: &impl Serialize) -> Response {
+    match serde_json::to_vec(v) {
+        Ok(b) => (
+            status,
+            [(http::header::CONTENT_TYPE, "application/json")],
+            b,
+        )
+            .into_response(),
+        Err(e) => ApiError::Internal(format!("encoding the answer: {e}")).into_response(),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Executions
+
+fn execution_json(app: &App, m: &ExecutionMeta, epoch: Option<Epoch>) -> serde_json::Value {
+    let n = app.dir.shard_count();
+    json!({
+        "execution_id": m.id.to_string(),
+        "workflow": m.workflow,
+        "status": m.status.as_str(),
+        "last_seq": m.last_seq,
+        "routing_key": m.routing_key,
+        "partition": m.id.partition().get(),
+        "shard": m.id.shard(n).get(),
+        "epoch": epoch.map(|e| e.get()),
+        "created_at": wire::rfc3339(m.created_at_ms),
+        "updated_at": wire::rfc3339(m.updated_at_ms),
+    })
+}
+
+async fn start(
+    State(app): AppState,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    match start_inner(&app, method, &uri, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn start_inner(
+    app: &Arc<App>,
+    method: Method,
+    uri: &Uri,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(app, headers)?;
+    let bytes = read_body(app, body).await?;
+    let b: wire::StartBody = parse(&bytes)?;
+    check_name("workflow", &b.workflow, NAME_BYTES_MAX)?;
+    if let Some(k) = &b.routing_key {
+        check_name("routing_key", k, ROUTING_KEY_BYTES_MAX)?;
+    }
+    if let Some(k) = &b.idempotency_key {
+        check_name("idempotency_key", k, NAME_BYTES_MAX)?;
+    }
+    wire::check_payload("input", &b.input, &app.cfg.limits)?;
+
+    let n = app.dir.shard_count();
+    let steering = b.routing_key.clone().or_else(|| b.idempotency_key.clone());
+    let route = match &steering {
+        // Steered: the key decides the shard, wherever the request landed.
+        Some(key) => {
+            let p = PartitionId::for_key(key);
+            Route {
+                partition: Some(p),
+                shard: p.shard(n),
+                hops_taken: hops,
+                extra_wait: Duration::ZERO,
+            }
+        }
+        // Unsteered: a shard this node owns, so the start never forwards.
+        None => {
+            let shard = match forkless_routing::place_unsteered(&app.minter, n, |s| app.dir.owns(s))
+            {
+                forkless_routing::Placement::Local { shard, .. }
+                | forkless_routing::Placement::Routed { shard, .. } => shard,
+            };
+            Route {
+                partition: None,
+                shard,
+                hops_taken: hops,
+                extra_wait: Duration::ZERO,
+            }
+        }
+    };
+    let shard = route.shard;
+    let app2 = app.clone();
+    Ok(dispatch(
+        app,
+        method,
+        uri,
+        bytes,
+        route,
+        move |epoch, st| async move {
+            let started_payload = started_payload(&b);
+            // The minted id is new, but the clock may have stepped back since a
+            // restart: the store refuses a duplicate id, and we mint again.
+            for _ in 0..4 {
+                let id = app2
+                    .minter
+                    .mint_on(n, |s| s == shard)
+                    .map_err(|e| ApiError::Internal(e.to_string()))?;
+                let req = StartRequest {
+                    epoch,
+                    id,
+                    workflow: b.workflow.clone(),
+                    started_payload: started_payload.clone(),
+                    routing_key: b.routing_key.clone(),
+                    idempotency_key: b.idempotency_key.clone(),
+                };
+                match st.start(req).await {
+                    Ok(out) => {
+                        let status = if out.existing {
+                            StatusCode::OK
+                        } else {
+                            StatusCode::CREATED
+                        };
+                        if !out.existing {
+                            app2.metrics.executions_started.inc();
+                        }
+                        let mut v = execution_json(&app2, &out.meta, Some(epoch));
+                        v["existing"] = json!(out.existing);
+                        return Ok(json_response(status, &v));
+                    }
+                    Err(StoreError::ExecutionExists(_)) => continue,
+                    Err(e) => {
+                        return Err(from_store(
+                            e,
+                            shard.get(),
+                            Some(id.partition().get()),
+                            app2.dir.map_version(),
+                        ))
+                    }
+                }
+            }
+            Err(ApiError::Internal(
+                "could not mint a fresh execution id".into(),
+            ))
+        },
+    )
+    .await)
+}
+
+fn started_payload(b: &wire::StartBody) -> Vec<u8> {
+    #[derive(Serialize)]
+    struct Started<'a> {
+        workflow: &'a str,
+        input: Option<&'a RawValue>,
+        routing_key: Option<&'a str>,
+        idempotency_key: Option<&'a str>,
+    }
+    serde_json::to_vec(&Started {
+        workflow: &b.workflow,
+        input: b.input.as_deref(),
+        routing_key: b.routing_key.as_deref(),
+        idempotency_key: b.idempotency_key.as_deref(),
+    })
+    .unwrap_or_else(|_| b"null".to_vec())
+}
+
+async fn get_execution(
+    State(app): AppState,
+    Path(id): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        let id = parse_id(&id)?;
+        let route = id_route(id, &app, hops);
+        let app2 = app.clone();
+        Ok::<_, ApiError>(
+            dispatch(
+                &app,
+                method,
+                &uri,
+                Bytes::new(),
+                route,
+                move |epoch, st| async move {
+                    match st.execution(id) {
+                        Ok(Some(m)) => Ok(json_response(
+                            StatusCode::OK,
+                            &execution_json(&app2, &m, Some(epoch)),
+                        )),
+                        Ok(None) => Err(ApiError::NotFound(format!("execution {id} not found"))),
+                        Err(e) => Err(ApiError::Internal(e.to_string())),
+                    }
+                },
+            )
+            .await,
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+// ---------------------------------------------------------------------------
+// Appends, signals, cancel
+
+async fn append(
+    State(app): AppState,
+    Path(id): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        let id = parse_id(&id)?;
+        let bytes = read_body(&app, body).await?;
+        let b: wire::AppendBody = parse(&bytes)?;
+        wire::check_events(&b.events, &app.cfg.limits)?;
+        Ok::<_, ApiError>(
+            append_routed(
+                &app,
+                method,
+                &uri,
+                hops,
+                id,
+                bytes,
+                b.events,
+                b.expected_last_seq,
+            )
+            .await,
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+async fn append_by_body_id(
+    State(app): AppState,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        let bytes = read_body(&app, body).await?;
+        let b: wire::AppendByIdBody = parse(&bytes)?;
+        let id = parse_id(&b.execution_id.0)?;
+        wire::check_events(&b.events, &app.cfg.limits)?;
+        Ok::<_, ApiError>(
+            append_routed(
+                &app,
+                method,
+                &uri,
+                hops,
+                id,
+                bytes,
+                b.events,
+                b.expected_last_seq,
+            )
+            .await,
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn append_routed(
+    app: &Arc<App>,
+    method: Method,
+    uri: &Uri,
+    hops: u8,
+    id: ExecutionId,
+    bytes: Bytes,
+    events: Vec<wire::EventBody>,
+    expected_last_seq: Option<u64>,
+) -> Response {
+    let route = id_route(id, app, hops);
+    let events: Vec<NewEvent> = events
+        .into_iter()
+        .map(|e| NewEvent {
+            event_type: e.event_type,
+            payload: wire::payload_bytes(e.payload),
+            idempotency_key: e.idempotency_key,
+        })
+        .collect();
+    let app2 = app.clone();
+    dispatch(
+        app,
+        method,
+        uri,
+        bytes,
+        route,
+        move |epoch, st| async move {
+            let out = append_local(&app2, &st, epoch, id, events, expected_last_seq).await?;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({
+                    "execution_id": id.to_string(),
+                    "first_seq": out.first_seq,
+                    "last_seq": out.last_seq,
+                    "deduplicated": out.deduplicated,
+                }),
+            ))
+        },
+    )
+    .await
+}
+
+async fn append_local(
+    app: &App,
+    st: &ShardStore,
+    epoch: Epoch,
+    id: ExecutionId,
+    events: Vec<NewEvent>,
+    expected_last_seq: Option<u64>,
+) -> Result<forkless_store::AppendOutcome, ApiError> {
+    let count = events.len() as u64;
+    let out = st
+        .append(AppendRequest {
+            epoch,
+            id,
+            events,
+            expected_last_seq,
+        })
+        .await
+        .map_err(|e| {
+            from_store(
+                e,
+                id.shard(app.dir.shard_count()).get(),
+                Some(id.partition().get()),
+                app.dir.map_version(),
+            )
+        })?;
+    if !out.deduplicated {
+        app.metrics.events_appended.inc_by(count);
+    }
+    Ok(out)
+}
+
+async fn signal(
+    State(app): AppState,
+    Path(id): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        let id = parse_id(&id)?;
+        let bytes = read_body(&app, body).await?;
+        let b: wire::SignalBody = parse(&bytes)?;
+        check_name("name", &b.name, NAME_BYTES_MAX)?;
+        if let Some(k) = &b.idempotency_key {
+            check_name("idempotency_key", k, NAME_BYTES_MAX)?;
+        }
+        wire::check_payload("payload", &b.payload, &app.cfg.limits)?;
+        #[derive(Serialize)]
+        struct Signal<'a> {
+            name: &'a str,
+            payload: Option<&'a RawValue>,
+        }
+        let payload = serde_json::to_vec(&Signal {
+            name: &b.name,
+            payload: b.payload.as_deref(),
+        })
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let event = NewEvent {
+            event_type: "execution.signaled".into(),
+            payload,
+            idempotency_key: b.idempotency_key,
+        };
+        Ok::<_, ApiError>(single_event(&app, method, &uri, hops, id, bytes, event).await)
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+async fn cancel(
+    State(app): AppState,
+    Path(id): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        let id = parse_id(&id)?;
+        let bytes = read_body(&app, body).await?;
+        // An empty body is a cancel without a reason.
+        let b: wire::CancelBody = if bytes.iter().all(u8::is_ascii_whitespace) {
+            wire::CancelBody {
+                reason: None,
+                idempotency_key: None,
+            }
+        } else {
+            parse(&bytes)?
+        };
+        if let Some(r) = &b.reason {
+            if r.len() > app.cfg.limits.event_payload_bytes_max {
+                return Err(ApiError::TooLarge {
+                    what: "reason".into(),
+                    size: r.len(),
+                    limit: app.cfg.limits.event_payload_bytes_max,
+                });
+            }
+        }
+        if let Some(k) = &b.idempotency_key {
+            check_name("idempotency_key", k, NAME_BYTES_MAX)?;
+        }
+        let payload = serde_json::to_vec(&json!({"reason": b.reason}))
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let event = NewEvent {
+            event_type: "execution.cancelled".into(),
+            payload,
+            idempotency_key: b.idempotency_key,
+        };
+        Ok::<_, ApiError>(single_event(&app, method, &uri, hops, id, bytes, event).await)
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+async fn single_event(
+    app: &Arc<App>,
+    method: Method,
+    uri: &Uri,
+    hops: u8,
+    id: ExecutionId,
+    bytes: Bytes,
+    event: NewEvent,
+) -> Response {
+    let route = id_route(id, app, hops);
+    let app2 = app.clone();
+    dispatch(app, method, uri, bytes, route, move |epoch, st| async move {
+        let out = append_local(&app2, &st, epoch, id, vec![event], None).await?;
+        let status = st.execution(id).ok().flatten().map(|m| m.status.as_str());
+        Ok(json_response(
+            StatusCode::OK,
+            &json!({"execution_id": id.to_string(), "seq": out.last_seq, "deduplicated": out.deduplicated, "status": status}),
+        ))
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------
+// Reads
+
+#[derive(Serialize)]
+struct EventJson<'a> {
+    seq: u64,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    payload: Box<RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    idempotency_key: Option<&'a str>,
+    recorded_at: String,
+}
+
+fn event_json(e: &StoredEvent) -> Result<EventJson<'_>, ApiError> {
+    let text = String::from_utf8(e.payload.clone())
+        .map_err(|_| ApiError::Internal(format!("event {} payload is not UTF-8", e.seq)))?;
+    let payload = RawValue::from_string(text)
+        .map_err(|_| ApiError::Internal(format!("event {} payload is not JSON", e.seq)))?;
+    Ok(EventJson {
+        seq: e.seq,
+        event_type: &e.event_type,
+        payload,
+        idempotency_key: e.idempotency_key.as_deref(),
+        recorded_at: wire::rfc3339(e.recorded_at_ms),
+    })
+}
+
+struct ReadParams {
+    after: u64,
+    limit: usize,
+    wait: Duration,
+}
+
+fn read_params(app: &App, q: &HashMap<String, String>) -> Result<ReadParams, ApiError> {
+    let num = |name: &str, default: u64| -> Result<u64, ApiError> {
+        match q.get(name) {
+            None => Ok(default),
+            Some(v) => v.parse::<u64>().map_err(|_| {
+                ApiError::invalid(name, format!("must be a non-negative integer, got {v:?}"))
+            }),
+        }
+    };
+    let after = num("after", 0)?;
+    let limit = num("limit", 100)?;
+    let max = app.cfg.limits.read_events_max as u64;
+    if limit == 0 || limit > max {
+        return Err(ApiError::invalid(
+            "limit",
+            format!("must be 1 to {max}, got {limit}"),
+        ));
+    }
+    let wait_ms = num("wait_ms", 0)?;
+    if wait_ms > app.cfg.limits.wait_ms_max {
+        return Err(ApiError::invalid(
+            "wait_ms",
+            format!(
+                "must be at most {}, got {wait_ms}",
+                app.cfg.limits.wait_ms_max
+            ),
+        ));
+    }
+    Ok(ReadParams {
+        after,
+        limit: limit as usize,
+        wait: Duration::from_millis(wait_ms),
+    })
+}
+
+async fn read_events(
+    State(app): AppState,
+    Path(id): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        let id = parse_id(&id)?;
+        let p = read_params(&app, &q)?;
+        let mut route = id_route(id, &app, hops);
+        route.extra_wait = p.wait;
+        Ok::<_, ApiError>(
+            dispatch(
+                &app,
+                method,
+                &uri,
+                Bytes::new(),
+                route,
+                move |_epoch, st| async move {
+                    let deadline = tokio::time::Instant::now() + p.wait;
+                    let mut commits = st.commits();
+                    loop {
+                        // Mark the commit counter seen before reading, so a
+                        // commit between the read and the wait wakes us.
+                        commits.borrow_and_update();
+                        let (meta, events) = st
+                            .read_events(id, p.after, p.limit)
+                            .map_err(|e| ApiError::Internal(e.to_string()))?
+                            .ok_or_else(|| {
+                                ApiError::NotFound(format!("execution {id} not found"))
+                            })?;
+                        let done = !events.is_empty()
+                            || meta.status.is_terminal()
+                            || tokio::time::Instant::now() >= deadline;
+                        if done {
+                            let events = events
+                                .iter()
+                                .map(event_json)
+                                .collect::<Result<Vec<_>, _>>()?;
+                            return Ok(json_response(
+                                StatusCode::OK,
+                                &json!({
+                                    "execution_id": id.to_string(),
+                                    "status": meta.status.as_str(),
+                                    "last_seq": meta.last_seq,
+                                    "events": events,
+                                }),
+                            ));
+                        }
+                        if tokio::time::timeout_at(deadline, commits.changed())
+                            .await
+                            .is_ok_and(|r| r.is_err())
+                        {
+                            return Err(ApiError::Internal("the shard's writer stopped".into()));
+                        }
+                    }
+                },
+            )
+            .await,
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+async fn by_key(
+    State(app): AppState,
+    Path(key): Path<String>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    let r = async {
+        let hops = hops_taken(&app, &headers)?;
+        check_name("routing_key", &key, ROUTING_KEY_BYTES_MAX)?;
+        let n = app.dir.shard_count();
+        let p = PartitionId::for_key(&key);
+        let route = Route { partition: Some(p), shard: p.shard(n), hops_taken: hops, extra_wait: Duration::ZERO };
+        let app2 = app.clone();
+        Ok::<_, ApiError>(
+            dispatch(&app, method, &uri, Bytes::new(), route, move |epoch, st| async move {
+                let ids = st.executions_for_key(&key, 1000).map_err(|e| ApiError::Internal(e.to_string()))?;
+                let mut out = Vec::new();
+                for id in ids {
+                    // Steered ids are minted on the key's shard, so this is
+                    // normally the same store; after a resize it may not be.
+                    let meta = app2.store.shard(id.shard(n)).and_then(|s| s.execution(id).ok().flatten());
+                    out.push(match meta {
+                        Some(m) => execution_json(&app2, &m, Some(epoch)),
+                        None => json!({"execution_id": id.to_string(), "partition": id.partition().get(), "shard": id.shard(n).get()}),
+                    });
+                }
+                Ok(json_response(
+                    StatusCode::OK,
+                    &json!({"routing_key": key, "partition": p.get(), "shard": p.shard(n).get(), "executions": out}),
+                ))
+            })
+            .await,
+        )
+    }
+    .await;
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+// ---------------------------------------------------------------------------
+// Operators
+
+async fn cluster(State(app): AppState) -> Response {
+    let n = app.dir.shard_count();
+    let shards: Vec<_> = (0..n.get())
+        .map(|s| {
+            let a = app.dir.assignment(ShardId(s));
+            let local = app.store.shard(ShardId(s));
+            json!({
+                "shard": s,
+                "owner": a.map(|a| a.owner.get()),
+                "epoch": a.map(|a| a.epoch.get()),
+                "local": app.dir.owns(ShardId(s)),
+                "store_epoch": local.map(|st| st.epoch().get()),
+            })
+        })
+        .collect();
+    let nodes: Vec<_> = app
+        .dir
+        .nodes()
+        .map(|nd| {
+            json!({
+                "id": nd.id.get(),
+                "api_addr": nd.api_addr,
+                "peer_addr": nd.peer_addr,
+                "alive": nd.id == app.cfg.node_id || app.dir.liveness().is_alive(nd.id),
+                "self": nd.id == app.cfg.node_id,
+            })
+        })
+        .collect();
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "node": app.cfg.node_id.get(),
+            "shard_count": n.get(),
+            "partition_count": forkless_types::PARTITION_COUNT,
+            "map_version": app.dir.map_version(),
+            "routing_active": app.dir.routing_active(),
+            "nodes": nodes,
+            "shards": shards,
+        }),
+    )
+}
+
+async fn readyz(State(app): AppState) -> Response {
+    if app.ready.load(Ordering::Acquire) {
+        json_response(StatusCode::OK, &json!({"status": "ready"}))
+    } else {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "starting"}),
+        )
+    }
+}
+
+async fn metrics(State(app): AppState) -> Response {
+    (
+        [(
+            http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        app.metrics.render(),
+    )
+        .into_response()
+}

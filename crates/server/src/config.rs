@@ -1,0 +1,582 @@
+//! Configuration: defaults, the optional TOML file, and its validation.
+//!
+//! A file may describe a single node (`data_dir`, `listen`, `shard_count`,
+//! limits) or a static cluster (`[[nodes]]`, optional `[[shards]]`, a
+//! `secret`). Every node validates a cluster file the same way and refuses to
+//! start on a bad one, saying what is wrong.
+
+use forkless_routing::{NodeInfo, ShardAssignment, StaticDirectory};
+use forkless_types::{Epoch, NodeId, ShardCount};
+use serde::Deserialize;
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
+pub const DEFAULT_DATA_DIR: &str = "./forkless-data";
+
+/// Request limits. Over any of them is `413 payload_too_large`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest JSON payload of one event (or start input, or signal), bytes.
+    pub event_payload_bytes_max: usize,
+    /// Largest request body, bytes.
+    pub request_body_bytes_max: usize,
+    /// Most events in one append.
+    pub batch_events_max: usize,
+    /// Longest long-poll a client may ask for, milliseconds.
+    pub wait_ms_max: u64,
+    /// Most events one read returns.
+    pub read_events_max: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            event_payload_bytes_max: 1024 * 1024,
+            request_body_bytes_max: 8 * 1024 * 1024,
+            batch_events_max: 1000,
+            wait_ms_max: 30_000,
+            read_events_max: 1000,
+        }
+    }
+}
+
+/// Peer-to-peer timing.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerTiming {
+    /// Connecting to the owner longer than this fails the forward closed.
+    pub forward_connect_timeout_ms: u64,
+    /// The owner answering later than this fails the forward closed
+    /// (`executed: unknown`). Long-polls get their wait on top.
+    pub forward_timeout_ms: u64,
+    /// How often each node probes every peer.
+    pub probe_interval_ms: u64,
+    /// A probe not answered within this marks the peer down.
+    pub probe_timeout_ms: u64,
+}
+
+impl Default for PeerTiming {
+    fn default() -> Self {
+        PeerTiming {
+            forward_connect_timeout_ms: 500,
+            forward_timeout_ms: 2_000,
+            probe_interval_ms: 250,
+            probe_timeout_ms: 500,
+        }
+    }
+}
+
+impl PeerTiming {
+    pub fn forward_connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.forward_connect_timeout_ms)
+    }
+    pub fn forward_timeout(&self) -> Duration {
+        Duration::from_millis(self.forward_timeout_ms)
+    }
+}
+
+/// The file as written. Every field is optional; flags override it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub shard_count: Option<u64>,
+    pub node_id: Option<u64>,
+    /// Shared by the cluster's nodes; authenticates forwarded requests.
+    pub secret: Option<String>,
+    #[serde(default)]
+    pub limits: Option<Limits>,
+    #[serde(default)]
+    pub peer: Option<PeerTiming>,
+    #[serde(default)]
+    pub nodes: Vec<FileNode>,
+    #[serde(default)]
+    pub shards: Vec<FileShard>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileNode {
+    pub id: u64,
+    pub api_addr: String,
+    pub peer_addr: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileShard {
+    pub shard: u64,
+    pub owner: u64,
+    #[serde(default = "one")]
+    pub epoch: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("config file {path}: {reason}")]
+    Parse { path: String, reason: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A static cluster, validated.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    pub nodes: Vec<NodeInfo>,
+    pub assignments: Vec<ShardAssignment>,
+    pub secret: String,
+}
+
+impl ClusterConfig {
+    pub fn node(&self, id: NodeId) -> Option<&NodeInfo> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+}
+
+/// Everything a node needs to run, resolved and validated.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub node_id: NodeId,
+    pub data_dir: PathBuf,
+    /// The client API address.
+    pub listen: SocketAddr,
+    /// The peer address (forwarded requests, probes), if distinct.
+    pub peer_listen: Option<SocketAddr>,
+    pub shard_count: ShardCount,
+    pub limits: Limits,
+    pub peer: PeerTiming,
+    pub cluster: Option<ClusterConfig>,
+}
+
+impl ServerConfig {
+    /// The embedded default: one node, one shard, `./forkless-data`,
+    /// 127.0.0.1:7070.
+    pub fn single_node_default() -> ServerConfig {
+        ServerConfig {
+            node_id: NodeId::new(0).unwrap_or_else(|| unreachable!()),
+            data_dir: PathBuf::from(DEFAULT_DATA_DIR),
+            listen: DEFAULT_LISTEN.parse().unwrap_or_else(|_| unreachable!()),
+            peer_listen: None,
+            shard_count: ShardCount::ONE,
+            limits: Limits::default(),
+            peer: PeerTiming::default(),
+            cluster: None,
+        }
+    }
+
+    /// The directory this node routes by.
+    pub fn directory(&self) -> Result<StaticDirectory, ConfigError> {
+        match &self.cluster {
+            None => Ok(StaticDirectory::single_node(
+                self.node_id,
+                self.shard_count,
+                self.listen.to_string(),
+            )),
+            Some(c) => StaticDirectory::new(
+                self.node_id,
+                self.shard_count,
+                c.nodes.clone(),
+                c.assignments.clone(),
+            )
+            .map_err(|e| ConfigError::Invalid(e.to_string())),
+        }
+    }
+}
+
+pub fn read_file(path: &std::path::Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    parse_file(&text).map_err(|reason| ConfigError::Parse {
+        path: path.display().to_string(),
+        reason,
+    })
+}
+
+pub fn parse_file(text: &str) -> Result<FileConfig, String> {
+    toml::from_str(text).map_err(|e| e.to_string())
+}
+
+pub fn parse_shard_count(n: u64) -> Result<ShardCount, ConfigError> {
+    ShardCount::new(n).map_err(|e| ConfigError::Invalid(format!("shard_count: {e}")))
+}
+
+fn parse_addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse().map_err(|e| {
+        ConfigError::Invalid(format!(
+            "{field} {s:?} is not an address like 127.0.0.1:7070: {e}"
+        ))
+    })
+}
+
+/// Validates a cluster description: legal shard count, unique node ids and
+/// addresses, every shard owned exactly once by a listed node (or spread
+/// evenly when `shards` is empty), a secret.
+pub fn validate_cluster(
+    file: &FileConfig,
+    shard_count: ShardCount,
+) -> Result<ClusterConfig, ConfigError> {
+    let bad = |m: String| Err(ConfigError::Invalid(m));
+    if file.nodes.is_empty() {
+        return bad("nodes: a cluster needs at least one [[nodes]] entry".into());
+    }
+    let mut ids = BTreeSet::new();
+    let mut addrs = BTreeSet::new();
+    let mut nodes = Vec::new();
+    for (i, n) in file.nodes.iter().enumerate() {
+        let Some(id) = NodeId::new(n.id) else {
+            return bad(format!(
+                "nodes[{i}].id {} is out of range: node ids are 0 to {}",
+                n.id,
+                NodeId::MAX
+            ));
+        };
+        if !ids.insert(id) {
+            return bad(format!("nodes[{i}].id {id} is listed twice"));
+        }
+        let api = parse_addr(&format!("nodes[{i}].api_addr"), &n.api_addr)?;
+        let peer = parse_addr(&format!("nodes[{i}].peer_addr"), &n.peer_addr)?;
+        for a in [api, peer] {
+            if !addrs.insert(a) {
+                return bad(format!(
+                    "nodes[{i}]: address {a} is used twice in the cluster"
+                ));
+            }
+        }
+        nodes.push(NodeInfo {
+            id,
+            api_addr: api.to_string(),
+            peer_addr: peer.to_string(),
+        });
+    }
+    let n = shard_count.get() as usize;
+    let assignments = if file.shards.is_empty() {
+        // Spread evenly: shard s goes to the (s mod nodes)-th node by id.
+        let mut sorted: Vec<_> = nodes.iter().map(|x| x.id).collect();
+        sorted.sort();
+        (0..n)
+            .map(|s| ShardAssignment {
+                owner: sorted[s % sorted.len()],
+                epoch: Epoch(1),
+            })
+            .collect()
+    } else {
+        let mut slots: Vec<Option<ShardAssignment>> = vec![None; n];
+        for (i, s) in file.shards.iter().enumerate() {
+            if s.shard >= n as u64 {
+                return bad(format!(
+                    "shards[{i}].shard {} is outside shard_count {n} (shards are 0 to {})",
+                    s.shard,
+                    n - 1
+                ));
+            }
+            let owner = NodeId::new(s.owner).filter(|o| ids.contains(o));
+            let Some(owner) = owner else {
+                return bad(format!(
+                    "shards[{i}].owner {} is not a listed node",
+                    s.owner
+                ));
+            };
+            if s.epoch == 0 {
+                return bad(format!("shards[{i}].epoch must be at least 1"));
+            }
+            let slot = &mut slots[s.shard as usize];
+            if slot.is_some() {
+                return bad(format!(
+                    "shards[{i}]: shard {} is assigned twice; every shard needs exactly one owner",
+                    s.shard
+                ));
+            }
+            *slot = Some(ShardAssignment {
+                owner,
+                epoch: Epoch(s.epoch),
+            });
+        }
+        let missing: Vec<_> = slots
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.is_none())
+            .map(|(s, _)| s.to_string())
+            .collect();
+        if !missing.is_empty() {
+            return bad(format!(
+                "shards: shard(s) {} have no owner; list every shard 0 to {} or leave [[shards]] out to spread them evenly",
+                missing.join(", "),
+                n - 1
+            ));
+        }
+        slots.into_iter().flatten().collect()
+    };
+    let secret = match &file.secret {
+        Some(s) if s.len() >= 16 => s.clone(),
+        Some(_) => return bad("secret must be at least 16 characters".into()),
+        None if file.nodes.len() == 1 => String::new(),
+        None => return bad("secret: a cluster of more than one node needs a shared secret to authenticate forwarded requests".into()),
+    };
+    Ok(ClusterConfig {
+        nodes,
+        assignments,
+        secret,
+    })
+}
+
+/// Resolves a node's config from an optional file and the member to run.
+pub fn resolve(
+    file: Option<FileConfig>,
+    node: Option<u64>,
+    overrides: Overrides,
+) -> Result<ServerConfig, ConfigError> {
+    let file = file.unwrap_or_default();
+    let mut cfg = ServerConfig::single_node_default();
+    let shard_count = match overrides.shard_count.or(file.shard_count) {
+        Some(n) => parse_shard_count(n)?,
+        None => ShardCount::ONE,
+    };
+    cfg.shard_count = shard_count;
+    if let Some(l) = file.limits {
+        cfg.limits = l;
+    }
+    if let Some(p) = file.peer {
+        cfg.peer = p;
+    }
+    overrides.apply_limits(&mut cfg.limits);
+    if let Some(t) = overrides.forward_timeout_ms {
+        cfg.peer.forward_timeout_ms = t;
+    }
+    let node = node.or(file.node_id);
+    if !file.nodes.is_empty() {
+        let cluster = validate_cluster(&file, shard_count)?;
+        let Some(node) = node else {
+            return Err(ConfigError::Invalid(
+                "the config describes a cluster: say which member to run with --node <id>".into(),
+            ));
+        };
+        let id = NodeId::new(node)
+            .ok_or_else(|| ConfigError::Invalid(format!("--node {node} is out of range")))?;
+        let me = cluster
+            .node(id)
+            .ok_or_else(|| {
+                ConfigError::Invalid(format!(
+                    "--node {node}: no such node in the config's [[nodes]]"
+                ))
+            })?
+            .clone();
+        cfg.node_id = id;
+        cfg.listen = parse_addr("api_addr", &me.api_addr)?;
+        let peer = parse_addr("peer_addr", &me.peer_addr)?;
+        cfg.peer_listen = (peer != cfg.listen).then_some(peer);
+        cfg.data_dir = PathBuf::from(DEFAULT_DATA_DIR).join(format!("node-{id}"));
+        cfg.cluster = Some(cluster);
+    } else if let Some(n) = node {
+        cfg.node_id = NodeId::new(n).ok_or_else(|| {
+            ConfigError::Invalid(format!(
+                "node id {n} is out of range (0 to {})",
+                NodeId::MAX
+            ))
+        })?;
+    }
+    if let Some(d) = overrides.data_dir.or(file.data_dir) {
+        cfg.data_dir = d;
+    }
+    if cfg.cluster.is_none() {
+        if let Some(l) = overrides.listen.or(file.listen) {
+            cfg.listen = parse_addr("listen", &l)?;
+        }
+    } else if overrides.listen.is_some() {
+        return Err(ConfigError::Invalid("--listen cannot be combined with a cluster config: the node's api_addr is its listen address".into()));
+    }
+    if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
+        return Err(ConfigError::Invalid("limits must be positive".into()));
+    }
+    if cfg.limits.event_payload_bytes_max > cfg.limits.request_body_bytes_max {
+        return Err(ConfigError::Invalid(
+            "limits.event_payload_bytes_max cannot exceed limits.request_body_bytes_max".into(),
+        ));
+    }
+    Ok(cfg)
+}
+
+/// Command-line / environment values, which win over the file.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub data_dir: Option<PathBuf>,
+    pub listen: Option<String>,
+    pub shard_count: Option<u64>,
+    pub event_payload_bytes_max: Option<usize>,
+    pub request_body_bytes_max: Option<usize>,
+    pub batch_events_max: Option<usize>,
+    pub forward_timeout_ms: Option<u64>,
+}
+
+impl Overrides {
+    fn apply_limits(&self, l: &mut Limits) {
+        if let Some(v) = self.event_payload_bytes_max {
+            l.event_payload_bytes_max = v;
+        }
+        if let Some(v) = self.request_body_bytes_max {
+            l.request_body_bytes_max = v;
+        }
+        if let Some(v) = self.batch_events_max {
+            l.batch_events_max = v;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(text: &str, node: Option<u64>, expect_err: Option<&str>) -> Option<ServerConfig> {
+        let file = parse_file(text).map_err(ConfigError::Invalid);
+        let r = file.and_then(|f| resolve(Some(f), node, Overrides::default()));
+        match (r, expect_err) {
+            (Ok(c), None) => Some(c),
+            (Err(e), Some(want)) => {
+                assert!(
+                    e.to_string().contains(want),
+                    "error {e:?} should mention {want:?}"
+                );
+                None
+            }
+            (r, want) => panic!("got {r:?}, wanted error {want:?}"),
+        }
+    }
+
+    const NODES: &str = r#"
+secret = "0123456789abcdef"
+shard_count = 4
+[[nodes]]
+id = 1
+api_addr = "127.0.0.1:7071"
+peer_addr = "127.0.0.1:7171"
+[[nodes]]
+id = 2
+api_addr = "127.0.0.1:7072"
+peer_addr = "127.0.0.1:7172"
+"#;
+
+    #[test]
+    fn cluster_files_are_validated() {
+        let c = check(NODES, Some(2), None).unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:7072");
+        assert_eq!(c.peer_listen.unwrap().to_string(), "127.0.0.1:7172");
+        let owners: Vec<_> = c
+            .cluster
+            .unwrap()
+            .assignments
+            .iter()
+            .map(|a| a.owner.get())
+            .collect();
+        assert_eq!(owners, vec![1, 2, 1, 2]);
+        check(NODES, None, Some("--node"));
+        check(NODES, Some(3), Some("no such node"));
+        check(
+            &NODES.replace("shard_count = 4", "shard_count = 3"),
+            Some(1),
+            Some("power of two"),
+        );
+        check(
+            &NODES.replace("secret = \"0123456789abcdef\"", ""),
+            Some(1),
+            Some("secret"),
+        );
+        check(
+            &NODES.replace("127.0.0.1:7172", "127.0.0.1:7171"),
+            Some(1),
+            Some("used twice"),
+        );
+        check(
+            &NODES.replace("127.0.0.1:7172", "nowhere"),
+            Some(1),
+            Some("nodes[1].peer_addr"),
+        );
+        check(
+            &NODES.replace("id = 2", "id = 1"),
+            Some(1),
+            Some("listed twice"),
+        );
+        check(
+            &format!("{NODES}\n[[shards]]\nshard = 0\nowner = 1\n"),
+            Some(1),
+            Some("have no owner"),
+        );
+        let all = "[[shards]]\nshard = 0\nowner = 1\n[[shards]]\nshard = 1\nowner = 2\nepoch = 3\n[[shards]]\nshard = 2\nowner = 2\n[[shards]]\nshard = 3\nowner = 1\n";
+        let c = check(&format!("{NODES}\n{all}"), Some(1), None).unwrap();
+        assert_eq!(
+            c.cluster.unwrap().assignments[1],
+            ShardAssignment {
+                owner: NodeId::new(2).unwrap(),
+                epoch: Epoch(3)
+            }
+        );
+        check(
+            &format!("{NODES}\n{all}[[shards]]\nshard = 3\nowner = 2\n"),
+            Some(1),
+            Some("assigned twice"),
+        );
+        check(
+            &format!("{NODES}\n[[shards]]\nshard = 9\nowner = 1\n"),
+            Some(1),
+            Some("outside shard_count"),
+        );
+        check(
+            &format!("{NODES}\n[[shards]]\nshard = 0\nowner = 7\n"),
+            Some(1),
+            Some("not a listed node"),
+        );
+        check(
+            &format!("{NODES}\nbogus = 1\n"),
+            Some(1),
+            Some("unknown field"),
+        );
+    }
+
+    #[test]
+    fn single_node_files_and_overrides() {
+        let c = check(
+            "shard_count = 8\nlisten = \"127.0.0.1:9000\"\n[limits]\nbatch_events_max = 5\n",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.shard_count.get(),
+                c.listen.port(),
+                c.limits.batch_events_max
+            ),
+            (8, 9000, 5)
+        );
+        assert!(c.cluster.is_none());
+        let o = Overrides {
+            shard_count: Some(16),
+            listen: Some("127.0.0.1:9001".into()),
+            ..Default::default()
+        };
+        let c = resolve(Some(parse_file("shard_count = 8").unwrap()), None, o).unwrap();
+        assert_eq!((c.shard_count.get(), c.listen.port()), (16, 9001));
+        let bad = Overrides {
+            shard_count: Some(12),
+            ..Default::default()
+        };
+        assert!(resolve(None, None, bad)
+            .unwrap_err()
+            .to_string()
+            .contains("power of two"));
+        let d = resolve(None, None, Overrides::default()).unwrap();
+        assert_eq!(d.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(d.data_dir, PathBuf::from(DEFAULT_DATA_DIR));
+    }
+}

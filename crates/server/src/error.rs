@@ -1,0 +1,188 @@
+//! API errors and their JSON shape: `{"error": code, "message": ...}` plus
+//! typed context, with the status codes of DESIGN.md section 7.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use forkless_routing::OwnerHint;
+use forkless_store::StoreError;
+use serde_json::{json, Value};
+
+/// Whether a request that failed closed may have been applied by the owner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Executed {
+    /// It never reached the owner.
+    No,
+    /// It was sent but no answer came back: only an idempotency key makes a
+    /// retry safe.
+    Unknown,
+}
+
+#[derive(Debug)]
+pub enum ApiError {
+    Invalid {
+        field: String,
+        reason: String,
+    },
+    TooLarge {
+        what: String,
+        size: usize,
+        limit: usize,
+    },
+    NotFound(String),
+    SequenceConflict {
+        expected: u64,
+        last_seq: u64,
+    },
+    Closed {
+        status: &'static str,
+        last_seq: u64,
+    },
+    IdempotencyConflict(String),
+    NotOwner {
+        partition: Option<u32>,
+        shard: u32,
+        hint: Option<OwnerHint>,
+        map_version: u64,
+        detail: String,
+    },
+    OwnerUnavailable {
+        shard: u32,
+        executed: Executed,
+        reason: String,
+        hint: Option<OwnerHint>,
+    },
+    Forbidden(String),
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ApiError {
+        ApiError::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::Invalid { .. } => "invalid_request",
+            ApiError::TooLarge { .. } => "payload_too_large",
+            ApiError::NotFound(_) => "execution_not_found",
+            ApiError::SequenceConflict { .. } => "sequence_conflict",
+            ApiError::Closed { .. } => "execution_closed",
+            ApiError::IdempotencyConflict(_) => "idempotency_conflict",
+            ApiError::NotOwner { .. } => "not_owner",
+            ApiError::OwnerUnavailable { .. } => "owner_unavailable",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Invalid { .. } => StatusCode::BAD_REQUEST,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::SequenceConflict { .. }
+            | ApiError::Closed { .. }
+            | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
+            ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
+            ApiError::OwnerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        let code = self.code();
+        match self {
+            ApiError::Invalid { field, reason } => {
+                json!({"error": code, "message": format!("{field}: {reason}"), "field": field})
+            }
+            ApiError::TooLarge { what, size, limit } => json!({
+                "error": code, "message": format!("{what} is {size} bytes or more, over the limit of {limit}"),
+                "size": size, "limit": limit,
+            }),
+            ApiError::NotFound(m)
+            | ApiError::IdempotencyConflict(m)
+            | ApiError::Forbidden(m)
+            | ApiError::Internal(m) => {
+                json!({"error": code, "message": m})
+            }
+            ApiError::SequenceConflict { expected, last_seq } => json!({
+                "error": code,
+                "message": format!("expected_last_seq is {expected} but the execution's last seq is {last_seq}"),
+                "expected_last_seq": expected, "last_seq": last_seq,
+            }),
+            ApiError::Closed { status, last_seq } => json!({
+                "error": code,
+                "message": format!("execution is {status} (last seq {last_seq}); nothing more can be appended"),
+                "status": status, "last_seq": last_seq,
+            }),
+            ApiError::NotOwner {
+                partition,
+                shard,
+                hint,
+                map_version,
+                detail,
+            } => json!({
+                "error": code,
+                "message": format!("this node does not own shard {shard}: {detail}"),
+                "partition": partition, "shard": shard,
+                "owner_hint": hint.as_ref().map(|h| json!({"node": h.node.get(), "address": h.api_addr})),
+                "owner_epoch": hint.as_ref().map(|h| h.epoch.get()),
+                "map_version": map_version,
+                "executed": false,
+            }),
+            ApiError::OwnerUnavailable {
+                shard,
+                executed,
+                reason,
+                hint,
+            } => json!({
+                "error": code,
+                "message": format!("the owner of shard {shard} could not be reached: {reason}; nothing was written on this node"),
+                "shard": shard,
+                "owner_hint": hint.as_ref().map(|h| json!({"node": h.node.get(), "address": h.api_addr})),
+                "executed": match executed { Executed::No => json!(false), Executed::Unknown => json!("unknown") },
+            }),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut resp = (self.status(), axum::Json(self.body())).into_response();
+        if matches!(self, ApiError::OwnerUnavailable { .. }) {
+            resp.headers_mut()
+                .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// Maps a store refusal to the answer a client sees. A fence refusal means
+/// this node believed it owned the shard but the store knows a newer epoch:
+/// the same as not owning it.
+pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version: u64) -> ApiError {
+    match e {
+        StoreError::NotFound(id) => ApiError::NotFound(format!("execution {id} not found")),
+        StoreError::SequenceConflict { expected, last_seq } => {
+            ApiError::SequenceConflict { expected, last_seq }
+        }
+        StoreError::ExecutionClosed { status, last_seq } => ApiError::Closed {
+            status: status.as_str(),
+            last_seq,
+        },
+        e @ StoreError::IdempotencyConflict { .. } => ApiError::IdempotencyConflict(e.to_string()),
+        e @ (StoreError::Fenced { .. } | StoreError::ShardNotHosted(_)) => ApiError::NotOwner {
+            partition,
+            shard,
+            hint: None,
+            map_version,
+            detail: e.to_string(),
+        },
+        StoreError::Invalid(m) => ApiError::invalid("request", m),
+        e => ApiError::Internal(e.to_string()),
+    }
+}

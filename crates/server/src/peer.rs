@@ -1,0 +1,130 @@
+//! Peers: the internal status endpoint and the prober that keeps liveness
+//! and learned epochs up to date.
+//!
+//! Each node probes every peer every `probe_interval_ms`. A peer that does
+//! not answer within `probe_timeout_ms` is believed down, and its shards
+//! resolve `Unknown` (requests for them fail closed at once instead of
+//! waiting for a forward timeout). A peer's answer lists the shards it owns
+//! and their epochs; an epoch newer than this node's map moves the map, and
+//! fences this node's own copy of that shard, if it has one.
+
+use crate::api::peer_authenticated;
+use crate::App;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use forkless_routing::Directory;
+use forkless_types::{Epoch, NodeId, ShardId};
+use serde::Deserialize;
+use serde_json::json;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if !peer_authenticated(&app, &headers) {
+        return (
+            StatusCode::FORBIDDEN,
+            Json(json!({"error": "forbidden", "message": "peer credentials required"})),
+        )
+            .into_response();
+    }
+    let shards: Vec<_> = (0..app.dir.shard_count().get())
+        .filter_map(|s| match app.dir.owner_of(ShardId(s)) {
+            forkless_routing::Owner::Local { epoch } => {
+                Some(json!({"shard": s, "epoch": epoch.get()}))
+            }
+            _ => None,
+        })
+        .collect();
+    Json(json!({"node": app.cfg.node_id.get(), "map_version": app.dir.map_version(), "owned": shards})).into_response()
+}
+
+#[derive(Deserialize)]
+struct PeerStatus {
+    node: u16,
+    owned: Vec<OwnedShard>,
+}
+
+#[derive(Deserialize)]
+struct OwnedShard {
+    shard: u32,
+    epoch: u64,
+}
+
+pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let interval = Duration::from_millis(app.cfg.peer.probe_interval_ms.max(10));
+    let timeout = Duration::from_millis(app.cfg.peer.probe_timeout_ms.max(10));
+    let peers: Vec<_> = app
+        .dir
+        .nodes()
+        .filter(|n| n.id != app.cfg.node_id)
+        .cloned()
+        .collect();
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        // Probe every peer at once: a paused peer must not delay news of
+        // the others.
+        let mut probes = tokio::task::JoinSet::new();
+        for p in &peers {
+            let app = app.clone();
+            let (id, addr) = (p.id, p.peer_addr.clone());
+            probes.spawn(async move {
+                (
+                    id,
+                    app.forwarder
+                        .probe(&addr, "/internal/v1/status", timeout)
+                        .await,
+                )
+            });
+        }
+        while let Some(Ok((node, r))) = probes.join_next().await {
+            let alive = match r {
+                Ok(body) => match serde_json::from_slice::<PeerStatus>(&body) {
+                    Ok(st) if st.node == node.get() => {
+                        learn(&app, node, &st).await;
+                        true
+                    }
+                    _ => false,
+                },
+                Err(_) => false,
+            };
+            let was = app.dir.liveness().set(node, alive);
+            app.metrics
+                .peer_up
+                .get_or_create(&crate::metrics::NodeLabel { node: node.get() })
+                .set(alive as i64);
+            if was != alive {
+                if alive {
+                    tracing::info!(peer = %node, "peer is up");
+                } else {
+                    tracing::warn!(peer = %node, "peer stopped answering probes; its shards fail closed until it returns");
+                }
+            }
+        }
+    }
+}
+
+async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
+    for o in &st.owned {
+        let shard = ShardId(o.shard);
+        if o.shard >= app.dir.shard_count().get() {
+            continue;
+        }
+        if app.dir.observe(shard, node, Epoch(o.epoch)) {
+            tracing::warn!(shard = o.shard, owner = %node, epoch = o.epoch, "learned a newer owner from a peer; this node's map was stale");
+            if let Some(local) = app.store.shard(shard) {
+                // Fence our own copy, durably: from now on a write carrying
+                // the old epoch is refused by the store itself.
+                if let Err(e) = local.advance_epoch(Epoch(o.epoch)).await {
+                    tracing::error!(shard = o.shard, error = %e, "could not fence the local copy of the shard");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! JSON shapes of the client API, and their parsing with field paths in
+//! every error. Converted by hand to and from the store's types.
+
+use crate::config::Limits;
+use crate::error::ApiError;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// Longest workflow name, event type or idempotency key, bytes.
+pub const NAME_BYTES_MAX: usize = 256;
+/// Longest routing key, bytes.
+pub const ROUTING_KEY_BYTES_MAX: usize = 1024;
+
+/// Parses a JSON body; errors name the field (`events[0].type`) and why.
+pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    if body.is_empty() {
+        return Err(ApiError::invalid("body", "a JSON object is required"));
+    }
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    let v: T = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let field = if path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
+        ApiError::invalid(field, e.into_inner().to_string())
+    })?;
+    Ok(v)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StartBody {
+    pub workflow: String,
+    #[serde(default)]
+    pub input: Option<Box<RawValue>>,
+    #[serde(default)]
+    pub routing_key: Option<String>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventBody {
+    #[serde(rename = "type")]
+    pub event_type: String,
+    #[serde(default)]
+    pub payload: Option<Box<RawValue>>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppendBody {
+    pub events: Vec<EventBody>,
+    #[serde(default)]
+    pub expected_last_seq: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AppendByIdBody {
+    pub execution_id: IdString,
+    pub events: Vec<EventBody>,
+    #[serde(default)]
+    pub expected_last_seq: Option<u64>,
+}
+
+/// An execution id in a JSON body: always a decimal string.
+#[derive(Debug)]
+pub struct IdString(pub String);
+
+impl<'de> Deserialize<'de> for IdString {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = IdString;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a decimal string (ids are strings in JSON because JavaScript loses integers above 2^53)")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<IdString, E> {
+                Ok(IdString(v.to_string()))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignalBody {
+    pub name: String,
+    #[serde(default)]
+    pub payload: Option<Box<RawValue>>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CancelBody {
+    #[serde(default)]
+    pub reason: Option<String>,
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+/// Event types only the server writes.
+pub const RESERVED_TYPES: [(&str, &str); 3] = [
+    ("execution.started", "it is written by POST /api/executions"),
+    (
+        "execution.signaled",
+        "use POST /api/executions/{id}/signals",
+    ),
+    (
+        "execution.cancelled",
+        "use POST /api/executions/{id}/cancel",
+    ),
+];
+
+pub fn check_name(field: &str, v: &str, max: usize) -> Result<(), ApiError> {
+    if v.is_empty() {
+        return Err(ApiError::invalid(field, "must not be empty"));
+    }
+    if v.len() > max {
+        return Err(ApiError::invalid(
+            field,
+            format!("is {} bytes, longer than the limit of {max}", v.len()),
+        ));
+    }
+    if v.chars().any(char::is_control) {
+        return Err(ApiError::invalid(
+            field,
+            "must not contain control characters",
+        ));
+    }
+    Ok(())
+}
+
+pub fn check_payload(
+    field: &str,
+    p: &Option<Box<RawValue>>,
+    limits: &Limits,
+) -> Result<(), ApiError> {
+    if let Some(p) = p {
+        if p.get().len() > limits.event_payload_bytes_max {
+            return Err(ApiError::TooLarge {
+                what: field.to_string(),
+                size: p.get().len(),
+                limit: limits.event_payload_bytes_max,
+            });
+        }
+    }
+    Ok(())
+}
+
+pub fn payload_bytes(p: Option<Box<RawValue>>) -> Vec<u8> {
+    match p {
+        Some(p) => {
+            let s: Box<str> = p.into();
+            s.into_string().into_bytes()
+        }
+        None => b"null".to_vec(),
+    }
+}
+
+/// Validates an append's events: count, types, keys, payload sizes.
+pub fn check_events(events: &[EventBody], limits: &Limits) -> Result<(), ApiError> {
+    if events.is_empty() {
+        return Err(ApiError::invalid("events", "must hold at least one event"));
+    }
+    if events.len() > limits.batch_events_max {
+        return Err(ApiError::TooLarge {
+            what: "events (count)".into(),
+            size: events.len(),
+            limit: limits.batch_events_max,
+        });
+    }
+    let mut keys = std::collections::HashSet::new();
+    for (i, e) in events.iter().enumerate() {
+        check_name(&format!("events[{i}].type"), &e.event_type, NAME_BYTES_MAX)?;
+        if let Some((_, why)) = RESERVED_TYPES.iter().find(|(t, _)| *t == e.event_type) {
+            return Err(ApiError::invalid(
+                format!("events[{i}].type"),
+                format!("{} is reserved: {why}", e.event_type),
+            ));
+        }
+        if forkless_store::terminal_status(&e.event_type).is_some() && i + 1 != events.len() {
+            return Err(ApiError::invalid(
+                format!("events[{i}].type"),
+                format!(
+                    "{} ends the execution, so it must be the last event of the batch",
+                    e.event_type
+                ),
+            ));
+        }
+        if let Some(k) = &e.idempotency_key {
+            check_name(&format!("events[{i}].idempotency_key"), k, NAME_BYTES_MAX)?;
+            if !keys.insert(k.as_str()) {
+                return Err(ApiError::invalid(
+                    format!("events[{i}].idempotency_key"),
+                    "repeats an earlier key in this batch",
+                ));
+            }
+        }
+        check_payload(&format!("events[{i}].payload"), &e.payload, limits)?;
+    }
+    Ok(())
+}
+
+pub fn rfc3339(ms: u64) -> String {
+    let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
+    humantime::format_rfc3339_millis(t).to_string()
+}
