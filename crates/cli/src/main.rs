@@ -1,6 +1,7 @@
 //! The `forkless` binary: one entry point for the server, the local dev
 //! cluster, the client verbs, `route`, and the load generator.
 
+mod dev_cluster;
 mod route;
 mod serve;
 
@@ -23,6 +24,8 @@ enum Command {
     /// Run a node. With no arguments: one node, one shard, data in
     /// ./forkless-data, listening on 127.0.0.1:7070.
     Serve(serve::ServeArgs),
+    /// Run a local cluster of real nodes on loopback until Ctrl-C.
+    DevCluster(dev_cluster::DevClusterArgs),
     /// Print the partition and shard of an execution id or routing key.
     Route(route::RouteArgs),
 }
@@ -32,6 +35,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(a) => serve::run(a),
         Command::Route(a) => route::run(a),
+        Command::DevCluster(a) => dev_cluster::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,199 @@
+//! `forkless dev-cluster`: a local cluster of real `forkless serve`
+//! processes on loopback, for trying routing in one command.
+
+use anyhow::{bail, Context};
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug)]
+pub struct DevClusterArgs {
+    /// How many nodes to run.
+    #[arg(long, default_value_t = 3)]
+    nodes: u16,
+    /// Shards: a power of two from 1 to 4096, spread evenly over the nodes.
+    #[arg(long, default_value_t = 16)]
+    shards: u64,
+    /// Where the nodes keep their data (one folder per node).
+    #[arg(long, default_value = "./forkless-dev-cluster")]
+    data_dir: PathBuf,
+    /// Node i listens for clients on base_port + i and for peers on
+    /// base_port + 100 + i.
+    #[arg(long, default_value_t = 7071)]
+    base_port: u16,
+}
+
+struct Nodes(Vec<(u16, Child)>);
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.0 {
+            // SIGTERM first, so each node shuts down gracefully.
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(c.id().to_string())
+                .status();
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for (id, c) in &mut self.0 {
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    _ => {
+                        eprintln!("node {id} did not stop in time; killing it");
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
+    let count = forkless_sharding::ShardCount::new(a.shards).context("--shards")?;
+    if a.nodes == 0 || a.nodes > 64 {
+        bail!("--nodes must be 1 to 64");
+    }
+    if a.base_port as u32 + 100 + a.nodes as u32 > u16::MAX as u32 {
+        bail!(
+            "--base-port {} leaves no room for {} nodes",
+            a.base_port,
+            a.nodes
+        );
+    }
+    std::fs::create_dir_all(&a.data_dir)
+        .with_context(|| format!("creating {}", a.data_dir.display()))?;
+    let config = a.data_dir.join("cluster.toml");
+    let mut toml = format!(
+        "# Written by `forkless dev-cluster`.\nshard_count = {}\nsecret = \"{}\"\n\n[peer]\nforward_connect_timeout_ms = 500\nforward_timeout_ms = 2000\nprobe_interval_ms = 250\nprobe_timeout_ms = 500\n",
+        count.get(),
+        random_secret()?
+    );
+    for i in 1..=a.nodes {
+        toml.push_str(&format!(
+            "\n[[nodes]]\nid = {i}\napi_addr = \"127.0.0.1:{}\"\npeer_addr = \"127.0.0.1:{}\"\n",
+            a.base_port + i - 1,
+            a.base_port + 100 + i - 1
+        ));
+    }
+    std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
+
+    let exe = std::env::current_exe().context("finding the forkless binary")?;
+    let mut nodes = Nodes(Vec::new());
+    for i in 1..=a.nodes {
+        let dir = a.data_dir.join(format!("node-{i}"));
+        let log = std::fs::File::create(a.data_dir.join(format!("node-{i}.log")))?;
+        let child = Command::new(&exe)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--node", &i.to_string(), "--data-dir"])
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting node {i}"))?;
+        nodes.0.push((i, child));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for i in 1..=a.nodes {
+        let addr = format!("127.0.0.1:{}", a.base_port + i - 1);
+        while !ready(&addr) {
+            for (id, c) in &mut nodes.0 {
+                if let Ok(Some(status)) = c.try_wait() {
+                    bail!(
+                        "node {id} exited ({status}) during startup; see {}",
+                        a.data_dir.join(format!("node-{id}.log")).display()
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("node {i} at {addr} not ready after 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    println!(
+        "forkless dev cluster: {} nodes, {} shards, config {}",
+        a.nodes,
+        count.get(),
+        config.display()
+    );
+    println!("{:<6} {:<18} {:<18} shards", "node", "api", "peer");
+    for i in 1..=a.nodes {
+        let owned: Vec<String> = (0..count.get())
+            .filter(|s| s % a.nodes as u32 == (i - 1) as u32)
+            .map(|s| s.to_string())
+            .collect();
+        println!(
+            "{:<6} {:<18} {:<18} {}",
+            i,
+            format!("127.0.0.1:{}", a.base_port + i - 1),
+            format!("127.0.0.1:{}", a.base_port + 100 + i - 1),
+            owned.join(",")
+        );
+    }
+    println!(
+        "logs: {}/node-<id>.log; press Ctrl-C to stop every node",
+        a.data_dir.display()
+    );
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let stop = rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => return None,
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => return None,
+                _ = tick.tick() => {
+                    for (id, c) in &mut nodes.0 {
+                        if let Ok(Some(status)) = c.try_wait() {
+                            return Some(format!("node {id} exited ({status})"));
+                        }
+                    }
+                }
+            }
+        }
+    });
+    println!("stopping {} nodes", a.nodes);
+    drop(nodes);
+    match stop {
+        Some(why) => bail!("{why}; stopped the others"),
+        None => Ok(()),
+    }
+}
+
+fn ready(addr: &str) -> bool {
+    use std::io::Write;
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(
+        &addr.parse().expect("formatted above"),
+        Duration::from_millis(200),
+    ) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = [0u8; 16];
+    matches!(s.read(&mut buf), Ok(n) if n >= 12 && &buf[9..12] == b"200")
+}
+
+fn random_secret() -> anyhow::Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .context("reading /dev/urandom for the cluster secret")?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
