@@ -133,6 +133,7 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .x_desc("concurrent clients (log scale)")
         .y_desc("p99 ms")
         .x_labels(8)
+        .y_labels(20)
         .x_label_formatter(&x_fmt)
         .y_label_formatter(&|y| {
             if *y < 1.0 {

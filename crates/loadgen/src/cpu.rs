@@ -7,15 +7,17 @@ use std::collections::HashMap;
 /// is 100 on every Linux configuration this runs on.
 const CLK_TCK: f64 = 100.0;
 
-/// CPU seconds (user + system) used so far by this process.
+/// CPU seconds (user + system) used so far by this process (and any
+/// children it reaped).
 pub fn self_cpu_seconds() -> Option<f64> {
     let text = std::fs::read_to_string("/proc/self/stat").ok()?;
     parse_stat(&text).map(|s| s.cpu_ticks as f64 / CLK_TCK)
 }
 
-/// CPU seconds (user + system) used so far by `pid` and all its current
-/// descendants (a server such as PostgreSQL forks one process per
-/// connection; these live for the whole measured window).
+/// CPU seconds (user + system) used so far by `pid` and all its
+/// descendants: the live ones, and (through each process's `cutime` and
+/// `cstime`) the ones that have exited and been reaped. A server such as
+/// PostgreSQL forks one process per connection and short-lived workers.
 pub fn tree_cpu_seconds(pid: u32) -> Option<f64> {
     let mut all: HashMap<u32, Stat> = HashMap::new();
     let dir = std::fs::read_dir("/proc").ok()?;
@@ -56,13 +58,18 @@ struct Stat {
 fn parse_stat(text: &str) -> Option<Stat> {
     let rest = &text[text.rfind(')')? + 1..];
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest[0] is field 3 (state); ppid is field 4, utime 14, stime 15.
+    // rest[0] is field 3 (state); ppid is field 4, utime 14, stime 15,
+    // cutime 16, cstime 17 (reaped children).
     let ppid = fields.get(1)?.parse().ok()?;
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
+    let mut ticks = 0u64;
+    for i in 11..=14 {
+        // cutime and cstime are signed in the kernel's format; never negative in practice.
+        let v: i64 = fields.get(i)?.parse().ok()?;
+        ticks += v.max(0) as u64;
+    }
     Some(Stat {
         ppid,
-        cpu_ticks: utime + stime,
+        cpu_ticks: ticks,
     })
 }
 
@@ -72,12 +79,12 @@ mod tests {
 
     #[test]
     fn parses_stat_with_odd_command_name() {
-        let line = "1234 (a (b) c) S 77 1234 1234 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 4 0 1 1 1";
+        let line = "1234 (a (b) c) S 77 1234 1234 0 -1 4194560 100 0 0 0 250 50 7 3 20 0 4 0 1 1 1";
         assert_eq!(
             parse_stat(line),
             Some(Stat {
                 ppid: 77,
-                cpu_ticks: 300
+                cpu_ticks: 310
             })
         );
     }
