@@ -100,6 +100,7 @@ pub(crate) fn spawn(
                 epoch,
                 commits,
                 failed: None,
+                cache: HashMap::new(),
             }
             .run(rx)
         })
@@ -114,7 +115,16 @@ struct Writer {
     commits: watch::Sender<u64>,
     /// Set after a failed commit: every later write is refused with it.
     failed: Option<StoreError>,
+    /// Metadata of recently written executions, exactly as on disk: the
+    /// writer is the shard's only writer and updates it only after a commit
+    /// succeeded, so it can never be ahead of or behind the disk. Saves a
+    /// memtable/table lookup per append on the hot path.
+    cache: HashMap<ExecutionId, ExecutionMeta>,
 }
+
+/// Entries the writer's metadata cache holds before it is emptied and
+/// refilled (a crude but bounded policy: about 200 bytes an entry).
+const META_CACHE_ENTRIES_MAX: usize = 65_536;
 
 /// What earlier commands of the batch being built wrote.
 #[derive(Default)]
@@ -176,6 +186,10 @@ impl Writer {
             if let Some(e) = overlay.epoch {
                 self.epoch.store(e.get(), Ordering::Release);
             }
+            if self.cache.len() + overlay.metas.len() > META_CACHE_ENTRIES_MAX {
+                self.cache.clear();
+            }
+            self.cache.extend(overlay.metas);
             self.commits.send_modify(|c| *c += 1);
         }
         for r in replies {
@@ -228,7 +242,7 @@ impl Writer {
         overlay: &Overlay,
         id: ExecutionId,
     ) -> Result<Option<ExecutionMeta>, StoreError> {
-        if let Some(m) = overlay.metas.get(&id) {
+        if let Some(m) = overlay.metas.get(&id).or_else(|| self.cache.get(&id)) {
             return Ok(Some(m.clone()));
         }
         match self
