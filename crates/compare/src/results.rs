@@ -112,8 +112,8 @@ fn thousands(v: f64) -> String {
 /// The markdown results table.
 pub fn table(points: &[Point]) -> String {
     let mut s = String::from(
-        "| system | C | events/s | p50 ms | p99 ms | p99.9 ms | errors | server CPU | loadgen CPU | disk probe fsyncs/s |\n\
-         | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n",
+        "| system | C | events/s | p50 ms | p99 ms | p99.9 ms | errors | server CPU | loadgen CPU | other CPU | disk probe fsyncs/s |\n\
+         | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n",
     );
     for (label, pts) in latest(points) {
         for p in pts {
@@ -132,7 +132,7 @@ pub fn table(points: &[Point]) -> String {
                 },
             );
             s.push_str(&format!(
-                "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} |\n",
                 label,
                 r.clients,
                 thousands(r.events_per_s),
@@ -142,6 +142,7 @@ pub fn table(points: &[Point]) -> String {
                 r.errors,
                 opt(r.server_cpu_pct),
                 opt(r.loadgen_cpu_pct),
+                opt(r.other_cpu_pct()),
                 probe
             ));
         }

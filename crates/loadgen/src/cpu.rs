@@ -14,6 +14,26 @@ pub fn self_cpu_seconds() -> Option<f64> {
     parse_stat(&text).map(|s| s.cpu_ticks as f64 / CLK_TCK)
 }
 
+/// Busy CPU seconds of the whole machine so far, summed over all cores
+/// (from the `cpu` line of `/proc/stat`: everything but idle and iowait).
+pub fn machine_busy_seconds() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_machine(&text).map(|t| t as f64 / CLK_TCK)
+}
+
+fn parse_machine(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal [guest guest_nice],
+    // guest time being already counted in user.
+    let busy = v.get(0..8)?.iter().sum::<u64>() - v.get(3)? - v.get(4)?;
+    Some(busy)
+}
+
 /// CPU seconds (user + system) used so far by `pid` and all its
 /// descendants: the live ones, and (through each process's `cutime` and
 /// `cstime`) the ones that have exited and been reaped. A server such as
@@ -90,9 +110,16 @@ mod tests {
     }
 
     #[test]
+    fn parses_machine_busy() {
+        let text = "cpu  100 5 50 1000 20 3 2 1 0 0\ncpu0 50 0 0 0 0 0 0 0 0 0\n";
+        assert_eq!(parse_machine(text), Some(161));
+    }
+
+    #[test]
     fn reads_own_process() {
         if cfg!(target_os = "linux") {
             assert!(self_cpu_seconds().is_some());
+            assert!(machine_busy_seconds().is_some());
             assert!(tree_cpu_seconds(std::process::id()).is_some());
         }
     }

@@ -49,6 +49,19 @@ pub struct Report {
     /// CPU of the server process tree over the measured window, percent of
     /// one core; absent without a server pid.
     pub server_cpu_pct: Option<f64>,
+    /// Busy CPU of the whole machine over the measured window, percent of
+    /// one core; what neither the server nor the load generator used is
+    /// other activity that competed with the run.
+    #[serde(default)]
+    pub machine_cpu_pct: Option<f64>,
+}
+
+impl Report {
+    /// Machine CPU used by neither the load generator nor the server (when
+    /// both are known), percent of one core.
+    pub fn other_cpu_pct(&self) -> Option<f64> {
+        Some(self.machine_cpu_pct? - self.loadgen_cpu_pct? - self.server_cpu_pct?)
+    }
 }
 
 impl Report {
@@ -64,6 +77,7 @@ impl Report {
         retired_keys: u64,
         loadgen_cpu_pct: Option<f64>,
         server_cpu_pct: Option<f64>,
+        machine_cpu_pct: Option<f64>,
     ) -> Self {
         let ms = |us: u64| us as f64 / 1000.0;
         let q = |q: f64| {
@@ -100,6 +114,7 @@ impl Report {
             total_appends: total_ok.saturating_sub(errors),
             loadgen_cpu_pct,
             server_cpu_pct,
+            machine_cpu_pct,
         }
     }
 }
@@ -133,11 +148,13 @@ impl fmt::Display for Report {
         )?;
         writeln!(
             f,
-            "  errors {}  CPU (of {}%): server {}  load generator {}",
+            "  errors {}  CPU (of {}%): server {}  load generator {}  machine {}  other {}",
             self.errors,
             100 * std::thread::available_parallelism().map_or(1, |n| n.get()),
             opt_pct(self.server_cpu_pct),
-            opt_pct(self.loadgen_cpu_pct)
+            opt_pct(self.loadgen_cpu_pct),
+            opt_pct(self.machine_cpu_pct),
+            opt_pct(self.other_cpu_pct())
         )?;
         if self.errors > 0 {
             writeln!(

@@ -99,10 +99,12 @@ pub async fn run<T: Target>(mut target: T, workload: &Workload) -> Result<Report
     tokio::time::sleep_until(measure_from).await;
     let self0 = cpu::self_cpu_seconds();
     let server0 = workload.server_pid.and_then(cpu::tree_cpu_seconds);
+    let machine0 = cpu::machine_busy_seconds();
     let wall0 = std::time::Instant::now();
     tokio::time::sleep_until(measure_to).await;
     let self1 = cpu::self_cpu_seconds();
     let server1 = workload.server_pid.and_then(cpu::tree_cpu_seconds);
+    let machine1 = cpu::machine_busy_seconds();
     let wall = wall0.elapsed().as_secs_f64();
     let pct = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) if wall > 0.0 => Some((b - a) / wall * 100.0),
@@ -146,6 +148,7 @@ pub async fn run<T: Target>(mut target: T, workload: &Workload) -> Result<Report
         retired,
         pct(self0, self1),
         pct(server0, server1),
+        pct(machine0, machine1),
     ))
 }
 
