@@ -1,11 +1,18 @@
 //! The `forkless` binary: one entry point for the server, the local dev
 //! cluster, the client verbs, `route`, and the load generator.
 
+mod bench;
+mod client_cmds;
 mod dev_cluster;
 mod route;
 mod serve;
 
 use clap::{Parser, Subcommand};
+
+// glibc malloc showed as ~15% of server CPU on the append path; mimalloc's
+// thread-local free lists cut that (see BENCHMARKS.md).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -28,6 +35,10 @@ enum Command {
     DevCluster(dev_cluster::DevClusterArgs),
     /// Print the partition and shard of an execution id or routing key.
     Route(route::RouteArgs),
+    #[command(flatten)]
+    Client(client_cmds::Verb),
+    /// Load generator: closed-loop appends, events/s and latency percentiles.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -36,6 +47,8 @@ fn main() -> ExitCode {
         Command::Serve(a) => serve::run(a),
         Command::Route(a) => route::run(a),
         Command::DevCluster(a) => dev_cluster::run(a),
+        Command::Client(v) => client_cmds::run(v),
+        Command::Bench(a) => bench::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
