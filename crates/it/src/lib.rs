@@ -1,0 +1,969 @@
+//! A small harness for forkless integration tests: the real `forkless`
+//! binary run as child processes on 127.0.0.1, a blocking HTTP/1.1 client,
+//! free ports, temporary data dirs, and guards that kill every process they
+//! started (SIGKILL on drop, and the kernel's parent-death signal as a
+//! backstop), plus a per-test deadline that aborts a hung test.
+//!
+//! Nothing here sleeps for a fixed time to let something happen: callers
+//! wait on conditions with [`wait_until`].
+
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub use serde_json::json;
+
+/// How long a test may run before the deadline guard aborts it.
+pub const TEST_DEADLINE: Duration = Duration::from_secs(90);
+
+/// How long a node may take to answer `/readyz` after it is spawned.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The per-request timeout of the test client.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
+
+// ---------------------------------------------------------------------------
+// The binary
+
+/// The `forkless` binary: `$FORKLESS_BIN`, else `cargo build -p forkless`
+/// (once per test binary; a no-op when up to date) and
+/// `<target>/debug/forkless`. Panics with a clear message if there is none.
+pub fn forkless_bin() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("FORKLESS_BIN") {
+            let p = PathBuf::from(p);
+            assert!(
+                p.is_file(),
+                "FORKLESS_BIN={} is not a file",
+                p.display()
+            );
+            return p;
+        }
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"));
+        let debug = target.join("debug").join("forkless");
+        let release = target.join("release").join("forkless");
+        let mut build_error = None;
+        if std::env::var_os("FORKLESS_IT_NO_BUILD").is_none() {
+            let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+            let started = Instant::now();
+            match Command::new(&cargo)
+                .args(["build", "--quiet", "-p", "forkless", "--bin", "forkless"])
+                .current_dir(&root)
+                .stdin(Stdio::null())
+                .status()
+            {
+                Ok(s) if s.success() => {}
+                Ok(s) => build_error = Some(format!("`cargo build -p forkless` failed: {s}")),
+                Err(e) => build_error = Some(format!("could not run cargo: {e}")),
+            }
+            eprintln!(
+                "[it] cargo build -p forkless: {:.1}s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        let found = [&debug, &release].into_iter().find(|p| p.is_file()).cloned();
+        match (found, build_error) {
+            (Some(p), None) => p,
+            (Some(p), Some(e)) => {
+                eprintln!("[it] WARNING: {e}; testing the existing, possibly stale, {}", p.display());
+                p
+            }
+            (None, e) => panic!(
+                "the forkless binary was not found at {} or {} ({}); build it with `cargo build -p forkless` or set FORKLESS_BIN",
+                debug.display(),
+                release.display(),
+                e.unwrap_or_else(|| "FORKLESS_IT_NO_BUILD is set".into())
+            ),
+        }
+    })
+}
+
+/// Runs `forkless ARGS` to completion (bounded), returning (exit ok, stdout, stderr).
+pub fn run_cli(args: &[&str], timeout: Duration) -> (Option<i32>, String, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("stdout");
+    let err = dir.path().join("stderr");
+    let mut child = Command::new(forkless_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).expect("stdout file"))
+        .stderr(std::fs::File::create(&err).expect("stderr file"))
+        .env_remove("FORKLESS_SHARD_COUNT")
+        .spawn()
+        .expect("spawn forkless");
+    let deadline = Instant::now() + timeout;
+    let code = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("forkless {args:?} did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    (
+        code,
+        std::fs::read_to_string(out).unwrap_or_default(),
+        std::fs::read_to_string(err).unwrap_or_default(),
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Processes
+
+fn live_pids() -> &'static Mutex<Vec<u32>> {
+    static PIDS: OnceLock<Mutex<Vec<u32>>> = OnceLock::new();
+    PIDS.get_or_init(|| Mutex::new(Vec::new()))
+}
+
+fn signal(pid: u32, sig: libc::c_int) {
+    // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// A child process, SIGKILLed and reaped on drop.
+pub struct Proc {
+    child: Child,
+    pub stderr_path: PathBuf,
+    reaped: bool,
+}
+
+impl Proc {
+    /// Spawns `forkless ARGS`, stderr (its log) to `stderr_path` (appended).
+    pub fn spawn(args: &[String], stderr_path: &Path) -> Proc {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(stderr_path)
+            .expect("open node log");
+        let mut cmd = Command::new(forkless_bin());
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log)
+            .env_remove("FORKLESS_CONFIG")
+            .env_remove("FORKLESS_NODE")
+            .env_remove("FORKLESS_DATA_DIR")
+            .env_remove("FORKLESS_LISTEN")
+            .env_remove("FORKLESS_SHARD_COUNT")
+            .env("FORKLESS_LOG", "info");
+        #[cfg(target_os = "linux")]
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe; a backstop so a node never
+            // outlives the test that started it, even if the test aborts.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd.spawn().expect("spawn forkless");
+        live_pids().lock().unwrap().push(child.id());
+        Proc {
+            child,
+            stderr_path: stderr_path.to_path_buf(),
+            reaped: false,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The exit code if it has exited.
+    pub fn try_exit(&mut self) -> Option<std::process::ExitStatus> {
+        let s = self.child.try_wait().ok().flatten();
+        if s.is_some() {
+            self.reaped = true;
+        }
+        s
+    }
+
+    pub fn sigstop(&self) {
+        signal(self.pid(), libc::SIGSTOP);
+    }
+
+    pub fn sigcont(&self) {
+        signal(self.pid(), libc::SIGCONT);
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if !self.reaped {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            self.reaped = true;
+        }
+        let pid = self.pid();
+        live_pids().lock().unwrap().retain(|p| *p != pid);
+    }
+
+    /// Waits (bounded) for the process to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(s) = self.try_exit() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Aborts the test binary (killing every node it started) if the guard is
+/// not dropped within `limit`.
+pub struct Deadline {
+    done: Option<mpsc::Sender<()>>,
+}
+
+pub fn deadline(name: &'static str, limit: Duration) -> Deadline {
+    let (tx, rx) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
+            eprintln!("[it] TEST {name} EXCEEDED ITS DEADLINE OF {limit:?}: killing its nodes and aborting");
+            for pid in live_pids().lock().map(|p| p.clone()).unwrap_or_default() {
+                signal(pid, libc::SIGCONT);
+                signal(pid, libc::SIGKILL);
+            }
+            std::process::abort();
+        }
+    });
+    Deadline { done: Some(tx) }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        if let Some(tx) = self.done.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Polls `f` every 10 ms until it returns `Some`, or panics naming `what`.
+pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `n` distinct free ports on 127.0.0.1 (all held while picking, then released).
+pub fn free_ports(n: usize) -> Vec<u16> {
+    let ls: Vec<_> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
+        .collect();
+    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+}
+
+pub fn addr(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+// ---------------------------------------------------------------------------
+// HTTP
+
+/// An HTTP answer.
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn header_u64(&self, name: &str) -> Option<u64> {
+        self.header(name).and_then(|v| v.parse().ok())
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body as JSON; panics with the body if it is not.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "status {} body is not JSON ({e}): {}",
+                self.status,
+                self.text()
+            )
+        })
+    }
+
+    /// The `error` code of an error body.
+    pub fn error(&self) -> String {
+        self.json()["error"].as_str().unwrap_or("").to_string()
+    }
+
+    #[track_caller]
+    pub fn expect(&self, status: u16) -> &Resp {
+        assert_eq!(
+            self.status,
+            status,
+            "expected status {status}, got {}: {} (headers {:?})",
+            self.status,
+            self.text(),
+            self.headers
+        );
+        self
+    }
+
+    #[track_caller]
+    pub fn expect_error(&self, status: u16, code: &str) -> Value {
+        self.expect(status);
+        let v = self.json();
+        assert_eq!(v["error"], code, "error code in {v}");
+        assert!(v["message"].is_string(), "no message in {v}");
+        v
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection (`Connection: close`).
+pub fn request(
+    to: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+    timeout: Duration,
+) -> std::io::Result<Resp> {
+    let deadline = Instant::now() + timeout;
+    let mut s = TcpStream::connect_timeout(&to, timeout)?;
+    s.set_nodelay(true)?;
+    s.set_write_timeout(Some(timeout))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        if !headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("content-type"))
+        {
+            head.push_str("Content-Type: application/json\r\n");
+        }
+        head.push_str(&format!("Content-Length: {}\r\n", b.len()));
+    }
+    head.push_str("\r\n");
+    let mut out = head.into_bytes();
+    if let Some(b) = body {
+        out.extend_from_slice(b);
+    }
+    // The server may answer (413) and close before reading a large body:
+    // a failed write is not yet a failed request.
+    let _ = s.write_all(&out);
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 64 * 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("{method} {path}: no complete answer within {timeout:?}"),
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(r) = parse_response(&buf, false)? {
+                    return Ok(r);
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && !buf.is_empty() => break,
+            Err(e) => return Err(e),
+        }
+    }
+    parse_response(&buf, true)?.ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!(
+                "{method} {path}: connection closed mid-answer ({} bytes)",
+                buf.len()
+            ),
+        )
+    })
+}
+
+fn bad(m: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string())
+}
+
+/// Parses a whole response out of `buf`, or `None` if more is needed.
+fn parse_response(buf: &[u8], eof: bool) -> std::io::Result<Option<Resp>> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Ok(None);
+    };
+    let head = std::str::from_utf8(&buf[..end]).map_err(|_| bad("head is not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().ok_or_else(|| bad("no status line"))?;
+    let status: u16 = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let rest = &buf[end + 4..];
+    let get = |n: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.as_str())
+    };
+    let body = if get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+        let mut body = Vec::new();
+        let mut i = 0;
+        loop {
+            let Some(le) = rest[i..].windows(2).position(|w| w == b"\r\n") else {
+                return Ok(None);
+            };
+            let size_str = std::str::from_utf8(&rest[i..i + le]).map_err(|_| bad("chunk size"))?;
+            let size = usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16)
+                .map_err(|_| bad("chunk size"))?;
+            i += le + 2;
+            if size == 0 {
+                break;
+            }
+            if rest.len() < i + size + 2 {
+                return Ok(None);
+            }
+            body.extend_from_slice(&rest[i..i + size]);
+            i += size + 2;
+        }
+        body
+    } else if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        if rest.len() < len {
+            return Ok(None);
+        }
+        rest[..len].to_vec()
+    } else if eof {
+        rest.to_vec()
+    } else {
+        return Ok(None);
+    };
+    Ok(Some(Resp {
+        status,
+        headers,
+        body,
+    }))
+}
+
+/// A client for one node's API address.
+#[derive(Debug, Clone, Copy)]
+pub struct Client {
+    pub addr: SocketAddr,
+}
+
+impl Client {
+    pub fn new(addr: SocketAddr) -> Client {
+        Client { addr }
+    }
+
+    #[track_caller]
+    pub fn req(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+    ) -> Resp {
+        request(self.addr, method, path, headers, body, REQUEST_TIMEOUT)
+            .unwrap_or_else(|e| panic!("{method} {path} to {}: {e}", self.addr))
+    }
+
+    /// Like `req` but returns transport errors.
+    pub fn try_req(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout: Duration,
+    ) -> std::io::Result<Resp> {
+        request(self.addr, method, path, headers, body, timeout)
+    }
+
+    #[track_caller]
+    pub fn get(&self, path: &str) -> Resp {
+        self.req("GET", path, &[], None)
+    }
+
+    #[track_caller]
+    pub fn post(&self, path: &str, body: &Value) -> Resp {
+        self.req("POST", path, &[], Some(body.to_string().as_bytes()))
+    }
+
+    #[track_caller]
+    pub fn post_raw(&self, path: &str, body: &[u8]) -> Resp {
+        self.req("POST", path, &[], Some(body))
+    }
+
+    /// Starts an execution; panics unless 201/200. Returns the body.
+    #[track_caller]
+    pub fn start(&self, body: &Value) -> Value {
+        let r = self.post("/api/executions", body);
+        assert!(
+            r.status == 201 || r.status == 200,
+            "start {body} on {}: {} {}",
+            self.addr,
+            r.status,
+            r.text()
+        );
+        r.json()
+    }
+
+    /// The execution's `last_seq` as its owner reports it (panics unless 200).
+    #[track_caller]
+    pub fn last_seq(&self, id: &str) -> u64 {
+        let r = self.get(&format!("/api/executions/{id}"));
+        r.expect(200);
+        r.json()["last_seq"].as_u64().expect("last_seq")
+    }
+
+    /// All events of an execution (paged), as JSON values.
+    #[track_caller]
+    pub fn events(&self, id: &str) -> Vec<Value> {
+        let mut out = Vec::new();
+        loop {
+            let r = self.get(&format!(
+                "/api/executions/{id}/events?after={}&limit=1000",
+                out.len()
+            ));
+            r.expect(200);
+            let v = r.json();
+            let page = v["events"].as_array().expect("events").clone();
+            if page.is_empty() {
+                return out;
+            }
+            out.extend(page);
+        }
+    }
+
+    /// A counter or gauge from `/metrics`, 0 if absent.
+    #[track_caller]
+    pub fn metric(&self, series: &str) -> f64 {
+        let r = self.get("/metrics");
+        r.expect(200);
+        parse_metric(&r.text(), series)
+    }
+
+    pub fn ready(&self) -> bool {
+        request(
+            self.addr,
+            "GET",
+            "/readyz",
+            &[],
+            None,
+            Duration::from_millis(500),
+        )
+        .is_ok_and(|r| r.status == 200)
+    }
+}
+
+/// The value of `series` (e.g. `forkless_route_total{outcome="local"}`) in
+/// a Prometheus text exposition, 0 if absent.
+pub fn parse_metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series)
+                .then(|| value.parse::<f64>().ok())
+                .flatten()
+        })
+        .unwrap_or(0.0)
+}
+
+// ---------------------------------------------------------------------------
+// A single node
+
+/// One `forkless serve` process with its own data dir.
+pub struct Node {
+    pub proc: Option<Proc>,
+    pub client: Client,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    args: Vec<String>,
+}
+
+impl Node {
+    /// Starts a single node on a free port with `extra` flags, data in `data_dir`.
+    pub fn start_single(data_dir: &Path, extra: &[&str]) -> Node {
+        let port = free_ports(1)[0];
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--listen".into(),
+            addr(port).to_string(),
+            "--data-dir".into(),
+            data_dir.display().to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let log = data_dir.with_extension("log");
+        let mut n = Node {
+            proc: None,
+            client: Client::new(addr(port)),
+            data_dir: data_dir.to_path_buf(),
+            log,
+            args,
+        };
+        n.restart();
+        n
+    }
+
+    /// (Re)starts the process with the same arguments and waits for /readyz.
+    pub fn restart(&mut self) {
+        self.kill9();
+        let p = Proc::spawn(&self.args, &self.log);
+        self.proc = Some(p);
+        self.wait_ready();
+    }
+
+    pub fn wait_ready(&mut self) {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if self.client.ready() {
+                return;
+            }
+            if let Some(p) = self.proc.as_mut() {
+                if let Some(s) = p.try_exit() {
+                    panic!(
+                        "node on {} exited during startup ({s}); its log:\n{}",
+                        self.client.addr,
+                        p.log()
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "node on {} not ready within {READY_TIMEOUT:?}; its log:\n{}",
+                    self.client.addr,
+                    std::fs::read_to_string(&self.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut p) = self.proc.take() {
+            p.kill9();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A static cluster
+
+/// Peer timing written into the cluster file.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerTiming {
+    pub forward_connect_timeout_ms: u64,
+    pub forward_timeout_ms: u64,
+    pub probe_interval_ms: u64,
+    pub probe_timeout_ms: u64,
+}
+
+impl Default for PeerTiming {
+    fn default() -> Self {
+        PeerTiming {
+            forward_connect_timeout_ms: 300,
+            forward_timeout_ms: 1000,
+            probe_interval_ms: 100,
+            probe_timeout_ms: 300,
+        }
+    }
+}
+
+pub struct ClusterNode {
+    pub id: u16,
+    pub api: SocketAddr,
+    pub peer: SocketAddr,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    pub proc: Option<Proc>,
+    /// The config file this node was last started with.
+    pub config: PathBuf,
+}
+
+impl ClusterNode {
+    pub fn client(&self) -> Client {
+        Client::new(self.api)
+    }
+    pub fn proc(&self) -> &Proc {
+        self.proc.as_ref().expect("node is running")
+    }
+}
+
+/// Real nodes of a static cluster, sharing a TOML config in a temp dir.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub shard_count: u32,
+    pub timing: PeerTiming,
+    pub nodes: Vec<ClusterNode>,
+    pub secret: String,
+}
+
+impl Cluster {
+    /// Writes a config naming every node, with `shards` as `(shard, owner,
+    /// epoch)` (empty: spread evenly), starts every node, waits until all
+    /// are ready.
+    pub fn start(
+        node_count: u16,
+        shard_count: u32,
+        shards: &[(u32, u16, u64)],
+        timing: PeerTiming,
+    ) -> Cluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ports = free_ports(2 * node_count as usize);
+        let nodes = (0..node_count)
+            .map(|i| {
+                let id = i + 1;
+                ClusterNode {
+                    id,
+                    api: addr(ports[2 * i as usize]),
+                    peer: addr(ports[2 * i as usize + 1]),
+                    data_dir: dir.path().join(format!("node-{id}")),
+                    log: dir.path().join(format!("node-{id}.log")),
+                    proc: None,
+                    config: PathBuf::new(),
+                }
+            })
+            .collect();
+        let mut c = Cluster {
+            dir,
+            shard_count,
+            timing,
+            nodes,
+            secret: "it-secret-0123456789abcdef".into(),
+        };
+        let cfg = c.write_config("cluster-v1.toml", shards);
+        for id in 1..=node_count {
+            c.spawn(id, &cfg);
+        }
+        for id in 1..=node_count {
+            c.wait_ready(id);
+        }
+        c
+    }
+
+    /// Writes a config file into the cluster dir and returns its path.
+    pub fn write_config(&self, name: &str, shards: &[(u32, u16, u64)]) -> PathBuf {
+        let t = &self.timing;
+        let mut s = format!(
+            "shard_count = {}\nsecret = \"{}\"\n\n[peer]\nforward_connect_timeout_ms = {}\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n",
+            self.shard_count, self.secret, t.forward_connect_timeout_ms, t.forward_timeout_ms, t.probe_interval_ms, t.probe_timeout_ms
+        );
+        for n in &self.nodes {
+            s.push_str(&format!(
+                "\n[[nodes]]\nid = {}\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
+                n.id, n.api, n.peer
+            ));
+        }
+        for (shard, owner, epoch) in shards {
+            s.push_str(&format!(
+                "\n[[shards]]\nshard = {shard}\nowner = {owner}\nepoch = {epoch}\n"
+            ));
+        }
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, s).expect("write config");
+        p
+    }
+
+    pub fn node(&self, id: u16) -> &ClusterNode {
+        &self.nodes[id as usize - 1]
+    }
+
+    pub fn node_mut(&mut self, id: u16) -> &mut ClusterNode {
+        &mut self.nodes[id as usize - 1]
+    }
+
+    pub fn client(&self, id: u16) -> Client {
+        self.node(id).client()
+    }
+
+    pub fn clients(&self) -> Vec<(u16, Client)> {
+        self.nodes.iter().map(|n| (n.id, n.client())).collect()
+    }
+
+    fn spawn(&mut self, id: u16, config: &Path) {
+        let n = self.node_mut(id);
+        let args: Vec<String> = vec![
+            "serve".into(),
+            "--config".into(),
+            config.display().to_string(),
+            "--node".into(),
+            id.to_string(),
+            "--data-dir".into(),
+            n.data_dir.display().to_string(),
+        ];
+        n.config = config.to_path_buf();
+        n.proc = Some(Proc::spawn(&args, &n.log));
+    }
+
+    pub fn wait_ready(&mut self, id: u16) {
+        let n = self.node_mut(id);
+        let c = n.client();
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if c.ready() {
+                return;
+            }
+            if let Some(p) = n.proc.as_mut() {
+                if let Some(s) = p.try_exit() {
+                    panic!(
+                        "node {id} exited during startup ({s}); its log:\n{}",
+                        p.log()
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                panic!(
+                    "node {id} not ready within {READY_TIMEOUT:?}; its log:\n{}",
+                    std::fs::read_to_string(&n.log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// SIGKILL (and reap) one node.
+    pub fn kill9(&mut self, id: u16) {
+        if let Some(mut p) = self.node_mut(id).proc.take() {
+            p.kill9();
+        }
+    }
+
+    /// Restarts a node on its data dir with `config` (or its last one).
+    pub fn restart(&mut self, id: u16, config: Option<&Path>) {
+        self.kill9(id);
+        let cfg = config
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| self.node(id).config.clone());
+        self.spawn(id, &cfg);
+        self.wait_ready(id);
+    }
+
+    /// The logs of every node, for a failure message.
+    pub fn logs(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| {
+                format!(
+                    "---- node {} log ----\n{}",
+                    n.id,
+                    std::fs::read_to_string(&n.log).unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// Which node owns each shard, per `GET /api/cluster` on node `via`.
+    pub fn owners(&self, via: u16) -> Vec<(u16, u64)> {
+        let v = self.client(via).get("/api/cluster").json();
+        v["shards"]
+            .as_array()
+            .expect("shards")
+            .iter()
+            .map(|s| {
+                (
+                    s["owner"].as_u64().expect("owner") as u16,
+                    s["epoch"].as_u64().expect("epoch"),
+                )
+            })
+            .collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            if let Some(p) = n.proc.as_ref() {
+                p.sigcont();
+            }
+            n.proc.take();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Routing helpers (the partition table, from the sharding crate)
+
+pub fn shard_count(n: u32) -> forkless_sharding::ShardCount {
+    forkless_sharding::ShardCount::new(n as u64).expect("legal shard count")
+}
+
+/// The shard of an execution id string.
+pub fn shard_of_id(id: &str, n: u32) -> u32 {
+    let raw: i64 = id.parse().expect("execution id is a decimal string");
+    forkless_sharding::shard_for(raw, shard_count(n))
+}
+
+/// The shard of a routing key.
+pub fn shard_of_key(key: &str, n: u32) -> u32 {
+    forkless_sharding::shard_for_key(key, shard_count(n))
+}
+
+/// A routing key (`prefix-i`) whose shard is `shard`.
+pub fn key_on_shard(prefix: &str, shard: u32, n: u32) -> String {
+    (0..100_000)
+        .map(|i| format!("{prefix}-{i}"))
+        .find(|k| shard_of_key(k, n) == shard)
+        .expect("a key on the shard")
+}
+
+/// A flag that is set once; for stopping writer threads.
+#[derive(Clone, Default)]
+pub struct Stop(Arc<AtomicBool>);
+
+impl Stop {
+    pub fn set(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
