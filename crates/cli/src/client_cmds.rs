@@ -1,0 +1,409 @@
+//! The client verbs: `start`, `append`, `signal`, `cancel`, `get`,
+//! `events`, `key`, `status`. Data goes to stdout as JSON, one object per
+//! line; a refusal goes to stderr as the error's JSON object, exit code 1.
+
+use anyhow::{bail, Context};
+use forkless_client::{
+    AppendEvents, Cancel, Client, ClusterMap, Error, NewEvent, ReadEvents, Signal, StartExecution,
+};
+use forkless_types::ExecutionId;
+use serde::Serialize;
+use serde_json::value::RawValue;
+use std::io::Write;
+use std::time::Duration;
+
+/// Where the cluster is.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServerArg {
+    /// Any node of the cluster (http://host:port, or host:port).
+    #[arg(long, env = "FORKLESS_SERVER", default_value = "http://127.0.0.1:7070")]
+    pub server: String,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Verb {
+    /// Start an execution; prints it.
+    Start(StartArgs),
+    /// Append one event to an execution; prints the new seq.
+    Append(AppendArgs),
+    /// Signal an execution (appends an execution.signaled event).
+    Signal(SignalArgs),
+    /// Cancel an execution (appends execution.cancelled and closes it).
+    Cancel(CancelArgs),
+    /// Print an execution's metadata.
+    Get(GetArgs),
+    /// Print an execution's events, one JSON object per line.
+    Events(EventsArgs),
+    /// List the executions started with a routing key.
+    Key(KeyArgs),
+    /// Print the cluster map: nodes, shard owners and epochs.
+    Status(StatusArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct StartArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The workflow name.
+    #[arg(long)]
+    workflow: String,
+    /// Input as JSON (e.g. '{"order":42}').
+    #[arg(long)]
+    input: Option<String>,
+    /// Places the execution on this key's shard; `forkless key` finds it again.
+    #[arg(long)]
+    routing_key: Option<String>,
+    /// A repeated start with the same key returns the same execution.
+    #[arg(long)]
+    idempotency_key: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct AppendArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The execution id.
+    id: String,
+    /// The event type (e.g. order.paid; `completed`/`failed` types close it).
+    #[arg(long = "type")]
+    event_type: String,
+    /// Payload as JSON.
+    #[arg(long)]
+    payload: Option<String>,
+    /// Makes the append safe to repeat: a repeat returns the first seq.
+    #[arg(long)]
+    idempotency_key: Option<String>,
+    /// Refuse unless the execution's last seq is exactly this.
+    #[arg(long)]
+    expected_last_seq: Option<u64>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct SignalArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    id: String,
+    /// The signal name.
+    #[arg(long)]
+    name: String,
+    /// Payload as JSON.
+    #[arg(long)]
+    payload: Option<String>,
+    #[arg(long)]
+    idempotency_key: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct CancelArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    id: String,
+    /// Why (free text, stored in the event).
+    #[arg(long)]
+    reason: Option<String>,
+    #[arg(long)]
+    idempotency_key: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct GetArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    id: String,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct EventsArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    id: String,
+    /// Only events with a seq greater than this.
+    #[arg(long, default_value_t = 0)]
+    after: u64,
+    /// Print at most this many events [default: all].
+    #[arg(long)]
+    limit: Option<u64>,
+    /// Keep waiting for new events (long-poll) until the execution closes.
+    #[arg(long, short = 'f')]
+    follow: bool,
+    /// With --follow: how long each long-poll waits, ms (server maximum 30000).
+    #[arg(long, default_value_t = 25_000)]
+    wait_ms: u64,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The routing key given at start.
+    routing_key: String,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Print the map as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(v: Verb) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    match rt.block_on(run_verb(v)) {
+        Ok(()) => Ok(()),
+        Err(Failed::Api(e)) => {
+            // The refusal as JSON for scripts; exit 1.
+            let mut err = std::io::stderr().lock();
+            let _ = writeln!(err, "{}", e.to_json());
+            let _ = err.flush();
+            drop(rt);
+            std::process::exit(1);
+        }
+        Err(Failed::Other(e)) => Err(e),
+    }
+}
+
+enum Failed {
+    Api(Error),
+    Other(anyhow::Error),
+}
+
+impl From<Error> for Failed {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Config(m) => Failed::Other(anyhow::anyhow!("--server: {m}")),
+            e => Failed::Api(e),
+        }
+    }
+}
+
+impl From<anyhow::Error> for Failed {
+    fn from(e: anyhow::Error) -> Self {
+        Failed::Other(e)
+    }
+}
+
+fn client(s: &ServerArg) -> Result<Client, Failed> {
+    Ok(Client::new(&s.server)?)
+}
+
+fn parse_id(raw: &str) -> anyhow::Result<ExecutionId> {
+    raw.parse::<ExecutionId>()
+        .with_context(|| format!("execution id {raw:?}"))
+}
+
+fn parse_json(flag: &str, raw: Option<String>) -> anyhow::Result<Option<Box<RawValue>>> {
+    match raw {
+        None => Ok(None),
+        Some(s) => match RawValue::from_string(s.clone()) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => bail!(
+                "--{flag} must be JSON ({e}); a string needs its own quotes, e.g. --{flag} '\"{}\"', an object looks like --{flag} '{{\"k\":1}}'",
+                s.chars().take(40).collect::<String>()
+            ),
+        },
+    }
+}
+
+fn print(v: &impl Serialize) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, v).context("writing JSON")?;
+    writeln!(out).context("writing to stdout")?;
+    out.flush().context("writing to stdout")?;
+    Ok(())
+}
+
+async fn run_verb(v: Verb) -> Result<(), Failed> {
+    match v {
+        Verb::Start(a) => {
+            let c = client(&a.server)?;
+            let req = StartExecution {
+                workflow: a.workflow,
+                input: parse_json("input", a.input)?,
+                routing_key: a.routing_key,
+                idempotency_key: a.idempotency_key,
+            };
+            print(&c.start(&req).await?)?;
+        }
+        Verb::Append(a) => {
+            let id = parse_id(&a.id)?;
+            let c = client(&a.server)?;
+            let req = AppendEvents {
+                events: vec![NewEvent {
+                    event_type: a.event_type,
+                    payload: parse_json("payload", a.payload)?,
+                    idempotency_key: a.idempotency_key,
+                }],
+                expected_last_seq: a.expected_last_seq,
+            };
+            print(&c.append(id, &req).await?)?;
+        }
+        Verb::Signal(a) => {
+            let id = parse_id(&a.id)?;
+            let c = client(&a.server)?;
+            let req = Signal {
+                name: a.name,
+                payload: parse_json("payload", a.payload)?,
+                idempotency_key: a.idempotency_key,
+            };
+            print(&c.signal(id, &req).await?)?;
+        }
+        Verb::Cancel(a) => {
+            let id = parse_id(&a.id)?;
+            let c = client(&a.server)?;
+            let req = Cancel {
+                reason: a.reason,
+                idempotency_key: a.idempotency_key,
+            };
+            print(&c.cancel(id, &req).await?)?;
+        }
+        Verb::Get(a) => {
+            let id = parse_id(&a.id)?;
+            print(&client(&a.server)?.get(id).await?)?;
+        }
+        Verb::Events(a) => events(a).await?,
+        Verb::Key(a) => {
+            let c = client(&a.server)?;
+            print(&c.find_by_key(&a.routing_key).await?)?;
+        }
+        Verb::Status(a) => {
+            let map = client(&a.server)?.cluster().await?;
+            if a.json {
+                print(&*map)?;
+            } else {
+                print_status(&map, &mut std::io::stdout().lock()).context("writing to stdout")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Most events the server returns in one page.
+const PAGE_MAX: u64 = 1000;
+
+async fn events(a: EventsArgs) -> Result<(), Failed> {
+    let id = parse_id(&a.id)?;
+    if a.follow && (a.wait_ms == 0 || a.wait_ms > 30_000) {
+        return Err(anyhow::anyhow!("--wait-ms must be 1 to 30000").into());
+    }
+    if a.limit == Some(0) {
+        return Err(anyhow::anyhow!("--limit must be at least 1").into());
+    }
+    let c = client(&a.server)?;
+    let mut after = a.after;
+    let mut left = a.limit.unwrap_or(u64::MAX);
+    loop {
+        let page = c
+            .read_events(
+                id,
+                ReadEvents {
+                    after,
+                    limit: Some(left.min(PAGE_MAX) as u32),
+                    wait: a.follow.then(|| Duration::from_millis(a.wait_ms)),
+                },
+            )
+            .await?;
+        for e in &page.events {
+            print(e)?;
+            after = after.max(e.seq);
+            left -= 1;
+        }
+        let caught_up = after >= page.last_seq;
+        if left == 0 || (caught_up && (!a.follow || page.is_closed())) {
+            return Ok(());
+        }
+        if page.events.is_empty() && !a.follow {
+            // Nothing more to read (defensive: a gap in seqs).
+            return Ok(());
+        }
+    }
+}
+
+/// Shards listed one by one up to this count; above it, grouped by owner.
+const SHARDS_LISTED_MAX: u32 = 64;
+
+pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "cluster: {} node{}, {} shard{}, map version {}, routing {} (as seen by node {} at {})",
+        m.nodes.len(),
+        if m.nodes.len() == 1 { "" } else { "s" },
+        m.shard_count,
+        if m.shard_count == 1 { "" } else { "s" },
+        m.map_version,
+        if m.routing_active {
+            "active"
+        } else {
+            "inactive (single owner)"
+        },
+        m.node,
+        m.fetched_from,
+    )?;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "{:<6} {:<22} {:<22} {:<6} {:>6}",
+        "NODE", "API ADDRESS", "PEER ADDRESS", "ALIVE", "SHARDS"
+    )?;
+    for n in &m.nodes {
+        let owned = m.shards.iter().filter(|s| s.owner == Some(n.id)).count();
+        writeln!(
+            out,
+            "{:<6} {:<22} {:<22} {:<6} {:>6}",
+            n.id,
+            n.api_addr,
+            n.peer_addr.as_deref().unwrap_or("-"),
+            if n.alive { "yes" } else { "NO" },
+            owned
+        )?;
+    }
+    writeln!(out)?;
+    let owner_text = |o: Option<u16>| {
+        o.map_or_else(
+            || "none".to_string(),
+            |id| match m.node_info(id) {
+                Some(n) if n.alive => id.to_string(),
+                Some(_) => format!("{id} (down)"),
+                None => format!("{id} (unknown node)"),
+            },
+        )
+    };
+    if m.shard_count <= SHARDS_LISTED_MAX {
+        writeln!(out, "{:<6} {:<18} {:>6}", "SHARD", "OWNER", "EPOCH")?;
+        for s in &m.shards {
+            writeln!(
+                out,
+                "{:<6} {:<18} {:>6}",
+                s.shard,
+                owner_text(s.owner),
+                s.epoch.map_or_else(|| "-".into(), |e| e.to_string())
+            )?;
+        }
+    } else {
+        writeln!(
+            out,
+            "{} shards, grouped by owner (--json lists each):",
+            m.shard_count
+        )?;
+        writeln!(out, "{:<18} {:>6}  {:<12}", "OWNER", "SHARDS", "EPOCHS")?;
+        let mut owners: Vec<Option<u16>> = m.shards.iter().map(|s| s.owner).collect();
+        owners.sort();
+        owners.dedup();
+        for o in owners {
+            let of: Vec<_> = m.shards.iter().filter(|s| s.owner == o).collect();
+            let lo = of.iter().filter_map(|s| s.epoch).min();
+            let hi = of.iter().filter_map(|s| s.epoch).max();
+            let epochs = match (lo, hi) {
+                (Some(l), Some(h)) if l == h => l.to_string(),
+                (Some(l), Some(h)) => format!("{l}-{h}"),
+                _ => "-".into(),
+            };
+            writeln!(out, "{:<18} {:>6}  {:<12}", owner_text(o), of.len(), epochs)?;
+        }
+    }
+    Ok(())
+}

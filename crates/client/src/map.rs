@@ -1,0 +1,294 @@
+//! The cluster map as `GET /api/cluster` describes it, and the pure owner
+//! computation a routing-aware client does with it.
+
+use crate::error::Error;
+use forkless_sharding::{shard_for_key, ShardCount};
+use forkless_types::ExecutionId;
+use serde::{Deserialize, Serialize};
+
+/// One node of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub id: u16,
+    /// The client API address (`host:port`).
+    pub api_addr: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer_addr: Option<String>,
+    /// The answering node's view of this node's liveness.
+    #[serde(default = "yes")]
+    pub alive: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// One shard's owner as the answering node sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub shard: u32,
+    #[serde(default)]
+    pub owner: Option<u16>,
+    #[serde(default)]
+    pub epoch: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Wire {
+    node: u16,
+    shard_count: u64,
+    map_version: u64,
+    #[serde(default)]
+    routing_active: bool,
+    nodes: Vec<NodeInfo>,
+    shards: Vec<ShardInfo>,
+}
+
+/// A validated cluster map, remembered with the base URL it was fetched from.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterMap {
+    /// The node that answered.
+    pub node: u16,
+    pub shard_count: u32,
+    pub map_version: u64,
+    /// False on a single node (one shard): everything is local there.
+    pub routing_active: bool,
+    pub nodes: Vec<NodeInfo>,
+    pub shards: Vec<ShardInfo>,
+    /// The base URL the map was fetched from (`http://host:port`).
+    pub fetched_from: String,
+    #[serde(skip)]
+    count: ShardCount,
+}
+
+/// Where one request goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Destination {
+    /// `http://host:port`.
+    pub base: String,
+    /// The node, when the map names it.
+    pub node: Option<u16>,
+}
+
+impl ClusterMap {
+    /// Parses and checks a `GET /api/cluster` answer. Never panics on what
+    /// the server sent.
+    pub fn from_json(body: &[u8], fetched_from: &str) -> Result<ClusterMap, Error> {
+        let w: Wire = serde_json::from_slice(body)
+            .map_err(|e| Error::Protocol(format!("cluster map from {fetched_from}: {e}")))?;
+        let count = ShardCount::new(w.shard_count).map_err(|e| {
+            Error::Protocol(format!("cluster map from {fetched_from}: shard_count: {e}"))
+        })?;
+        let mut shards = w.shards;
+        shards.sort_by_key(|s| s.shard);
+        let dense = shards.len() == count.get() as usize
+            && shards
+                .iter()
+                .enumerate()
+                .all(|(i, s)| s.shard as usize == i);
+        if !dense {
+            return Err(Error::Protocol(format!(
+                "cluster map from {fetched_from}: shard_count is {} but the shards listed are not exactly 0..{}",
+                count.get(),
+                count.get()
+            )));
+        }
+        Ok(ClusterMap {
+            node: w.node,
+            shard_count: count.get(),
+            map_version: w.map_version,
+            routing_active: w.routing_active,
+            nodes: w.nodes,
+            shards,
+            fetched_from: fetched_from.trim_end_matches('/').to_string(),
+            count,
+        })
+    }
+
+    pub fn count(&self) -> ShardCount {
+        self.count
+    }
+
+    /// The shard of an execution id.
+    pub fn shard_of(&self, id: ExecutionId) -> u32 {
+        id.shard(self.count).get()
+    }
+
+    /// The shard a routing key steers to.
+    pub fn shard_of_key(&self, key: &str) -> u32 {
+        shard_for_key(key, self.count)
+    }
+
+    pub fn node_info(&self, id: u16) -> Option<&NodeInfo> {
+        self.nodes.iter().find(|n| n.id == id)
+    }
+
+    /// The owner node of a shard, if the map names one.
+    pub fn owner(&self, shard: u32) -> Option<&NodeInfo> {
+        let s = self.shards.get(shard as usize)?;
+        self.node_info(s.owner?)
+    }
+
+    /// The base URL of a node. The node that answered the map is reached the
+    /// way the map was reached (it may know itself by an address this client
+    /// cannot use); a wildcard listen address keeps the fetch host.
+    pub fn base_of(&self, n: &NodeInfo) -> String {
+        if n.id == self.node {
+            return self.fetched_from.clone();
+        }
+        let (host, port) = split_host_port(&n.api_addr);
+        if matches!(host, "0.0.0.0" | "[::]" | "::" | "") {
+            let (fhost, _) = split_host_port(strip_scheme(&self.fetched_from));
+            return format!("http://{fhost}:{port}");
+        }
+        format!("http://{}", n.api_addr)
+    }
+
+    /// Where a request for `shard` goes: its owner's API address; the node
+    /// the map came from when routing is inactive or no owner is known (it
+    /// then answers for the shard itself: forwards, or fails closed).
+    pub fn destination(&self, shard: Option<u32>) -> Destination {
+        let fallback = Destination {
+            base: self.fetched_from.clone(),
+            node: Some(self.node),
+        };
+        if !self.routing_active {
+            return fallback;
+        }
+        match shard.and_then(|s| self.owner(s)) {
+            Some(n) => Destination {
+                base: self.base_of(n),
+                node: Some(n.id),
+            },
+            None => fallback,
+        }
+    }
+
+    /// Base URLs worth asking for a fresh map: alive nodes first.
+    pub fn refresh_candidates(&self) -> Vec<String> {
+        let mut nodes: Vec<&NodeInfo> = self.nodes.iter().collect();
+        nodes.sort_by_key(|n| (!n.alive, n.id));
+        nodes.into_iter().map(|n| self.base_of(n)).collect()
+    }
+}
+
+fn strip_scheme(url: &str) -> &str {
+    url.strip_prefix("http://").unwrap_or(url)
+}
+
+/// Splits `host:port` (or `[v6]:port`); a missing port is empty.
+fn split_host_port(addr: &str) -> (&str, &str) {
+    let addr = addr.trim_end_matches('/');
+    match addr.rfind(':') {
+        Some(i) if !addr[i..].contains(']') => (&addr[..i], &addr[i + 1..]),
+        _ => (addr, ""),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn three_nodes(n: u32) -> ClusterMap {
+        let shards: Vec<_> = (0..n)
+            .map(|s| {
+                format!(
+                    r#"{{"shard":{s},"owner":{},"epoch":1,"local":false,"store_epoch":null}}"#,
+                    s % 3 + 1
+                )
+            })
+            .collect();
+        let body = format!(
+            r#"{{"node":1,"shard_count":{n},"partition_count":4096,"map_version":3,"routing_active":true,
+               "nodes":[{{"id":1,"api_addr":"127.0.0.1:7071","peer_addr":"127.0.0.1:7171","alive":true,"self":true}},
+                        {{"id":2,"api_addr":"127.0.0.1:7072","peer_addr":"127.0.0.1:7172","alive":true,"self":false}},
+                        {{"id":3,"api_addr":"0.0.0.0:7073","peer_addr":"127.0.0.1:7173","alive":false,"self":false}}],
+               "shards":[{}]}}"#,
+            shards.join(",")
+        );
+        ClusterMap::from_json(body.as_bytes(), "http://localhost:7071/").expect("valid map")
+    }
+
+    #[test]
+    fn owner_of_an_id_follows_the_partition_table() {
+        let m = three_nodes(16);
+        for raw in [1i64, 2, 3, 42, 1 << 40, i64::MAX] {
+            let id = ExecutionId::new(raw).expect("positive");
+            let shard = forkless_sharding::shard_for(raw, ShardCount::new(16).expect("legal"));
+            assert_eq!(m.shard_of(id), shard);
+            let d = m.destination(Some(shard));
+            let owner = shard % 3 + 1;
+            assert_eq!(d.node, Some(owner as u16));
+            let want = match owner {
+                1 => "http://localhost:7071".to_string(),
+                2 => "http://127.0.0.1:7072".to_string(),
+                _ => "http://localhost:7073".to_string(),
+            };
+            assert_eq!(d.base, want, "id {raw} shard {shard}");
+        }
+    }
+
+    #[test]
+    fn owner_of_a_key_matches_the_server_steering() {
+        let m = three_nodes(8);
+        let key = "tenant-a/order-1";
+        let s = m.shard_of_key(key);
+        assert_eq!(
+            s,
+            forkless_types::PartitionId::for_key(key)
+                .shard(ShardCount::new(8).expect("legal"))
+                .get()
+        );
+        assert_eq!(m.destination(Some(s)).node, Some((s % 3 + 1) as u16));
+    }
+
+    #[test]
+    fn inactive_routing_and_unowned_shards_go_to_the_answering_node() {
+        let single = ClusterMap::from_json(
+            br#"{"node":1,"shard_count":1,"map_version":1,"routing_active":false,
+                "nodes":[{"id":1,"api_addr":"0.0.0.0:7070","alive":true}],
+                "shards":[{"shard":0,"owner":1,"epoch":1}]}"#,
+            "http://127.0.0.1:9999",
+        )
+        .expect("valid");
+        assert_eq!(
+            single.destination(Some(0)).base,
+            "http://127.0.0.1:9999".to_string()
+        );
+        let mut m = three_nodes(4);
+        m.shards[2].owner = None;
+        assert_eq!(m.destination(Some(2)).node, Some(1));
+        m.shards[3].owner = Some(99);
+        assert_eq!(m.destination(Some(3)).node, Some(1));
+        assert_eq!(m.destination(None).node, Some(1));
+    }
+
+    #[test]
+    fn refuses_inconsistent_maps() {
+        for body in [
+            &br#"{"node":1,"shard_count":3,"map_version":1,"nodes":[],"shards":[]}"#[..],
+            br#"{"node":1,"shard_count":2,"map_version":1,"nodes":[],"shards":[{"shard":0}]}"#,
+            br#"{"node":1,"shard_count":2,"map_version":1,"nodes":[],"shards":[{"shard":0},{"shard":5}]}"#,
+            br#"{"node":1}"#,
+            b"garbage",
+        ] {
+            assert!(matches!(
+                ClusterMap::from_json(body, "http://x:1"),
+                Err(Error::Protocol(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn refresh_prefers_alive_nodes() {
+        let m = three_nodes(4);
+        assert_eq!(
+            m.refresh_candidates(),
+            vec![
+                "http://localhost:7071".to_string(),
+                "http://127.0.0.1:7072".to_string(),
+                "http://localhost:7073".to_string(),
+            ]
+        );
+    }
+}
