@@ -21,6 +21,10 @@ pub struct StoreConfig {
     pub cache_bytes_per_shard: u64,
     /// Background flush/compaction threads per shard.
     pub worker_threads_per_shard: usize,
+    /// Journal bytes kept before memtables are flushed; bounds how much a
+    /// restart after a crash replays (fjall's minimum is 64 MiB; its default
+    /// of 512 MiB made a crashed shard take seconds to reopen).
+    pub journal_bytes_max: u64,
 }
 
 impl Default for StoreConfig {
@@ -28,6 +32,7 @@ impl Default for StoreConfig {
         StoreConfig {
             cache_bytes_per_shard: 32 * 1024 * 1024,
             worker_threads_per_shard: 1,
+            journal_bytes_max: 64 * 1024 * 1024,
         }
     }
 }
@@ -71,6 +76,7 @@ impl ShardStore {
         let db = Database::builder(path)
             .cache_size(config.cache_bytes_per_shard)
             .worker_threads(config.worker_threads_per_shard.max(1))
+            .max_journaling_size(config.journal_bytes_max.max(64 * 1024 * 1024))
             .open()?;
         let opts = KeyspaceCreateOptions::default;
         let ks = Keyspaces {
