@@ -238,7 +238,10 @@ pub struct Store {
     shard_count: ShardCount,
     config: StoreConfig,
     shards: RwLock<BTreeMap<ShardId, Arc<ShardStore>>>,
+    opening: [std::sync::Mutex<()>; OPEN_LOCKS],
 }
+
+const OPEN_LOCKS: usize = 16;
 
 const LAYOUT_FILE: &str = "layout";
 
@@ -279,11 +282,14 @@ impl Store {
             shard_count,
             config,
             shards: RwLock::new(BTreeMap::new()),
+            opening: Default::default(),
         };
         // Reopen every shard that has data here, owned or not: a shard this
         // node no longer owns must still be there to be fenced and read.
+        // Each reopen replays its own journal, so they run in parallel.
         let entries =
             std::fs::read_dir(dir.join("shards")).map_err(|e| StoreError::Io(e.to_string()))?;
+        let mut existing = Vec::new();
         for entry in entries {
             let entry = entry.map_err(|e| StoreError::Io(e.to_string()))?;
             if let Some(s) = entry
@@ -292,10 +298,21 @@ impl Store {
                 .and_then(|n| n.parse::<u32>().ok())
             {
                 if s < shard_count.get() {
-                    store.open_shard(ShardId(s), Epoch(0))?;
+                    existing.push(ShardId(s));
                 }
             }
         }
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = existing
+                .iter()
+                .map(|s| scope.spawn(|| store.open_shard(*s, Epoch(0))))
+                .collect();
+            for h in handles {
+                h.join()
+                    .map_err(|_| StoreError::Io("a shard's reopen panicked".into()))??;
+            }
+            Ok::<(), StoreError>(())
+        })?;
         Ok(store)
     }
 
@@ -311,13 +328,19 @@ impl Store {
                 self.shard_count
             )));
         }
-        let mut shards = self.shards.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = shards.get(&shard) {
-            return Ok(s.clone());
+        // One opener per shard at a time; different shards open in parallel.
+        let _opening = self.opening[shard.get() as usize % OPEN_LOCKS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = self.shard(shard) {
+            return Ok(s);
         }
         let path = self.dir.join("shards").join(shard.get().to_string());
         let s = Arc::new(ShardStore::open(&path, shard, initial_epoch, &self.config)?);
-        shards.insert(shard, s.clone());
+        self.shards
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(shard, s.clone());
         Ok(s)
     }
 

@@ -377,3 +377,33 @@ async fn long_poll_counter_moves_on_commit() {
     commits.changed().await.unwrap();
     assert!(*commits.borrow() > before);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_shard_with_data_reopens_with_its_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = ShardCount::new(4).unwrap();
+    {
+        let store = Store::open(dir.path(), n, StoreConfig::default()).unwrap();
+        for s in 0..4u32 {
+            let shard = store.open_shard(ShardId(s), Epoch(1 + s as u64)).unwrap();
+            shard
+                .start(start(1 + s as u64, 100 + s as i64, None, None))
+                .await
+                .unwrap();
+        }
+    }
+    let store = Store::open(dir.path(), n, StoreConfig::default()).unwrap();
+    assert_eq!(store.hosted().len(), 4);
+    for s in 0..4u32 {
+        let shard = store.shard(ShardId(s)).unwrap();
+        assert_eq!(shard.epoch(), Epoch(1 + s as u64));
+        assert_eq!(
+            shard
+                .execution(id(100 + s as i64))
+                .unwrap()
+                .unwrap()
+                .last_seq,
+            1
+        );
+    }
+}
