@@ -64,7 +64,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 
 pub fn init_logging(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FORKLESS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fjall=warn,lsm_tree=warn"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
