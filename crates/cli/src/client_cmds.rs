@@ -4,7 +4,8 @@
 
 use anyhow::{bail, Context};
 use forkless_client::{
-    AppendEvents, Cancel, Client, ClusterMap, Error, NewEvent, ReadEvents, Signal, StartExecution,
+    AppendEvents, Cancel, Client, ClusterMap, Config, Error, NewEvent, ReadEvents, RetryPolicy,
+    Signal, StartExecution,
 };
 use forkless_types::ExecutionId;
 use serde::Serialize;
@@ -64,7 +65,8 @@ pub struct AppendArgs {
     server: ServerArg,
     /// The execution id.
     id: String,
-    /// The event type (e.g. order.paid; `completed`/`failed` types close it).
+    /// The event type, e.g. order.paid (execution.completed or
+    /// execution.failed closes the execution).
     #[arg(long = "type")]
     event_type: String,
     /// Payload as JSON.
@@ -188,7 +190,14 @@ impl From<anyhow::Error> for Failed {
 }
 
 fn client(s: &ServerArg) -> Result<Client, Failed> {
-    Ok(Client::new(&s.server)?)
+    let mut cfg = Config::new(&s.server);
+    // A person is waiting: retry what is safe, but give up within seconds.
+    cfg.retry = RetryPolicy {
+        max_attempts: 4,
+        max_elapsed: Duration::from_secs(5),
+        ..RetryPolicy::default()
+    };
+    Ok(Client::with_config(cfg)?)
 }
 
 fn parse_id(raw: &str) -> anyhow::Result<ExecutionId> {

@@ -192,9 +192,23 @@ impl Error {
     /// The error as one JSON object in the server's shape
     /// (`{"error": code, "message": ..., typed fields}`).
     pub fn to_json(&self) -> Value {
-        let mut v = json!({"error": self.code(), "message": self.to_string()});
+        // The server's own words where it gave them; the client's
+        // explanation where the client adds something (retries, outcome).
+        let message = match self {
+            Error::Invalid { message, .. }
+            | Error::NotFound { message }
+            | Error::SequenceConflict { message, .. }
+            | Error::Closed { message, .. }
+            | Error::IdempotencyConflict { message }
+            | Error::TooLarge { message, .. }
+            | Error::NotOwner { message, .. }
+            | Error::Forbidden { message }
+            | Error::Server { message, .. } => message.clone(),
+            _ => self.to_string(),
+        };
+        let mut v = json!({"error": self.code(), "message": message});
         if let Some(s) = self.http_status() {
-            v["status"] = json!(s);
+            v["http_status"] = json!(s);
         }
         match self {
             Error::Invalid { field, .. } => v["field"] = json!(field),
@@ -209,7 +223,7 @@ impl Error {
             Error::Closed {
                 status, last_seq, ..
             } => {
-                v["execution_status"] = json!(status);
+                v["status"] = json!(status);
                 v["last_seq"] = json!(last_seq);
             }
             Error::TooLarge { size, limit, .. } => {
@@ -479,7 +493,7 @@ mod tests {
         let v = e.to_json();
         assert_eq!(v["error"], "owner_unavailable");
         assert_eq!(v["executed"], "unknown");
-        assert_eq!(v["status"], 503);
+        assert_eq!(v["http_status"], 503);
         assert!(v["message"]
             .as_str()
             .is_some_and(|m| m.contains("MAY have been applied")));
