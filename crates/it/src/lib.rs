@@ -787,7 +787,37 @@ impl Cluster {
         for id in 1..=node_count {
             c.wait_ready(id);
         }
+        c.wait_all_alive();
         c
+    }
+
+    /// Waits until every running node believes every other running node is
+    /// alive (its probes have answered), so routing is settled.
+    pub fn wait_all_alive(&self) {
+        let running: Vec<u16> = self
+            .nodes
+            .iter()
+            .filter(|n| n.proc.is_some())
+            .map(|n| n.id)
+            .collect();
+        for &n in &running {
+            let c = self.client(n);
+            wait_until(
+                &format!("node {n} to see every running peer alive"),
+                READY_TIMEOUT,
+                || {
+                    let v = c.get("/api/cluster").json();
+                    let alive: Vec<u16> = v["nodes"]
+                        .as_array()?
+                        .iter()
+                        .filter(|x| x["alive"] == true)
+                        .filter_map(|x| x["id"].as_u64())
+                        .map(|x| x as u16)
+                        .collect();
+                    running.iter().all(|r| alive.contains(r)).then_some(())
+                },
+            );
+        }
     }
 
     /// Writes a config file into the cluster dir and returns its path.

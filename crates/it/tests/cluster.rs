@@ -1,0 +1,866 @@
+//! Three real nodes of a static cluster on loopback: forwarding, start
+//! placement, fail-closed routing when an owner is killed or paused, the hop
+//! header, and the epoch fence against a stale config.
+
+use forkless_it::*;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+const NODES: u16 = 3;
+const SHARDS: u32 = 8;
+
+/// The even spread of a config without `[[shards]]`: shard s to node s%3+1.
+fn owner_of_shard(s: u32) -> u16 {
+    (s % NODES as u32) as u16 + 1
+}
+
+fn owner_of_id(id: &str) -> u16 {
+    owner_of_shard(shard_of_id(id, SHARDS))
+}
+
+fn id_of(v: &Value) -> String {
+    v["execution_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
+        .to_string()
+}
+
+fn ev(t: &str, n: u64) -> Value {
+    json!({"type": t, "payload": {"n": n}})
+}
+
+fn cluster() -> Cluster {
+    Cluster::start(NODES, SHARDS, &[], PeerTiming::default())
+}
+
+/// Asserts `r` is the owner's answer relayed (or given) to a client of `asked`.
+#[track_caller]
+fn assert_routed(r: &Resp, asked: u16, owner: u16, shard: u32) {
+    assert_eq!(
+        r.header_u64("x-forkless-owner"),
+        Some(owner as u64),
+        "owner header: {:?}",
+        r.headers
+    );
+    assert_eq!(
+        r.header_u64("x-forkless-node"),
+        Some(owner as u64),
+        "the answer should come from the owner: {:?}",
+        r.headers
+    );
+    assert_eq!(
+        r.header_u64("x-forkless-shard"),
+        Some(shard as u64),
+        "{:?}",
+        r.headers
+    );
+    let hops = if asked == owner { 0 } else { 1 };
+    assert_eq!(
+        r.header_u64("x-forkless-hops"),
+        Some(hops),
+        "asked {asked}, owner {owner}: {:?}",
+        r.headers
+    );
+    assert!(r.header("x-forkless-epoch").is_some());
+    assert!(r.header("x-forkless-map-version").is_some());
+}
+
+/// Answers stripped of what legitimately differs between two reads.
+fn same_answer(a: &Resp, b: &Resp) -> bool {
+    a.status == b.status && a.json() == b.json()
+}
+
+#[test]
+fn every_endpoint_through_every_node_gives_the_owners_answer() {
+    let _d = deadline("every_endpoint_through_every_node", TEST_DEADLINE);
+    let cl = cluster();
+    // One execution started on each node (unsteered: lands on that node).
+    let mut ids = Vec::new();
+    for (n, c) in cl.clients() {
+        let r = c.post("/api/executions", &json!({"workflow": format!("w{n}")}));
+        r.expect(201);
+        let id = id_of(&r.json());
+        assert_eq!(owner_of_id(&id), n);
+        ids.push(id);
+    }
+    for id in &ids {
+        let owner = owner_of_id(id);
+        let shard = shard_of_id(id, SHARDS);
+        let mut seq = 1;
+        for (n, c) in cl.clients() {
+            // Append by path and by body, with expected_last_seq.
+            let r = c.post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("a", n as u64)], "expected_last_seq": seq}),
+            );
+            r.expect(200);
+            assert_routed(&r, n, owner, shard);
+            assert_eq!(r.json()["first_seq"], seq + 1);
+            let r = c.post(
+                "/api/events",
+                &json!({"execution_id": id, "events": [ev("b", n as u64)], "expected_last_seq": seq + 1}),
+            );
+            r.expect(200);
+            assert_routed(&r, n, owner, shard);
+            let r = c.post(
+                &format!("/api/executions/{id}/signals"),
+                &json!({"name": format!("s{n}")}),
+            );
+            r.expect(200);
+            assert_routed(&r, n, owner, shard);
+            assert_eq!(r.json()["seq"], seq + 3);
+            seq += 3;
+            // Errors are the owner's too.
+            let r = c.post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("x", 0)], "expected_last_seq": 1}),
+            );
+            let v = r.expect_error(409, "sequence_conflict");
+            assert_eq!(v["last_seq"], seq);
+            assert_routed(&r, n, owner, shard);
+        }
+        // Reads: the same body from every node.
+        for path in [
+            format!("/api/executions/{id}"),
+            format!("/api/executions/{id}/events"),
+            format!("/api/executions/{id}/events?after=3&limit=2"),
+        ] {
+            let answers: Vec<Resp> = cl.clients().iter().map(|(_, c)| c.get(&path)).collect();
+            for (i, r) in answers.iter().enumerate() {
+                r.expect(200);
+                assert_routed(r, i as u16 + 1, owner, shard);
+                assert!(
+                    same_answer(r, &answers[0]),
+                    "{path}: node {} answered {} but node 1 answered {}",
+                    i + 1,
+                    r.text(),
+                    answers[0].text()
+                );
+            }
+        }
+        assert_eq!(cl.client(1).last_seq(id), seq);
+        assert_eq!(cl.client(2).events(id).len() as u64, seq);
+    }
+    // Unknown execution on each owner: 404 from the owner, via anyone.
+    for s in 0..SHARDS {
+        let missing = (1i64..)
+            .find(|i| forkless_sharding::shard_for(*i, shard_count(SHARDS)) == s)
+            .unwrap();
+        for (n, c) in cl.clients() {
+            let r = c.get(&format!("/api/executions/{missing}"));
+            r.expect_error(404, "execution_not_found");
+            assert_routed(&r, n, owner_of_shard(s), s);
+        }
+    }
+    // Cancel through a non-owner; then the closed answer, from everyone.
+    let id = &ids[0];
+    let owner = owner_of_id(id);
+    let other = owner % NODES + 1;
+    let r = cl.client(other).post(
+        &format!("/api/executions/{id}/cancel"),
+        &json!({"reason": "done"}),
+    );
+    r.expect(200);
+    assert_eq!(r.json()["status"], "cancelled");
+    for (_, c) in cl.clients() {
+        let v = c
+            .post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("late", 0)]}),
+            )
+            .expect_error(409, "execution_closed");
+        assert_eq!(v["status"], "cancelled");
+    }
+    // Keys (with a '/') resolve on the key's shard from every node.
+    let key = "tenant-z/order-9";
+    let started = cl
+        .client(1)
+        .start(&json!({"workflow": "w", "routing_key": key}));
+    let sid = id_of(&started);
+    let answers: Vec<Resp> = cl
+        .clients()
+        .iter()
+        .map(|(_, c)| c.get(&format!("/api/keys/{key}")))
+        .collect();
+    for (i, r) in answers.iter().enumerate() {
+        r.expect(200);
+        assert_routed(
+            r,
+            i as u16 + 1,
+            owner_of_shard(shard_of_key(key, SHARDS)),
+            shard_of_key(key, SHARDS),
+        );
+        assert!(same_answer(r, &answers[0]));
+        assert_eq!(id_of(&r.json()["executions"][0]), sid);
+    }
+    // The cluster map agrees everywhere.
+    for (n, c) in cl.clients() {
+        let v = c.get("/api/cluster").json();
+        assert_eq!(v["node"], n);
+        assert_eq!(v["shard_count"], SHARDS);
+        assert_eq!(v["routing_active"], true);
+        for s in v["shards"].as_array().unwrap() {
+            let shard = s["shard"].as_u64().unwrap() as u32;
+            assert_eq!(s["owner"], owner_of_shard(shard), "{s}");
+            assert_eq!(s["epoch"], 1);
+            assert_eq!(s["local"], owner_of_shard(shard) == n);
+        }
+    }
+}
+
+#[test]
+fn long_polls_through_a_non_owner_get_their_wait() {
+    let _d = deadline("long_polls_through_a_non_owner", TEST_DEADLINE);
+    let cl = cluster();
+    let id = id_of(&cl.client(2).start(&json!({"workflow": "w"})));
+    assert_eq!(owner_of_id(&id), 2);
+    // Longer than forward_timeout_ms (1000): still an empty 200, not a 503.
+    let t = Instant::now();
+    let r = cl
+        .client(1)
+        .get(&format!("/api/executions/{id}/events?after=1&wait_ms=1500"));
+    let took = t.elapsed();
+    r.expect(200);
+    assert_eq!(r.json()["events"], json!([]));
+    assert!(took >= Duration::from_millis(1400), "{took:?}");
+    assert!(took < Duration::from_millis(4000), "{took:?}");
+    // An event appended via a third node wakes a poll relayed by the first.
+    let c1 = cl.client(1);
+    let pid = id.clone();
+    let poll = std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = c1.get(&format!(
+            "/api/executions/{pid}/events?after=1&wait_ms=15000"
+        ));
+        (r, t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    cl.client(3)
+        .post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [ev("wake", 1)]}),
+        )
+        .expect(200);
+    let (r, took) = poll.join().unwrap();
+    r.expect(200);
+    assert_eq!(r.json()["events"][0]["type"], "wake");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+#[test]
+fn unsteered_starts_never_forward() {
+    let _d = deadline("unsteered_starts_never_forward", TEST_DEADLINE);
+    let cl = cluster();
+    for (n, c) in cl.clients() {
+        let fwd = "forkless_route_total{outcome=\"forwarded_ok\"}";
+        let before = c.metric(fwd);
+        for i in 0..40 {
+            let r = c.post(
+                "/api/executions",
+                &json!({"workflow": "w", "input": {"i": i}}),
+            );
+            r.expect(201);
+            let id = id_of(&r.json());
+            let shard = shard_of_id(&id, SHARDS);
+            assert_eq!(
+                owner_of_shard(shard),
+                n,
+                "start on node {n} landed on shard {shard}"
+            );
+            assert_routed(&r, n, n, shard);
+        }
+        assert_eq!(
+            c.metric(fwd),
+            before,
+            "an unsteered start on node {n} forwarded"
+        );
+    }
+}
+
+#[test]
+fn steered_starts_land_on_the_key_shard_from_any_node() {
+    let _d = deadline("steered_starts_land_on_the_key_shard", TEST_DEADLINE);
+    let cl = cluster();
+    for s in 0..SHARDS {
+        let key = key_on_shard(&format!("tenant-{s}/order"), s, SHARDS);
+        let owner = owner_of_shard(s);
+        let via = (s as u16 % NODES) + 1; // sometimes the owner, mostly not
+        let via = if s % 2 == 0 { via } else { via % NODES + 1 };
+        let body =
+            json!({"workflow": "w", "routing_key": key, "idempotency_key": format!("idem-{s}")});
+        let r = cl.client(via).post("/api/executions", &body);
+        r.expect(201);
+        assert_routed(&r, via, owner, s);
+        let v = r.json();
+        let id = id_of(&v);
+        assert_eq!(shard_of_id(&id, SHARDS), s, "{key} -> {id}");
+        assert_eq!(v["shard"], s);
+        // A repeat through every node: the same execution.
+        for (n, c) in cl.clients() {
+            let r = c.post("/api/executions", &body);
+            r.expect(200);
+            assert_routed(&r, n, owner, s);
+            assert_eq!(id_of(&r.json()), id);
+            assert_eq!(r.json()["existing"], true);
+            let k = c.get(&format!("/api/keys/{key}")).json();
+            let ids: Vec<_> = k["executions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(id_of)
+                .collect();
+            assert_eq!(ids, vec![id.clone()]);
+        }
+    }
+}
+
+#[test]
+fn forged_hop_header_is_refused_on_every_node_and_a_peer_hop_gets_421() {
+    let _d = deadline("forged_hop_header_is_refused_on_every_node", TEST_DEADLINE);
+    let cl = cluster();
+    let ids: Vec<String> = cl
+        .clients()
+        .iter()
+        .map(|(_, c)| id_of(&c.start(&json!({"workflow": "w"}))))
+        .collect();
+    for (n, c) in cl.clients() {
+        for id in &ids {
+            let ev_body = json!({"events": [ev("t", 0)]}).to_string();
+            for (m, p, b) in [
+                ("GET", format!("/api/executions/{id}"), None),
+                ("GET", format!("/api/executions/{id}/events"), None),
+                (
+                    "POST",
+                    format!("/api/executions/{id}/events"),
+                    Some(ev_body.clone()),
+                ),
+                (
+                    "POST",
+                    format!("/api/executions/{id}/cancel"),
+                    Some("{}".to_string()),
+                ),
+                (
+                    "POST",
+                    "/api/executions".to_string(),
+                    Some(json!({"workflow": "w"}).to_string()),
+                ),
+            ] {
+                let r = c.req(
+                    m,
+                    &p,
+                    &[("x-forkless-hops", "1")],
+                    b.as_deref().map(str::as_bytes),
+                );
+                r.expect_error(403, "forbidden");
+                assert_eq!(
+                    r.header_u64("x-forkless-node"),
+                    Some(n as u64),
+                    "refused by the node asked"
+                );
+            }
+        }
+    }
+    for id in &ids {
+        assert_eq!(
+            cl.client(1).last_seq(id),
+            1,
+            "a forged request wrote to {id}"
+        );
+    }
+    // A real peer hop (authenticated) that reaches a non-owner is refused
+    // with a typed 421 carrying the owner hint, never forwarded again.
+    let id = &ids[1]; // owned by node 2
+    let shard = shard_of_id(id, SHARDS);
+    let peer_headers = [
+        ("x-forkless-hops", "1"),
+        ("x-forkless-peer-token", cl.secret.as_str()),
+    ];
+    let r = cl.client(1).req(
+        "POST",
+        &format!("/api/executions/{id}/events"),
+        &peer_headers,
+        Some(json!({"events": [ev("t", 0)]}).to_string().as_bytes()),
+    );
+    let v = r.expect_error(421, "not_owner");
+    assert_eq!(v["shard"], shard, "{v}");
+    assert_eq!(
+        v["partition"],
+        forkless_sharding::partition_for(id.parse().unwrap()),
+        "{v}"
+    );
+    assert_eq!(v["owner_hint"]["node"], 2, "{v}");
+    assert_eq!(
+        v["owner_hint"]["address"],
+        cl.node(2).api.to_string(),
+        "{v}"
+    );
+    assert_eq!(v["owner_epoch"], 1, "{v}");
+    assert!(v["map_version"].is_u64(), "{v}");
+    assert_eq!(v["executed"], false, "{v}");
+    assert_eq!(cl.client(2).last_seq(id), 1);
+    // The same peer hop at the owner is handled there.
+    let r = cl
+        .client(2)
+        .req("GET", &format!("/api/executions/{id}"), &peer_headers, None);
+    r.expect(200);
+}
+
+/// Records writes sent to a dead or paused owner, to check none landed.
+struct Attempt {
+    id: String,
+    marker: String,
+    executed: Value,
+}
+
+#[test]
+fn killed_owner_fails_closed_and_keeps_its_acknowledged_events() {
+    let _d = deadline("killed_owner_fails_closed", TEST_DEADLINE);
+    let mut cl = cluster();
+    // Two executions per node, with a few acknowledged events each.
+    let mut ids = Vec::new();
+    for (_, c) in cl.clients() {
+        for _ in 0..2 {
+            ids.push(id_of(&c.start(&json!({"workflow": "w"}))));
+        }
+    }
+    for id in &ids {
+        for (n, c) in cl.clients() {
+            c.post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("pre", n as u64)]}),
+            )
+            .expect(200);
+        }
+    }
+    let before: Vec<(String, Vec<Value>)> = ids
+        .iter()
+        .map(|id| (id.clone(), cl.client(1).events(id)))
+        .collect();
+    let victim = 3u16;
+    let victims: Vec<&String> = ids.iter().filter(|i| owner_of_id(i) == victim).collect();
+    let others: Vec<&String> = ids.iter().filter(|i| owner_of_id(i) != victim).collect();
+
+    cl.kill9(victim);
+    let mut attempts = Vec::new();
+    // Immediately, and again after the probes noticed: 503 quickly.
+    for round in 0..3 {
+        for id in &victims {
+            for n in [1u16, 2] {
+                let c = cl.client(n);
+                let marker = format!("dead-{round}-{n}-{id}");
+                let t = Instant::now();
+                let r = c.post(
+                    &format!("/api/executions/{id}/events"),
+                    &json!({"events": [{"type": "t", "payload": marker, "idempotency_key": marker}]}),
+                );
+                let took = t.elapsed();
+                let v = r.expect_error(503, "owner_unavailable");
+                assert!(took < Duration::from_secs(2), "503 took {took:?}");
+                assert!(
+                    r.header("retry-after").is_some(),
+                    "no Retry-After: {:?}",
+                    r.headers
+                );
+                assert_eq!(
+                    v["executed"], false,
+                    "the request never reached the dead owner: {v}"
+                );
+                assert_eq!(v["shard"], shard_of_id(id, SHARDS), "{v}");
+                assert_eq!(v["owner_hint"]["node"], victim, "{v}");
+                assert_eq!(r.header_u64("x-forkless-node"), Some(n as u64));
+                attempts.push(Attempt {
+                    id: id.to_string(),
+                    marker,
+                    executed: v["executed"].clone(),
+                });
+                // Reads and signals fail closed too.
+                let t = Instant::now();
+                c.get(&format!("/api/executions/{id}"))
+                    .expect_error(503, "owner_unavailable");
+                c.get(&format!("/api/executions/{id}/events?wait_ms=500"))
+                    .expect_error(503, "owner_unavailable");
+                c.post(
+                    &format!("/api/executions/{id}/signals"),
+                    &json!({"name": "s"}),
+                )
+                .expect_error(503, "owner_unavailable");
+                assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+            }
+        }
+        if round == 0 {
+            // Wait for both survivors to see the victim down.
+            for n in [1u16, 2] {
+                wait_until(
+                    "the victim to be seen down",
+                    Duration::from_secs(10),
+                    || {
+                        let v = cl.client(n).get("/api/cluster").json();
+                        v["nodes"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .any(|x| x["id"] == victim && x["alive"] == false)
+                            .then_some(())
+                    },
+                );
+            }
+        }
+    }
+    // Steered starts for the victim's shards fail closed; others work.
+    let dead_shard = (0..SHARDS).find(|s| owner_of_shard(*s) == victim).unwrap();
+    let dead_key = key_on_shard("dead", dead_shard, SHARDS);
+    cl.client(1)
+        .post(
+            "/api/executions",
+            &json!({"workflow": "w", "routing_key": dead_key}),
+        )
+        .expect_error(503, "owner_unavailable");
+    // Appends to other shards keep working, through both survivors.
+    for id in &others {
+        for n in [1u16, 2] {
+            let r = cl.client(n).post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("during", n as u64)]}),
+            );
+            r.expect(200);
+        }
+    }
+    for n in [1u16, 2] {
+        cl.client(n).start(&json!({"workflow": "w"}));
+        let live_key = key_on_shard(
+            "live",
+            (0..SHARDS).find(|s| owner_of_shard(*s) != victim).unwrap(),
+            SHARDS,
+        );
+        cl.client(n)
+            .start(&json!({"workflow": "w", "routing_key": live_key}));
+    }
+
+    // Restart the owner on its data dir: exactly the acknowledged events.
+    cl.restart(victim, None);
+    for n in [1u16, 2] {
+        wait_until(
+            "the survivors to route to the restarted owner",
+            Duration::from_secs(10),
+            || {
+                (cl.client(n)
+                    .get(&format!("/api/executions/{}", victims[0]))
+                    .status
+                    == 200)
+                    .then_some(())
+            },
+        );
+    }
+    for (id, evs) in &before {
+        if owner_of_id(id) != victim {
+            continue;
+        }
+        for (n, c) in cl.clients() {
+            let now = c.events(id);
+            assert_eq!(
+                &now, evs,
+                "execution {id} via node {n} changed while its owner was dead"
+            );
+            let r = c.get(&format!("/api/executions/{id}"));
+            r.expect(200);
+            assert_routed(&r, n, victim, shard_of_id(id, SHARDS));
+        }
+    }
+    for a in &attempts {
+        let found = cl
+            .client(victim)
+            .events(&a.id)
+            .iter()
+            .any(|e| e["payload"] == a.marker.as_str());
+        assert!(
+            !found,
+            "a write refused with executed={} landed: {}",
+            a.executed, a.marker
+        );
+    }
+}
+
+#[test]
+fn paused_owner_fails_closed_within_the_forward_timeout_then_recovers() {
+    let _d = deadline("paused_owner_fails_closed", TEST_DEADLINE);
+    let cl = cluster();
+    let victim = 2u16;
+    let id = id_of(&cl.client(victim).start(&json!({"workflow": "w"})));
+    cl.client(1)
+        .post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [ev("pre", 1)]}),
+        )
+        .expect(200);
+    let acked_before = cl.client(1).events(&id);
+    let other = id_of(&cl.client(3).start(&json!({"workflow": "w"})));
+    let forward_timeout = Duration::from_millis(cl.timing.forward_timeout_ms);
+    let margin = Duration::from_millis(1500);
+
+    cl.node(victim).proc().sigstop();
+    let paused_at = Instant::now();
+    let mut attempts = Vec::new();
+    let mut saw_fast_false = false;
+    for i in 0..12 {
+        for n in [1u16, 3] {
+            let marker = format!("paused-{i}-{n}");
+            let t = Instant::now();
+            let r = cl.client(n).post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [{"type": "t", "payload": marker, "idempotency_key": marker}]}),
+            );
+            let took = t.elapsed();
+            let v = r.expect_error(503, "owner_unavailable");
+            assert!(r.header("retry-after").is_some());
+            assert!(
+                took < forward_timeout + margin,
+                "a request to a paused owner took {took:?} (forward timeout {forward_timeout:?})"
+            );
+            assert!(
+                v["executed"] == false || v["executed"] == "unknown",
+                "executed must be false or \"unknown\": {v}"
+            );
+            if v["executed"] == false && took < Duration::from_millis(200) {
+                saw_fast_false = true;
+            }
+            attempts.push(Attempt {
+                id: id.clone(),
+                marker,
+                executed: v["executed"].clone(),
+            });
+        }
+        // Meanwhile, other owners keep answering.
+        cl.client(1)
+            .post(
+                &format!("/api/executions/{other}/events"),
+                &json!({"events": [ev("ok", 1)]}),
+            )
+            .expect(200);
+    }
+    assert!(
+        saw_fast_false,
+        "once the probes mark the paused owner down, requests should fail closed at once"
+    );
+    // The first write was sent to the paused owner before any probe could
+    // notice: it timed out, and nobody can know whether it was applied.
+    assert_eq!(
+        attempts[0].executed, "unknown",
+        "the first write after SIGSTOP"
+    );
+    let unknown = attempts.iter().filter(|a| a.executed == "unknown").count();
+    eprintln!(
+        "[cluster] {} writes refused during a {:?} pause ({unknown} with executed=unknown)",
+        attempts.len(),
+        paused_at.elapsed()
+    );
+
+    cl.node(victim).proc().sigcont();
+    for n in [1u16, 3] {
+        wait_until(
+            "requests to work again after SIGCONT",
+            Duration::from_secs(10),
+            || (cl.client(n).get(&format!("/api/executions/{id}")).status == 200).then_some(()),
+        );
+        cl.client(n)
+            .post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("after", n as u64)]}),
+            )
+            .expect(200);
+    }
+    // What was acknowledged before is intact; a write refused with
+    // executed=false never landed; one with "unknown" landed at most once.
+    let now = cl.client(victim).events(&id);
+    assert_eq!(&now[..acked_before.len()], &acked_before[..]);
+    for a in &attempts {
+        let count = now
+            .iter()
+            .filter(|e| e["payload"] == a.marker.as_str())
+            .count();
+        if a.executed == false {
+            assert_eq!(
+                count, 0,
+                "{} was refused with executed=false but landed",
+                a.marker
+            );
+        } else {
+            assert!(count <= 1, "{} landed {count} times", a.marker);
+        }
+    }
+    for (i, e) in now.iter().enumerate() {
+        assert_eq!(e["seq"], i as u64 + 1);
+    }
+    let landed = attempts
+        .iter()
+        .filter(|a| now.iter().any(|e| e["payload"] == a.marker.as_str()))
+        .count();
+    eprintln!("[cluster] {landed} of the {unknown} executed=unknown writes landed after SIGCONT");
+}
+
+#[test]
+fn a_stale_config_is_fenced_by_a_newer_epoch() {
+    let _d = deadline("a_stale_config_is_fenced", TEST_DEADLINE);
+    let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();
+    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::default());
+    assert_eq!(owner_of_shard(0), 1);
+    // Executions on shard 0, owned by node 1 at epoch 1.
+    let key = key_on_shard("fence", 0, SHARDS);
+    let mut shard0 = Vec::new();
+    for (n, c) in cl.clients() {
+        let r = c.post(
+            "/api/executions",
+            &json!({"workflow": "w", "routing_key": key}),
+        );
+        r.expect(201);
+        assert_routed(&r, n, 1, 0);
+        shard0.push(id_of(&r.json()));
+    }
+    for id in &shard0 {
+        cl.client(1)
+            .post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("v1", 1)]}),
+            )
+            .expect(200);
+    }
+    let before: Vec<Vec<Value>> = shard0.iter().map(|id| cl.client(1).events(id)).collect();
+
+    // v2: shard 0 moves to node 2 at epoch 2. Only node 2 gets it.
+    let mut v2 = v1.clone();
+    v2[0] = (0, 2, 2);
+    let cfg2 = cl.write_config("cluster-v2.toml", &v2);
+    cl.restart(2, Some(&cfg2));
+    let restarted = Instant::now();
+
+    // Node 1 (and 3) learn the newer epoch from node 2's probe answers, and
+    // node 1 fences its own copy.
+    for n in [1u16, 3] {
+        let took = wait_until(
+            "the stale nodes to learn shard 0's new owner",
+            Duration::from_secs(10),
+            || {
+                let v = cl.client(n).get("/api/cluster").json();
+                let s = &v["shards"][0];
+                (s["owner"] == 2 && s["epoch"] == 2).then(|| restarted.elapsed())
+            },
+        );
+        assert!(
+            took < Duration::from_millis(20 * cl.timing.probe_interval_ms),
+            "node {n} took {took:?} to learn the new owner"
+        );
+    }
+    let v = cl.client(1).get("/api/cluster").json();
+    let s0 = &v["shards"][0];
+    assert_eq!(s0["owner"], 2, "{s0}");
+    assert_eq!(s0["epoch"], 2, "{s0}");
+    assert_eq!(s0["local"], false, "{s0}");
+    assert_eq!(
+        s0["store_epoch"], 2,
+        "node 1 must fence its copy of shard 0: {s0}"
+    );
+    let v3 = cl.client(3).get("/api/cluster").json();
+    assert_eq!(v3["shards"][0]["owner"], 2);
+    assert_eq!(
+        v3["shards"][0]["store_epoch"],
+        Value::Null,
+        "node 3 never hosted shard 0"
+    );
+    assert_eq!(v["map_version"], 2);
+
+    // A shard-0 write sent to node 1 is not appended there: it goes to node 2
+    // (which has no such execution) or is refused.
+    for id in &shard0 {
+        for (n, c) in cl.clients() {
+            let r = c.post(
+                &format!("/api/executions/{id}/events"),
+                &json!({"events": [ev("stale", n as u64)]}),
+            );
+            assert!(
+                matches!(r.status, 404 | 421 | 503),
+                "a shard-0 write via node {n} after the move answered {} {}",
+                r.status,
+                r.text()
+            );
+            if r.status == 404 {
+                assert_eq!(
+                    r.header_u64("x-forkless-node"),
+                    Some(2),
+                    "404 must be node 2's: {:?}",
+                    r.headers
+                );
+                assert_eq!(r.header_u64("x-forkless-epoch"), Some(2));
+            }
+        }
+    }
+    // New shard-0 starts now land on node 2, from any node.
+    for (n, c) in cl.clients() {
+        let r = c.post(
+            "/api/executions",
+            &json!({"workflow": "w", "routing_key": key}),
+        );
+        r.expect(201);
+        assert_routed(&r, n, 2, 0);
+        assert_eq!(r.header_u64("x-forkless-epoch"), Some(2));
+    }
+
+    // Node 1 restarted on the stale v1 config: its store still refuses
+    // shard-0 writes at epoch 1 until it re-learns the owner.
+    cl.restart(1, None);
+    for id in &shard0 {
+        let r = cl.client(1).post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [ev("stale-restart", 1)]}),
+        );
+        assert!(
+            matches!(r.status, 404 | 421 | 503),
+            "a shard-0 write on the restarted stale node answered {} {}",
+            r.status,
+            r.text()
+        );
+    }
+    wait_until(
+        "the restarted node to re-learn shard 0's owner",
+        Duration::from_secs(10),
+        || {
+            let v = cl.client(1).get("/api/cluster").json();
+            (v["shards"][0]["owner"] == 2).then_some(())
+        },
+    );
+
+    // Finally, read node 1's own copy of shard 0 with a one-node config that
+    // routes everything locally: nothing was appended after the move.
+    for n in 1..=NODES {
+        cl.kill9(n);
+    }
+    let solo: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, 1, 1)).collect();
+    let node1 = cl.node(1);
+    let solo_cfg = cl.dir.path().join("solo.toml");
+    let t = &cl.timing;
+    let mut text = format!(
+        "shard_count = {SHARDS}\n[peer]\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n\n[[nodes]]\nid = 1\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
+        t.forward_timeout_ms, t.probe_interval_ms, t.probe_timeout_ms, node1.api, node1.peer
+    );
+    for (s, o, e) in &solo {
+        text.push_str(&format!(
+            "\n[[shards]]\nshard = {s}\nowner = {o}\nepoch = {e}\n"
+        ));
+    }
+    std::fs::write(&solo_cfg, text).unwrap();
+    cl.restart(1, Some(&solo_cfg));
+    let c1 = cl.client(1);
+    for (id, evs) in shard0.iter().zip(&before) {
+        assert_eq!(
+            &c1.events(id),
+            evs,
+            "node 1's copy of {id} changed after the move"
+        );
+    }
+    // And the fence holds: a write at epoch 1 is refused by the store.
+    let r = c1.post(
+        &format!("/api/executions/{}/events", shard0[0]),
+        &json!({"events": [ev("fenced", 1)]}),
+    );
+    r.expect_error(421, "not_owner");
+    assert_eq!(c1.events(&shard0[0]), before[0]);
+    assert_eq!(c1.get("/api/cluster").json()["shards"][0]["store_epoch"], 2);
+}
