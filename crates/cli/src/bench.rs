@@ -5,7 +5,7 @@
 
 use anyhow::{bail, Context};
 use bytes::Bytes;
-use forkless_client::{Client, Config, Error, Routing, StartExecution};
+use forkless_client::{Client, Error, Routing, StartExecution};
 use forkless_loadgen::{AppendError, Connection, Payload, SetupError, Target, Workload};
 use forkless_types::ExecutionId;
 use std::sync::Arc;
@@ -89,7 +89,7 @@ pub fn run(a: BenchArgs) -> anyhow::Result<()> {
         Mode::Owner => Routing::Owner,
         Mode::Fixed => Routing::Fixed,
     };
-    let mut cfg = Config::new(&a.server.server);
+    let mut cfg = a.server.config();
     cfg.routing = routing;
     cfg.request_timeout = a.append_timeout;
     let client = Client::with_config(cfg).map_err(|e| anyhow::anyhow!("--server: {e}"))?;

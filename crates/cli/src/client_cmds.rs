@@ -16,9 +16,25 @@ use std::time::Duration;
 /// Where the cluster is.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServerArg {
-    /// Any node of the cluster (http://host:port, or host:port).
+    /// Any node of the cluster (http://host:port, or host:port); several,
+    /// comma-separated, are tried in turn for the cluster map.
     #[arg(long, env = "FORKLESS_SERVER", default_value = "http://127.0.0.1:7070")]
     pub server: String,
+}
+
+impl ServerArg {
+    /// A client configuration for these servers.
+    pub fn config(&self) -> Config {
+        let mut cfg = Config::new(&self.server);
+        cfg.servers = self
+            .server
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect();
+        cfg
+    }
 }
 
 #[derive(clap::Subcommand, Debug)]
@@ -190,7 +206,7 @@ impl From<anyhow::Error> for Failed {
 }
 
 fn client(s: &ServerArg) -> Result<Client, Failed> {
-    let mut cfg = Config::new(&s.server);
+    let mut cfg = s.config();
     // A person is waiting: retry what is safe, but give up within seconds.
     cfg.retry = RetryPolicy {
         max_attempts: 4,
@@ -336,21 +352,26 @@ async fn events(a: EventsArgs) -> Result<(), Failed> {
 const SHARDS_LISTED_MAX: u32 = 64;
 
 pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()> {
+    let alive = m.nodes.iter().filter(|n| n.alive).count();
     writeln!(
         out,
-        "cluster: {} node{}, {} shard{}, map version {}, routing {} (as seen by node {} at {})",
+        "cluster: {} node{} ({} alive), {} shard{}, map version {}, routing {}",
         m.nodes.len(),
         if m.nodes.len() == 1 { "" } else { "s" },
+        alive,
         m.shard_count,
         if m.shard_count == 1 { "" } else { "s" },
         m.map_version,
         if m.routing_active {
             "active"
         } else {
-            "inactive (single owner)"
+            "inactive: every request is served locally"
         },
-        m.node,
-        m.fetched_from,
+    )?;
+    writeln!(
+        out,
+        "as seen by node {} at {} (liveness is that node's view)",
+        m.node, m.fetched_from
     )?;
     writeln!(out)?;
     writeln!(

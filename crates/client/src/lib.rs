@@ -457,7 +457,6 @@ impl Client {
         let mut followed_hint = false;
         let mut next: Option<String> = None;
         loop {
-            let seen = self.inner.generation.load(Ordering::Acquire);
             let base = match next.take() {
                 Some(b) => b,
                 None => {
@@ -468,6 +467,8 @@ impl Client {
                     self.destination(&call.steer, map.as_deref())
                 }
             };
+            // The map this attempt was routed by: a 421 refreshes past it.
+            let seen = self.inner.generation.load(Ordering::Acquire);
             attempts += 1;
             let outcome = self
                 .attempt(&base, &call.method, &call.path, call.body.as_ref(), timeout)
