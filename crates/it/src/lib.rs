@@ -843,6 +843,27 @@ impl Cluster {
         p
     }
 
+    /// A config in which node `id` is the whole cluster and owns every
+    /// shard at epoch 1: routing is inert, so it reads its own data dir
+    /// exactly as it is (and its store's fence still refuses writes at a
+    /// stale epoch).
+    pub fn write_solo_config(&self, id: u16) -> PathBuf {
+        let n = self.node(id);
+        let t = &self.timing;
+        let mut text = format!(
+            "shard_count = {}\n[peer]\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n\n[[nodes]]\nid = {id}\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
+            self.shard_count, t.forward_timeout_ms, t.probe_interval_ms, t.probe_timeout_ms, n.api, n.peer
+        );
+        for s in 0..self.shard_count {
+            text.push_str(&format!(
+                "\n[[shards]]\nshard = {s}\nowner = {id}\nepoch = 1\n"
+            ));
+        }
+        let p = self.dir.path().join(format!("solo-{id}.toml"));
+        std::fs::write(&p, text).expect("write solo config");
+        p
+    }
+
     pub fn node(&self, id: u16) -> &ClusterNode {
         &self.nodes[id as usize - 1]
     }
@@ -995,5 +1016,334 @@ impl Stop {
     }
     pub fn is_set(&self) -> bool {
         self.0.load(Ordering::SeqCst)
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A concurrent append workload and its checker
+
+pub mod workload {
+    //! Writers that append uniquely marked batches with `expected_last_seq`
+    //! and record what each answer promised; and a checker that compares
+    //! the logs with those promises.
+
+    use super::{json, Client, Stop};
+    use serde_json::Value;
+    use std::collections::{HashMap, HashSet};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    /// What an answer promised about a batch.
+    #[derive(Debug, Clone, PartialEq)]
+    pub enum Outcome {
+        /// 200: durable at these seqs.
+        Acked { first_seq: u64 },
+        /// A refusal that says nothing was written (409, 404, 421, 503
+        /// with `executed: false`): must not be in any log.
+        Refused,
+        /// No answer, or 503 with `executed: "unknown"`: all or nothing,
+        /// at most once.
+        Unknown,
+    }
+
+    /// One batch sent, and its answer.
+    #[derive(Debug, Clone)]
+    pub struct Batch {
+        pub exec: String,
+        pub markers: Vec<String>,
+        pub outcome: Outcome,
+        /// HTTP status, or None for a transport error.
+        pub status: Option<u16>,
+        pub error: String,
+        /// `x-forkless-node` / `x-forkless-epoch` of the answer.
+        pub node: Option<u64>,
+        pub epoch: Option<u64>,
+        /// Index of the client it was sent through.
+        pub via: usize,
+        /// When the answer (or the failure) came back.
+        pub answered_at: std::time::Instant,
+    }
+
+    pub fn batch_body(markers: &[String], expected: Option<u64>) -> Value {
+        let events: Vec<Value> = markers
+            .iter()
+            .map(|m| json!({"type": "w", "payload": {"marker": m}, "idempotency_key": m}))
+            .collect();
+        match expected {
+            Some(e) => json!({"events": events, "expected_last_seq": e}),
+            None => json!({"events": events}),
+        }
+    }
+
+    /// Shared state of a run of writers.
+    #[derive(Clone, Default)]
+    pub struct Shared {
+        pub log: Arc<Mutex<Vec<Batch>>>,
+        pub acks: Arc<AtomicUsize>,
+        pub sent: Arc<AtomicUsize>,
+        pub stop: Stop,
+    }
+
+    impl Shared {
+        pub fn acks(&self) -> usize {
+            self.acks.load(Ordering::SeqCst)
+        }
+        pub fn sent(&self) -> usize {
+            self.sent.load(Ordering::SeqCst)
+        }
+        pub fn take(&self) -> Vec<Batch> {
+            std::mem::take(&mut *self.log.lock().unwrap())
+        }
+    }
+
+    /// Appends batches of 1 to 3 events to `execs` in turn, through
+    /// `clients` in turn, until `stop`; with `exit_on_no_answer`, returns at
+    /// the first transport error (the node died). Errs on an answer that
+    /// breaks the API's promises.
+    pub fn writer(
+        clients: Vec<Client>,
+        execs: Vec<String>,
+        tag: String,
+        shared: Shared,
+        exit_on_no_answer: bool,
+    ) -> Result<(), String> {
+        let mut belief: HashMap<String, u64> = HashMap::new();
+        let mut n = 0usize;
+        while !shared.stop.is_set() {
+            let exec = execs[n % execs.len()].clone();
+            let via = n % clients.len();
+            let c = clients[via];
+            let size = 1 + n % 3;
+            let markers: Vec<String> = (0..size).map(|k| format!("{tag}-n{n}-k{k}")).collect();
+            n += 1;
+            // The last seq this writer believes in; if it cannot learn it,
+            // it appends without expected_last_seq.
+            let expected = match belief.get(&exec) {
+                Some(s) => Some(*s),
+                None => match c.try_req(
+                    "GET",
+                    &format!("/api/executions/{exec}"),
+                    &[],
+                    None,
+                    Duration::from_secs(5),
+                ) {
+                    Ok(r) if r.status == 200 => r.json()["last_seq"].as_u64(),
+                    Ok(_) => None,
+                    Err(_) if exit_on_no_answer => return Ok(()),
+                    Err(_) => {
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    }
+                },
+            };
+            let body = batch_body(&markers, expected).to_string();
+            shared.sent.fetch_add(1, Ordering::SeqCst);
+            let r = c.try_req(
+                "POST",
+                &format!("/api/executions/{exec}/events"),
+                &[],
+                Some(body.as_bytes()),
+                Duration::from_secs(10),
+            );
+            let mut batch = Batch {
+                exec: exec.clone(),
+                markers,
+                outcome: Outcome::Unknown,
+                status: None,
+                error: String::new(),
+                node: None,
+                epoch: None,
+                via,
+                answered_at: std::time::Instant::now(),
+            };
+            match r {
+                Ok(r) => {
+                    batch.status = Some(r.status);
+                    batch.node = r.header_u64("x-forkless-node");
+                    batch.epoch = r.header_u64("x-forkless-epoch");
+                    let v: Value = serde_json::from_slice(&r.body).map_err(|e| {
+                        format!("{} answer is not JSON ({e}): {}", r.status, r.text())
+                    })?;
+                    batch.error = v["error"].as_str().unwrap_or("").to_string();
+                    batch.outcome = match (r.status, batch.error.as_str()) {
+                        (200, _) => {
+                            let first = v["first_seq"].as_u64().ok_or("no first_seq")?;
+                            let last = v["last_seq"].as_u64().ok_or("no last_seq")?;
+                            if expected.is_some_and(|e| first != e + 1)
+                                || last != first + size as u64 - 1
+                            {
+                                return Err(format!(
+                                    "append of {size} after {expected:?} answered {v}"
+                                ));
+                            }
+                            belief.insert(exec.clone(), last);
+                            shared.acks.fetch_add(1, Ordering::SeqCst);
+                            Outcome::Acked { first_seq: first }
+                        }
+                        (409, "sequence_conflict") => {
+                            let last = v["last_seq"].as_u64().ok_or("409 without last_seq")?;
+                            if Some(last) == expected {
+                                return Err(format!(
+                                    "409 but last_seq {last} is what was expected: {v}"
+                                ));
+                            }
+                            belief.insert(exec.clone(), last);
+                            Outcome::Refused
+                        }
+                        (404, "execution_not_found") | (421, "not_owner") => {
+                            if v["executed"] == "unknown" {
+                                return Err(format!("{}: {v}", r.status));
+                            }
+                            // Nothing was written: the belief still holds.
+                            Outcome::Refused
+                        }
+                        (503, "owner_unavailable") => {
+                            if r.header("retry-after").is_none() {
+                                return Err(format!("503 without Retry-After: {v}"));
+                            }
+                            match &v["executed"] {
+                                // Nothing changed: the belief still holds.
+                                Value::Bool(false) => Outcome::Refused,
+                                Value::String(s) if s == "unknown" => {
+                                    belief.remove(&exec);
+                                    Outcome::Unknown
+                                }
+                                other => return Err(format!("503 with executed={other}: {v}")),
+                            }
+                        }
+                        _ => return Err(format!("append: unexpected {} {v}", r.status)),
+                    };
+                }
+                Err(_) => {
+                    belief.remove(&exec);
+                }
+            }
+            let no_answer = batch.status.is_none();
+            let refused = batch.status.is_some_and(|s| s != 200 && s != 409);
+            shared.log.lock().unwrap().push(batch);
+            if no_answer {
+                if exit_on_no_answer {
+                    return Ok(());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            } else if refused {
+                // Do not spin on a shard that fails fast.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        Ok(())
+    }
+
+    /// What [`verify`] found.
+    #[derive(Debug, Default)]
+    pub struct Report {
+        pub events: u64,
+        pub acked: usize,
+        pub refused: usize,
+        pub unknown_landed: usize,
+        pub unknown_lost: usize,
+    }
+
+    /// Reads every execution through `c` and checks it against every batch
+    /// sent: gap-free logs, unique markers, nothing unsent, acknowledged
+    /// batches at their seqs, refused ones absent, unknown ones whole or absent.
+    #[track_caller]
+    pub fn verify(c: &Client, execs: &[String], batches: &[Batch]) -> Report {
+        let mut rep = Report::default();
+        let mut by_marker: HashMap<String, (String, u64)> = HashMap::new();
+        for e in execs {
+            let last_seq = c.last_seq(e);
+            let events = c.events(e);
+            assert_eq!(
+                events.len() as u64,
+                last_seq,
+                "execution {e}: {} events but last_seq {last_seq}",
+                events.len()
+            );
+            rep.events += last_seq;
+            for (i, ev) in events.iter().enumerate() {
+                assert_eq!(
+                    ev["seq"].as_u64(),
+                    Some(i as u64 + 1),
+                    "execution {e}: gap or disorder at index {i}: {ev}"
+                );
+            }
+            assert_eq!(events[0]["type"], "execution.started");
+            for ev in &events[1..] {
+                let Some(m) = ev["payload"]["marker"].as_str() else {
+                    continue;
+                };
+                assert_eq!(ev["idempotency_key"].as_str(), Some(m));
+                let seq = ev["seq"].as_u64().unwrap();
+                if let Some(prev) = by_marker.insert(m.to_string(), (e.clone(), seq)) {
+                    panic!("marker {m} appears twice: {prev:?} and ({e}, {seq})");
+                }
+            }
+        }
+        let sent: HashSet<&str> = batches
+            .iter()
+            .flat_map(|b| b.markers.iter().map(String::as_str))
+            .collect();
+        for m in by_marker.keys() {
+            assert!(
+                sent.contains(m.as_str()),
+                "marker {m} in a log was never sent"
+            );
+        }
+        for b in batches {
+            let found: Vec<_> = b.markers.iter().map(|m| by_marker.get(m)).collect();
+            match &b.outcome {
+                Outcome::Acked { first_seq } => {
+                    rep.acked += 1;
+                    for (k, f) in found.iter().enumerate() {
+                        assert_eq!(
+                            *f,
+                            Some(&(b.exec.clone(), first_seq + k as u64)),
+                            "acknowledged {} is not at its seq (batch {b:?})",
+                            b.markers[k]
+                        );
+                    }
+                }
+                Outcome::Refused => {
+                    rep.refused += 1;
+                    assert!(
+                        found.iter().all(Option::is_none),
+                        "a batch refused with nothing-written landed: {b:?} at {found:?}"
+                    );
+                }
+                Outcome::Unknown => {
+                    if found.iter().all(Option::is_none) {
+                        rep.unknown_lost += 1;
+                    } else {
+                        let first = found[0]
+                            .unwrap_or_else(|| panic!("half a batch landed: {b:?} {found:?}"));
+                        for (k, f) in found.iter().enumerate() {
+                            assert_eq!(
+                                *f,
+                                Some(&(b.exec.clone(), first.1 + k as u64)),
+                                "batch {b:?} landed torn: {found:?}"
+                            );
+                        }
+                        rep.unknown_landed += 1;
+                    }
+                }
+            }
+        }
+        rep
+    }
+
+    /// Counts of (status, error) among `batches`, for a log line.
+    pub fn histogram(batches: &[Batch]) -> Vec<(String, usize)> {
+        let mut h: std::collections::BTreeMap<String, usize> = Default::default();
+        for b in batches {
+            let k = match b.status {
+                Some(s) if b.error.is_empty() => s.to_string(),
+                Some(s) => format!("{s} {}", b.error),
+                None => "no answer".into(),
+            };
+            *h.entry(k).or_default() += 1;
+        }
+        h.into_iter().collect()
     }
 }

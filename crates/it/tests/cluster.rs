@@ -2,6 +2,7 @@
 //! placement, fail-closed routing when an owner is killed or paused, the hop
 //! header, and the epoch fence against a stale config.
 
+use forkless_it::workload::{histogram, verify, writer, Batch, Shared};
 use forkless_it::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -741,7 +742,8 @@ fn a_stale_config_is_fenced_by_a_newer_epoch() {
             || {
                 let v = cl.client(n).get("/api/cluster").json();
                 let s = &v["shards"][0];
-                (s["owner"] == 2 && s["epoch"] == 2).then(|| restarted.elapsed())
+                (s["owner"] == 2 && s["epoch"] == 2 && (n != 1 || s["store_epoch"] == 2))
+                    .then(|| restarted.elapsed())
             },
         );
         assert!(
@@ -832,20 +834,7 @@ fn a_stale_config_is_fenced_by_a_newer_epoch() {
     for n in 1..=NODES {
         cl.kill9(n);
     }
-    let solo: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, 1, 1)).collect();
-    let node1 = cl.node(1);
-    let solo_cfg = cl.dir.path().join("solo.toml");
-    let t = &cl.timing;
-    let mut text = format!(
-        "shard_count = {SHARDS}\n[peer]\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n\n[[nodes]]\nid = 1\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
-        t.forward_timeout_ms, t.probe_interval_ms, t.probe_timeout_ms, node1.api, node1.peer
-    );
-    for (s, o, e) in &solo {
-        text.push_str(&format!(
-            "\n[[shards]]\nshard = {s}\nowner = {o}\nepoch = {e}\n"
-        ));
-    }
-    std::fs::write(&solo_cfg, text).unwrap();
+    let solo_cfg = cl.write_solo_config(1);
     cl.restart(1, Some(&solo_cfg));
     let c1 = cl.client(1);
     for (id, evs) in shard0.iter().zip(&before) {
@@ -863,4 +852,122 @@ fn a_stale_config_is_fenced_by_a_newer_epoch() {
     r.expect_error(421, "not_owner");
     assert_eq!(c1.events(&shard0[0]), before[0]);
     assert_eq!(c1.get("/api/cluster").json()["shards"][0]["store_epoch"], 2);
+}
+
+#[test]
+fn a_config_switch_under_load_never_forks_a_log() {
+    let _d = deadline(
+        "a_config_switch_under_load_never_forks_a_log",
+        TEST_DEADLINE,
+    );
+    let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();
+    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::default());
+    // Four executions on shard 0 (node 1), two elsewhere on nodes 1 and 3.
+    let c1 = cl.client(1);
+    let shard0: Vec<String> = (0..4)
+        .map(|i| {
+            let key = key_on_shard(&format!("switch-{i}"), 0, SHARDS);
+            id_of(&c1.start(&json!({"workflow": "w", "routing_key": key})))
+        })
+        .collect();
+    let elsewhere: Vec<String> = [1u16, 3]
+        .iter()
+        .map(|n| id_of(&cl.client(*n).start(&json!({"workflow": "w"}))))
+        .collect();
+    let mut execs = shard0.clone();
+    execs.extend(elsewhere.iter().cloned());
+
+    let shared = Shared::default();
+    let via = vec![cl.client(1), cl.client(3)];
+    let handles: Vec<_> = (0..8)
+        .map(|t| {
+            let mine: Vec<String> = (0..3)
+                .map(|k| execs[(t + k) % execs.len()].clone())
+                .collect();
+            let mut via = via.clone();
+            via.rotate_left(t % 2);
+            let shared = shared.clone();
+            std::thread::spawn(move || writer(via, mine, format!("s-t{t}"), shared, false))
+        })
+        .collect();
+    wait_until("acknowledgements under v1", Duration::from_secs(30), || {
+        (shared.acks() >= 100).then_some(())
+    });
+
+    // Node 2 comes back owning shard 0 at epoch 2.
+    let mut v2 = v1.clone();
+    v2[0] = (0, 2, 2);
+    let cfg2 = cl.write_config("cluster-v2.toml", &v2);
+    cl.restart(2, Some(&cfg2));
+    let fenced_at = wait_until("node 1 to fence shard 0", Duration::from_secs(10), || {
+        let v = cl.client(1).get("/api/cluster").json();
+        let s = &v["shards"][0];
+        (s["owner"] == 2 && s["epoch"] == 2 && s["store_epoch"] == 2).then(Instant::now)
+    });
+    let sent = shared.sent();
+    wait_until("writes after the switch", Duration::from_secs(30), || {
+        (shared.sent() >= sent + 300 && fenced_at.elapsed() > Duration::from_millis(1500))
+            .then_some(())
+    });
+    shared.stop.set();
+    for h in handles {
+        h.join()
+            .expect("writer panicked")
+            .expect("writer saw a wrong answer");
+    }
+    let batches = shared.take();
+    eprintln!(
+        "[cluster] config switch under load: answers {:?}",
+        histogram(&batches)
+    );
+
+    let is0 = |id: &str| shard_of_id(id, SHARDS) == 0;
+    let margin = Duration::from_millis(500);
+    for b in &batches {
+        if b.status == Some(200) && is0(&b.exec) {
+            // Shard-0 writes were acknowledged only by node 1, at epoch 1
+            // (node 2's shard 0 is a new, empty one), and not after the fence.
+            assert_eq!((b.node, b.epoch), (Some(1), Some(1)), "{b:?}");
+            assert!(
+                b.answered_at < fenced_at + margin,
+                "node 1 acknowledged a shard-0 write {:?} after its store was fenced: {b:?}",
+                b.answered_at - fenced_at
+            );
+        }
+    }
+    let late: Vec<_> = batches
+        .iter()
+        .filter(|b| is0(&b.exec) && b.answered_at > fenced_at + margin)
+        .collect();
+    assert!(
+        late.len() > 20,
+        "too few shard-0 writes after the fence to tell: {}",
+        late.len()
+    );
+    // Other shards kept working through the switch.
+    let other_acks = batches
+        .iter()
+        .filter(|b| !is0(&b.exec) && b.status == Some(200) && b.answered_at > fenced_at)
+        .count();
+    assert!(
+        other_acks > 0,
+        "no writes to other shards were acknowledged after the switch"
+    );
+    let others: Vec<Batch> = batches.iter().filter(|b| !is0(&b.exec)).cloned().collect();
+    verify(&cl.client(3), &elsewhere, &others);
+
+    // Node 1's own copy of shard 0: exactly what it acknowledged (plus
+    // whole in-flight batches), nothing refused, nothing after the fence.
+    for n in 1..=NODES {
+        cl.kill9(n);
+    }
+    let solo = cl.write_solo_config(1);
+    cl.restart(1, Some(&solo));
+    let zero: Vec<Batch> = batches.iter().filter(|b| is0(&b.exec)).cloned().collect();
+    let rep = verify(&cl.client(1), &shard0, &zero);
+    eprintln!("[cluster] node 1's shard 0 after the switch: {rep:?}");
+    assert_eq!(
+        cl.client(1).get("/api/cluster").json()["shards"][0]["store_epoch"],
+        2
+    );
 }
