@@ -69,12 +69,13 @@ pub enum Error {
     },
     /// 503: the owner could not be answered for. With `executed: Unknown`
     /// the request may have been applied; it was retried only if idempotent.
-    #[error("{}", owner_unavailable_text(*.executed, *.attempts, .message))]
+    #[error("{}", owner_unavailable_text(*.executed, *.attempts, *.gave_up, .message))]
     OwnerUnavailable {
         executed: Executed,
         shard: Option<u32>,
         retry_after: Option<Duration>,
         attempts: u32,
+        gave_up: GaveUp,
         message: String,
     },
     /// 403: e.g. a client set a peer-only header.
@@ -88,11 +89,12 @@ pub enum Error {
         message: String,
     },
     /// No usable answer: connection refused, reset, timed out.
-    #[error("{}", transport_text(.address, *.executed, *.attempts, .message))]
+    #[error("{}", transport_text(.address, *.executed, *.attempts, *.gave_up, .message))]
     Transport {
         address: String,
         executed: Executed,
         attempts: u32,
+        gave_up: GaveUp,
         message: String,
     },
     /// An answer that is not what the API promises (not JSON, missing fields).
@@ -103,38 +105,63 @@ pub enum Error {
     Config(String),
 }
 
-fn unknown_hint(attempts: u32) -> String {
+/// Why a failed request was not sent again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GaveUp {
+    /// It may have been applied and carries no idempotency key: repeating
+    /// it could apply it twice.
+    UnsafeToRepeat,
+    /// The retry policy's attempts or time ran out (or retries are off).
+    Exhausted,
+}
+
+fn tries(attempts: u32) -> String {
+    format!("{attempts} attempt{}", if attempts == 1 { "" } else { "s" })
+}
+
+fn outcome_text(executed: Executed, attempts: u32, gave_up: GaveUp) -> String {
+    match (executed, gave_up) {
+        (Executed::No, _) => format!("nothing was written (gave up after {})", tries(attempts)),
+        (Executed::Unknown, GaveUp::UnsafeToRepeat) => format!(
+            "outcome unknown: it MAY have been applied, and was not retried (after {}) because it \
+             carries no idempotency key; read the execution to find out, or send an idempotency key",
+            tries(attempts)
+        ),
+        (Executed::Unknown, GaveUp::Exhausted) => format!(
+            "outcome unknown: it may have been applied (gave up after {})",
+            tries(attempts)
+        ),
+    }
+}
+
+fn owner_unavailable_text(
+    executed: Executed,
+    attempts: u32,
+    gave_up: GaveUp,
+    message: &str,
+) -> String {
     format!(
-        " (after {attempts} attempt{}); it MAY have been applied and was not retried because it \
-         carries no idempotency key: read the execution to find out, or send an idempotency key",
-        if attempts == 1 { "" } else { "s" }
+        "owner unavailable, {}: {message}",
+        outcome_text(executed, attempts, gave_up)
     )
 }
 
-fn owner_unavailable_text(executed: Executed, attempts: u32, message: &str) -> String {
-    match executed {
-        Executed::No => format!(
-            "owner unavailable, nothing was written (after {attempts} attempt{}): {message}",
-            if attempts == 1 { "" } else { "s" }
-        ),
-        Executed::Unknown => format!(
-            "owner unavailable, outcome unknown{}: {message}",
-            unknown_hint(attempts)
-        ),
-    }
-}
-
-fn transport_text(address: &str, executed: Executed, attempts: u32, message: &str) -> String {
-    match executed {
-        Executed::No => format!(
-            "could not reach {address}, nothing was sent (after {attempts} attempt{}): {message}",
-            if attempts == 1 { "" } else { "s" }
-        ),
-        Executed::Unknown => format!(
-            "no answer from {address}, outcome unknown{}: {message}",
-            unknown_hint(attempts)
-        ),
-    }
+fn transport_text(
+    address: &str,
+    executed: Executed,
+    attempts: u32,
+    gave_up: GaveUp,
+    message: &str,
+) -> String {
+    let what = match executed {
+        Executed::No => "could not reach",
+        Executed::Unknown => "no answer from",
+    };
+    format!(
+        "{what} {address}, {}: {message}",
+        outcome_text(executed, attempts, gave_up)
+    )
 }
 
 impl Error {
@@ -244,21 +271,25 @@ impl Error {
                 executed,
                 shard,
                 attempts,
+                gave_up,
                 ..
             } => {
                 v["executed"] = executed.to_json();
                 v["shard"] = json!(shard);
                 v["attempts"] = json!(attempts);
+                v["gave_up"] = json!(gave_up);
             }
             Error::Transport {
                 address,
                 executed,
                 attempts,
+                gave_up,
                 ..
             } => {
                 v["executed"] = executed.to_json();
                 v["address"] = json!(address);
                 v["attempts"] = json!(attempts);
+                v["gave_up"] = json!(gave_up);
             }
             _ => {}
         }
@@ -281,6 +312,7 @@ impl Error {
                         shard: None,
                         retry_after,
                         attempts: 1,
+                        gave_up: GaveUp::Exhausted,
                         message: format!("HTTP 503 without an error body: {text:?}"),
                     };
                 }
@@ -335,6 +367,7 @@ impl Error {
                 shard: u("shard").and_then(|x| u32::try_from(x).ok()),
                 retry_after,
                 attempts: 1,
+                gave_up: GaveUp::Exhausted,
                 message,
             },
             (403, _) | (_, "forbidden") => Error::Forbidden { message },
@@ -350,12 +383,17 @@ impl Error {
         }
     }
 
-    /// Records how many attempts were made before giving up.
-    pub(crate) fn with_attempts(mut self, n: u32) -> Error {
-        if let Error::OwnerUnavailable { attempts, .. } | Error::Transport { attempts, .. } =
-            &mut self
+    /// Records how many attempts were made, and why there were no more.
+    pub(crate) fn gave_up(mut self, n: u32, why: GaveUp) -> Error {
+        if let Error::OwnerUnavailable {
+            attempts, gave_up, ..
+        }
+        | Error::Transport {
+            attempts, gave_up, ..
+        } = &mut self
         {
             *attempts = n;
+            *gave_up = why;
         }
         self
     }
@@ -488,14 +526,19 @@ mod tests {
             shard: Some(2),
             retry_after: None,
             attempts: 1,
+            gave_up: GaveUp::UnsafeToRepeat,
             message: "timeout".into(),
         };
         let v = e.to_json();
         assert_eq!(v["error"], "owner_unavailable");
         assert_eq!(v["executed"], "unknown");
         assert_eq!(v["http_status"], 503);
+        assert_eq!(v["gave_up"], "unsafe_to_repeat");
         assert!(v["message"]
             .as_str()
             .is_some_and(|m| m.contains("MAY have been applied")));
+        let e = e.gave_up(4, GaveUp::Exhausted);
+        assert!(!e.to_string().contains("idempotency key"), "{e}");
+        assert!(e.to_string().contains("4 attempts"), "{e}");
     }
 }

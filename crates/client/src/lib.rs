@@ -24,7 +24,7 @@ pub mod map;
 pub mod retry;
 pub mod types;
 
-pub use error::{Error, Executed};
+pub use error::{Error, Executed, GaveUp};
 pub use map::{ClusterMap, Destination, NodeInfo, ShardInfo};
 pub use retry::{Decision, Failure, RetryPolicy};
 pub use types::*;
@@ -317,6 +317,7 @@ impl Client {
                 address: base.to_string(),
                 executed,
                 attempts: 1,
+                gave_up: GaveUp::Exhausted,
                 message,
             }),
         }
@@ -525,10 +526,14 @@ impl Client {
                         address: base.clone(),
                         executed,
                         attempts,
+                        gave_up: GaveUp::Exhausted,
                         message,
                     },
                 ),
             };
+            // The owner may have moved or died: the next request (or retry)
+            // routes by a fresh map.
+            self.inner.stale.store(true, Ordering::Release);
             match self
                 .inner
                 .retry
@@ -536,11 +541,10 @@ impl Client {
             {
                 Decision::Retry(wait) => {
                     tracing::debug!(%base, attempts, ?wait, error = %err, "retrying");
-                    // The owner may have moved or died: route by a fresh map.
-                    self.inner.stale.store(true, Ordering::Release);
                     tokio::time::sleep(wait + jitter(wait)).await;
                 }
-                Decision::Unsafe | Decision::Exhausted => return Err(err.with_attempts(attempts)),
+                Decision::Unsafe => return Err(err.gave_up(attempts, GaveUp::UnsafeToRepeat)),
+                Decision::Exhausted => return Err(err.gave_up(attempts, GaveUp::Exhausted)),
             }
         }
     }

@@ -145,8 +145,9 @@ impl ClusterMap {
     }
 
     /// Where a request for `shard` goes: its owner's API address; the node
-    /// the map came from when routing is inactive or no owner is known (it
-    /// then answers for the shard itself: forwards, or fails closed).
+    /// the map came from when routing is inactive, no owner is known or the
+    /// owner is believed down (it then answers for the shard itself:
+    /// forwards, or fails closed).
     pub fn destination(&self, shard: Option<u32>) -> Destination {
         let fallback = Destination {
             base: self.fetched_from.clone(),
@@ -156,11 +157,14 @@ impl ClusterMap {
             return fallback;
         }
         match shard.and_then(|s| self.owner(s)) {
-            Some(n) => Destination {
+            // An owner the answering node believes down is not tried: the
+            // answering node fails closed at once (503, nothing written),
+            // where a paused owner would leave the outcome unknown.
+            Some(n) if n.alive => Destination {
                 base: self.base_of(n),
                 node: Some(n.id),
             },
-            None => fallback,
+            _ => fallback,
         }
     }
 
@@ -218,12 +222,13 @@ mod tests {
             assert_eq!(m.shard_of(id), shard);
             let d = m.destination(Some(shard));
             let owner = shard % 3 + 1;
-            assert_eq!(d.node, Some(owner as u16));
-            let want = match owner {
-                1 => "http://localhost:7071".to_string(),
-                2 => "http://127.0.0.1:7072".to_string(),
-                _ => "http://localhost:7073".to_string(),
+            // Node 3 is down in this map: its shards go to the answering node.
+            let (node, want) = match owner {
+                1 => (1, "http://localhost:7071".to_string()),
+                2 => (2, "http://127.0.0.1:7072".to_string()),
+                _ => (1, "http://localhost:7071".to_string()),
             };
+            assert_eq!(d.node, Some(node));
             assert_eq!(d.base, want, "id {raw} shard {shard}");
         }
     }
@@ -239,7 +244,17 @@ mod tests {
                 .shard(ShardCount::new(8).expect("legal"))
                 .get()
         );
-        assert_eq!(m.destination(Some(s)).node, Some((s % 3 + 1) as u16));
+        let owner = (s % 3 + 1) as u16;
+        let want = if owner == 3 { 1 } else { owner };
+        assert_eq!(m.destination(Some(s)).node, Some(want));
+    }
+
+    #[test]
+    fn a_wildcard_api_address_keeps_the_fetch_host() {
+        let mut m = three_nodes(4);
+        m.nodes[2].alive = true;
+        assert_eq!(m.base_of(&m.nodes[2]), "http://localhost:7073");
+        assert_eq!(m.destination(Some(2)).base, "http://localhost:7073");
     }
 
     #[test]

@@ -8,13 +8,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use forkless_client::{
-    AppendEvents, Client, Config, Error, Executed, NewEvent, RetryPolicy, Routing,
+    AppendEvents, Client, Config, Error, Executed, GaveUp, NewEvent, RetryPolicy, Routing,
 };
 use forkless_sharding::ShardCount;
 use forkless_types::ExecutionId;
 use serde_json::json;
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,8 @@ struct Node {
     /// The map this node serves: which node owns shard 1.
     shard1_owner: AtomicU64,
     map_version: AtomicU64,
+    /// Whether this node's map says node 2 is alive.
+    b_alive: AtomicBool,
     addrs: Vec<String>,
     id: u16,
 }
@@ -41,7 +43,7 @@ async fn cluster(State(n): State<Arc<Node>>) -> Json<serde_json::Value> {
         "routing_active": true,
         "nodes": [
             {"id": 1, "api_addr": n.addrs[0], "alive": true},
-            {"id": 2, "api_addr": n.addrs[1], "alive": true},
+            {"id": 2, "api_addr": n.addrs[1], "alive": n.b_alive.load(Ordering::SeqCst)},
         ],
         "shards": [
             {"shard": 0, "owner": 1, "epoch": 1},
@@ -97,6 +99,7 @@ async fn fake_cluster() -> Fake {
             addrs: addrs.clone(),
             shard1_owner: AtomicU64::new(2),
             map_version: AtomicU64::new(1),
+            b_alive: AtomicBool::new(true),
             ..Node::default()
         })
     };
@@ -268,6 +271,7 @@ async fn outcome_unknown_is_not_retried_without_an_idempotency_key() {
             ref err @ Error::OwnerUnavailable {
                 executed: Executed::Unknown,
                 attempts: 1,
+                gave_up: GaveUp::UnsafeToRepeat,
                 ..
             },
         ) => {
@@ -366,4 +370,26 @@ async fn a_newer_map_version_in_an_answer_triggers_a_refresh() {
         .expect("append");
     assert_eq!(f.a.map_fetches.load(Ordering::SeqCst), fetches + 1);
     assert_eq!(c.cached_map().map(|m| m.map_version), Some(5));
+}
+
+#[tokio::test]
+async fn an_owner_believed_down_is_reached_through_a_live_node() {
+    let f = fake_cluster().await;
+    f.a.b_alive.store(false, Ordering::SeqCst);
+    let c = client(&f.a_url, fast_retry());
+    // The live node answers for the shard (here: it fails closed, nothing
+    // written, and then succeeds once the owner is back).
+    push(&f.a, (503, unavailable(json!(false)), Some("0")));
+    c.append(id_on_shard_1(), &one_event(None))
+        .await
+        .expect("append");
+    assert_eq!(appends(&f.a), 2);
+    assert_eq!(appends(&f.b), 0, "the owner believed down was not tried");
+    // Once the map says it is back, requests go straight to it again.
+    f.a.b_alive.store(true, Ordering::SeqCst);
+    c.cluster().await.expect("refresh");
+    c.append(id_on_shard_1(), &one_event(None))
+        .await
+        .expect("append");
+    assert_eq!(appends(&f.b), 1);
 }
