@@ -198,6 +198,10 @@ impl Proc {
         signal(self.pid(), libc::SIGSTOP);
     }
 
+    pub fn sigterm(&self) {
+        signal(self.pid(), libc::SIGTERM);
+    }
+
     pub fn sigcont(&self) {
         signal(self.pid(), libc::SIGCONT);
     }

@@ -902,3 +902,60 @@ fn restart_keeps_everything() {
     let id2 = id_of(&c.start(&json!({"workflow": "w"})));
     assert_ne!(id2, id);
 }
+
+#[test]
+fn sigterm_stops_promptly_and_keeps_the_data() {
+    let _d = deadline("sigterm_stops_promptly_and_keeps_the_data", TEST_DEADLINE);
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = Node::start_single(&dir.path().join("data"), &[]);
+    let c = n.client;
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    // A plain SIGTERM: exits 0, and the data is there after a restart.
+    let t = Instant::now();
+    let p = n.proc.as_mut().unwrap();
+    p.sigterm();
+    let status = p
+        .wait_exit(Duration::from_secs(10))
+        .expect("no exit within 10 s of SIGTERM");
+    assert!(status.success(), "exit after SIGTERM: {status}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    n.restart();
+    assert_eq!(n.client.last_seq(&id), 1);
+}
+
+/// BUG (reported): graceful shutdown waits for every long-poll in flight,
+/// so a node with a client polling with `wait_ms=30000` takes up to 30 s to
+/// stop after SIGTERM. Remove the `ignore` once polls end on shutdown.
+#[test]
+#[ignore = "BUG: SIGTERM waits for long-polls in flight (reported to the lead)"]
+fn sigterm_stops_promptly_with_a_long_poll_in_flight() {
+    let _d = deadline("sigterm_stops_promptly_with_a_long_poll", TEST_DEADLINE);
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = Node::start_single(&dir.path().join("data"), &[]);
+    let c = n.client;
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    // With a client long-polling for 6 s: the node should still stop
+    // promptly (answering the poll with what it has, or closing it).
+    let poll = std::thread::spawn(move || {
+        c.try_req(
+            "GET",
+            &format!("/api/executions/{id}/events?after=1&wait_ms=6000"),
+            &[],
+            None,
+            Duration::from_secs(15),
+        )
+    });
+    // Give the poll time to reach the handler (nothing observable says so).
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let p = n.proc.as_mut().unwrap();
+    p.sigterm();
+    let status = p.wait_exit(Duration::from_secs(15));
+    let took = t.elapsed();
+    let _ = poll.join();
+    assert!(status.is_some(), "no exit within 15 s of SIGTERM");
+    assert!(
+        took < Duration::from_secs(3),
+        "SIGTERM took {took:?} to stop a node with one long-poll in flight (it waited for the poll)"
+    );
+}
