@@ -33,6 +33,10 @@ pub struct ServeArgs {
     /// How long a forward may wait for the owner, ms [default: 2000].
     #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
     forward_timeout_ms: Option<u64>,
+    /// Threads serving HTTP [default: one per core]. Each shard's writer
+    /// has its own thread besides these.
+    #[arg(long, env = "FORKLESS_WORKER_THREADS")]
+    worker_threads: Option<usize>,
     /// Log as JSON lines instead of text.
     #[arg(long, env = "FORKLESS_LOG_JSON")]
     log_json: bool,
@@ -54,10 +58,12 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         forward_timeout_ms: a.forward_timeout_ms,
     };
     let cfg = config::resolve(file, a.node, overrides)?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = a.worker_threads {
+        anyhow::ensure!(n >= 1, "--worker-threads must be at least 1");
+        rt.worker_threads(n);
+    }
+    let rt = rt.enable_all().build().context("starting the runtime")?;
     rt.block_on(forkless_server::run(cfg, shutdown_signal()))?;
     Ok(())
 }

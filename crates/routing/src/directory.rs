@@ -4,7 +4,7 @@
 use crate::{Owner, OwnerHint};
 use forkless_types::{Epoch, NodeId, ShardCount, ShardId};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 
 /// A node's view of shard ownership.
@@ -103,6 +103,26 @@ pub struct StaticDirectory {
     nodes: BTreeMap<NodeId, NodeInfo>,
     assignments: RwLock<Vec<ShardAssignment>>,
     liveness: Liveness,
+    /// Derived from `assignments` whenever they change, so the per-request
+    /// questions are one atomic load, not a walk over every shard.
+    derived: Derived,
+}
+
+#[derive(Debug, Default)]
+struct Derived {
+    map_version: AtomicU64,
+    routing_active: AtomicBool,
+}
+
+impl Derived {
+    fn update(&self, local: NodeId, shard_count: ShardCount, a: &[ShardAssignment]) {
+        self.map_version.store(
+            a.iter().map(|a| a.epoch.get()).max().unwrap_or(0),
+            Ordering::Release,
+        );
+        let active = shard_count.get() > 1 && a.iter().any(|a| a.owner != local);
+        self.routing_active.store(active, Ordering::Release);
+    }
 }
 
 impl StaticDirectory {
@@ -131,12 +151,15 @@ impl StaticDirectory {
             }
         }
         let liveness = Liveness::new(nodes.keys().copied());
+        let derived = Derived::default();
+        derived.update(local, shard_count, &assignments);
         Ok(StaticDirectory {
             local,
             shard_count,
             nodes,
             assignments: RwLock::new(assignments),
             liveness,
+            derived,
         })
     }
 
@@ -203,6 +226,7 @@ impl StaticDirectory {
         match a.get_mut(shard.get() as usize) {
             Some(cur) if epoch > cur.epoch => {
                 *cur = ShardAssignment { owner, epoch };
+                self.derived.update(self.local, self.shard_count, &a);
                 true
             }
             _ => false,
@@ -243,23 +267,11 @@ impl Directory for StaticDirectory {
     }
 
     fn map_version(&self) -> u64 {
-        self.assignments
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .map(|a| a.epoch.get())
-            .max()
-            .unwrap_or(0)
+        self.derived.map_version.load(Ordering::Acquire)
     }
 
     fn routing_active(&self) -> bool {
-        self.shard_count.get() > 1
-            && self
-                .assignments
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .any(|a| a.owner != self.local)
+        self.derived.routing_active.load(Ordering::Acquire)
     }
 }
 

@@ -569,14 +569,22 @@ async fn append_routed(
         route,
         move |epoch, st| async move {
             let out = append_local(&app2, &st, epoch, id, events, expected_last_seq).await?;
+            // The hot path: a typed struct, not a JSON map.
+            #[derive(Serialize)]
+            struct Appended {
+                execution_id: String,
+                first_seq: u64,
+                last_seq: u64,
+                deduplicated: bool,
+            }
             Ok(json_response(
                 StatusCode::OK,
-                &json!({
-                    "execution_id": id.to_string(),
-                    "first_seq": out.first_seq,
-                    "last_seq": out.last_seq,
-                    "deduplicated": out.deduplicated,
-                }),
+                &Appended {
+                    execution_id: id.to_string(),
+                    first_seq: out.first_seq,
+                    last_seq: out.last_seq,
+                    deduplicated: out.deduplicated,
+                },
             ))
         },
     )

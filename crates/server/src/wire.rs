@@ -18,17 +18,24 @@ pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     if body.is_empty() {
         return Err(ApiError::invalid("body", "a JSON object is required"));
     }
+    // The fast path parses once; only a body that fails is parsed again,
+    // tracking the path, so the error can name the field.
+    if let Ok(v) = serde_json::from_slice::<T>(body) {
+        return Ok(v);
+    }
     let de = &mut serde_json::Deserializer::from_slice(body);
-    let v: T = serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        let field = if path == "." {
-            "body".to_string()
-        } else {
-            path
-        };
-        ApiError::invalid(field, e.into_inner().to_string())
-    })?;
-    Ok(v)
+    match serde_path_to_error::deserialize::<_, T>(de) {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            let path = e.path().to_string();
+            let field = if path == "." {
+                "body".to_string()
+            } else {
+                path
+            };
+            Err(ApiError::invalid(field, e.into_inner().to_string()))
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
