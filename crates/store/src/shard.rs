@@ -182,8 +182,8 @@ impl ShardStore {
         if after < meta.last_seq && limit > 0 {
             let from = codec::event_key(p, id, after.saturating_add(1));
             let to = codec::event_key(p, id, meta.last_seq);
-            let mut expect = after + 1;
-            for item in snap.range(&self.ks.events, from..=to).take(limit) {
+            let range = snap.range(&self.ks.events, from..=to).take(limit);
+            for (expect, item) in (after + 1..).zip(range) {
                 let (k, v) = item.into_inner()?;
                 let seq = codec::decode_u64(&k[12..], "event key")?;
                 // Logs are gap-free by construction; a gap here is corruption
@@ -194,7 +194,6 @@ impl ShardStore {
                     )));
                 }
                 events.push(codec::decode_event(seq, &v)?);
-                expect += 1;
             }
             let want = (meta.last_seq - after).min(limit as u64);
             if events.len() as u64 != want {
