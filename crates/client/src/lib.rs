@@ -123,6 +123,15 @@ fn encode_segment(s: &str) -> String {
 
 type Http = hyper_util::client::legacy::Client<HttpConnector, Full<Bytes>>;
 
+fn http_client(connect_timeout: Duration) -> Http {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    hyper_util::client::legacy::Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build(connector)
+}
+
 /// What decides a request's node.
 #[derive(Debug, Clone)]
 enum Steer {
@@ -167,6 +176,7 @@ struct Inner {
     routing: Routing,
     retry: RetryPolicy,
     request_timeout: Duration,
+    connect_timeout: Duration,
     map: RwLock<Option<Arc<ClusterMap>>>,
     /// Bumped on every map stored, so concurrent refreshes collapse.
     generation: AtomicU64,
@@ -205,19 +215,14 @@ impl Client {
             .iter()
             .map(|s| normalize_base(s))
             .collect::<Result<Vec<_>, _>>()?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(cfg.connect_timeout));
-        let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build(connector);
         Ok(Client {
             inner: Arc::new(Inner {
-                http,
+                http: http_client(cfg.connect_timeout),
                 servers,
                 routing: cfg.routing,
                 retry: cfg.retry,
                 request_timeout: cfg.request_timeout,
+                connect_timeout: cfg.connect_timeout,
                 map: RwLock::new(None),
                 generation: AtomicU64::new(0),
                 stale: AtomicBool::new(false),
@@ -229,19 +234,15 @@ impl Client {
     /// A client with its own connection pool that starts from this one's
     /// cached map (one per benchmark connection).
     pub fn fresh_pool(&self) -> Client {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let http = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build(connector);
         let i = &self.inner;
         Client {
             inner: Arc::new(Inner {
-                http,
+                http: http_client(i.connect_timeout),
                 servers: i.servers.clone(),
                 routing: i.routing,
                 retry: i.retry.clone(),
                 request_timeout: i.request_timeout,
+                connect_timeout: i.connect_timeout,
                 map: RwLock::new(self.cached_map()),
                 generation: AtomicU64::new(0),
                 stale: AtomicBool::new(false),
