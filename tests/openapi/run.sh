@@ -9,14 +9,14 @@
 #   tests/openapi/run.sh                 # defaults below
 #   MAX_EXAMPLES=200 tests/openapi/run.sh --seed 1   # extra args go to `schemathesis run`
 #
-# Env: MAX_EXAMPLES (50), WORKERS (1: with more, Python 3.11's ast.parse
+# Env: MAX_EXAMPLES (100), WORKERS (1: with more, Python 3.11's ast.parse
 # races inside hypothesis), SEED (unset: random), PHASES (all four), SPEC (docs/openapi.yaml), SKIP_EDGE=1 skips the edge cases,
 # KEEP=1 keeps the data dir, server log and reports.
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
-MAX_EXAMPLES=${MAX_EXAMPLES:-50}
+MAX_EXAMPLES=${MAX_EXAMPLES:-100}
 WORKERS=${WORKERS:-1}
 PHASES=${PHASES:-examples,coverage,fuzzing,stateful}
 SPEC=${SPEC:-$ROOT/docs/openapi.yaml}
@@ -123,6 +123,9 @@ set +e
     "${seed_args[@]}" "$@")
 st=$?
 say "schemathesis exited $st after $(( $(date +%s) - started )) s"
+# What the node answered over the run, by status (from its own metrics).
+curl -fsS "$BASE/metrics" 2>/dev/null | sed -n 's/^forkless_responses_total{status="\([0-9]*\)"} \([0-9]*\).*/\1 \2/p' \
+    | sort -n | awk 'BEGIN{printf "openapi: responses by status:"} {printf " %s=%s", $1, $2} END{print ""}' >&2 || true
 
 # Hand-written edge cases fuzzing does not reach (raw bytes, write-then-read).
 edge=0
