@@ -30,8 +30,14 @@ fn ev(t: &str, n: u64) -> Value {
     json!({"type": t, "payload": {"n": n}})
 }
 
+/// A cluster with the brief's short peer timeouts, for failure tests.
 fn cluster() -> Cluster {
     Cluster::start(NODES, SHARDS, &[], PeerTiming::default())
+}
+
+/// A cluster slower to call a starved peer down, for tests that kill nobody.
+fn calm_cluster() -> Cluster {
+    Cluster::start(NODES, SHARDS, &[], PeerTiming::relaxed())
 }
 
 /// Asserts `r` is the owner's answer relayed (or given) to a client of `asked`.
@@ -74,7 +80,7 @@ fn same_answer(a: &Resp, b: &Resp) -> bool {
 #[test]
 fn every_endpoint_through_every_node_gives_the_owners_answer() {
     let _d = deadline("every_endpoint_through_every_node", TEST_DEADLINE);
-    let cl = cluster();
+    let cl = calm_cluster();
     // One execution started on each node (unsteered: lands on that node).
     let mut ids = Vec::new();
     for (n, c) in cl.clients() {
@@ -251,7 +257,7 @@ fn long_polls_through_a_non_owner_get_their_wait() {
 #[test]
 fn unsteered_starts_never_forward() {
     let _d = deadline("unsteered_starts_never_forward", TEST_DEADLINE);
-    let cl = cluster();
+    let cl = calm_cluster();
     for (n, c) in cl.clients() {
         let fwd = "forkless_route_total{outcome=\"forwarded_ok\"}";
         let before = c.metric(fwd);
@@ -281,7 +287,7 @@ fn unsteered_starts_never_forward() {
 #[test]
 fn steered_starts_land_on_the_key_shard_from_any_node() {
     let _d = deadline("steered_starts_land_on_the_key_shard", TEST_DEADLINE);
-    let cl = cluster();
+    let cl = calm_cluster();
     for s in 0..SHARDS {
         let key = key_on_shard(&format!("tenant-{s}/order"), s, SHARDS);
         let owner = owner_of_shard(s);
@@ -318,7 +324,7 @@ fn steered_starts_land_on_the_key_shard_from_any_node() {
 #[test]
 fn forged_hop_header_is_refused_on_every_node_and_a_peer_hop_gets_421() {
     let _d = deadline("forged_hop_header_is_refused_on_every_node", TEST_DEADLINE);
-    let cl = cluster();
+    let cl = calm_cluster();
     let ids: Vec<String> = cl
         .clients()
         .iter()
@@ -621,7 +627,7 @@ fn paused_owner_fails_closed_within_the_forward_timeout_then_recovers() {
                 v["executed"] == false || v["executed"] == "unknown",
                 "executed must be false or \"unknown\": {v}"
             );
-            if v["executed"] == false && took < Duration::from_millis(200) {
+            if v["executed"] == false && took < Duration::from_millis(500) {
                 saw_fast_false = true;
             }
             attempts.push(Attempt {
@@ -702,7 +708,7 @@ fn paused_owner_fails_closed_within_the_forward_timeout_then_recovers() {
 fn a_stale_config_is_fenced_by_a_newer_epoch() {
     let _d = deadline("a_stale_config_is_fenced", TEST_DEADLINE);
     let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();
-    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::default());
+    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::relaxed());
     assert_eq!(owner_of_shard(0), 1);
     // Executions on shard 0, owned by node 1 at epoch 1.
     let key = key_on_shard("fence", 0, SHARDS);
@@ -861,7 +867,7 @@ fn a_config_switch_under_load_never_forks_a_log() {
         TEST_DEADLINE,
     );
     let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();
-    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::default());
+    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::relaxed());
     // Four executions on shard 0 (node 1), two elsewhere on nodes 1 and 3.
     let c1 = cl.client(1);
     let shard0: Vec<String> = (0..4)
@@ -870,9 +876,13 @@ fn a_config_switch_under_load_never_forks_a_log() {
             id_of(&c1.start(&json!({"workflow": "w", "routing_key": key})))
         })
         .collect();
-    let elsewhere: Vec<String> = [1u16, 3]
+    // Two more on shards owned by nodes 1 and 3 that do not move.
+    let elsewhere: Vec<String> = [3u32, 2]
         .iter()
-        .map(|n| id_of(&cl.client(*n).start(&json!({"workflow": "w"}))))
+        .map(|s| {
+            let key = key_on_shard(&format!("stay-{s}"), *s, SHARDS);
+            id_of(&c1.start(&json!({"workflow": "w", "routing_key": key})))
+        })
         .collect();
     let mut execs = shard0.clone();
     execs.extend(elsewhere.iter().cloned());
@@ -906,7 +916,7 @@ fn a_config_switch_under_load_never_forks_a_log() {
     });
     let sent = shared.sent();
     wait_until("writes after the switch", Duration::from_secs(30), || {
-        (shared.sent() >= sent + 300 && fenced_at.elapsed() > Duration::from_millis(1500))
+        (shared.sent() >= sent + 300 && fenced_at.elapsed() > Duration::from_millis(2500))
             .then_some(())
     });
     shared.stop.set();
@@ -922,7 +932,7 @@ fn a_config_switch_under_load_never_forks_a_log() {
     );
 
     let is0 = |id: &str| shard_of_id(id, SHARDS) == 0;
-    let margin = Duration::from_millis(500);
+    let margin = Duration::from_millis(1000);
     for b in &batches {
         if b.status == Some(200) && is0(&b.exec) {
             // Shard-0 writes were acknowledged only by node 1, at epoch 1
@@ -989,7 +999,7 @@ fn a_config_that_moves_a_shard_away_fences_the_old_copy_at_startup() {
         TEST_DEADLINE,
     );
     let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();
-    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::default());
+    let mut cl = Cluster::start(NODES, SHARDS, &v1, PeerTiming::relaxed());
     let key = key_on_shard("moved", 0, SHARDS);
     let id = id_of(
         &cl.client(1)
