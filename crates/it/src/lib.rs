@@ -6,6 +6,11 @@
 //!
 //! Nothing here sleeps for a fixed time to let something happen: callers
 //! wait on conditions with [`wait_until`].
+//!
+//! Run: `cargo test -p forkless-it` (builds `forkless` first if needed; set
+//! `FORKLESS_BIN` to test another binary). Tests that pin down reported,
+//! not yet fixed bugs are `#[ignore]`d with the bug in the reason:
+//! `cargo test -p forkless-it -- --ignored` runs them.
 
 use serde_json::Value;
 use std::io::{Read, Write};

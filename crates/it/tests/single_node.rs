@@ -959,3 +959,29 @@ fn sigterm_stops_promptly_with_a_long_poll_in_flight() {
         "SIGTERM took {took:?} to stop a node with one long-poll in flight (it waited for the poll)"
     );
 }
+
+#[test]
+fn a_second_node_on_the_same_data_dir_refuses_to_start() {
+    let _d = deadline("a_second_node_on_the_same_data_dir", TEST_DEADLINE);
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let n = Node::start_single(&data, &[]);
+    let id = id_of(&n.client.start(&json!({"workflow": "w"})));
+    let listen = format!("127.0.0.1:{}", free_ports(1)[0]);
+    let d = data.display().to_string();
+    let (code, _, err) = run_cli(
+        &["serve", "--listen", &listen, "--data-dir", &d],
+        Duration::from_secs(20),
+    );
+    assert_ne!(code, Some(0), "a second process opened a data dir in use");
+    assert!(code.is_some());
+    assert!(err.to_lowercase().contains("lock"), "stderr: {err}");
+    // The first node is unharmed.
+    assert_eq!(n.client.last_seq(&id), 1);
+    n.client
+        .post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [ev("t")]}),
+        )
+        .expect(200);
+}
