@@ -14,6 +14,15 @@ a later read of it must still answer.
 
     python3 tests/openapi/edge_cases.py http://127.0.0.1:7070 [docs/openapi.yaml]
 
+Cluster mode checks the answers only a cluster gives (421 not_owner,
+503 owner_unavailable with both `executed` values, a relayed owner answer,
+the peer-only header and endpoint). It expects node 1 of a two-node
+cluster (shard_count 2, node 2 owning shard 1) and plays node 2 itself: a
+fake peer on node 2's peer port that answers probes, and answers forwards
+either as an owner would or with a non-owner error page, or stops answering:
+
+    python3 tests/openapi/edge_cases.py --cluster SECRET:FAKE_PEER_PORT URL [SPEC]
+
 Needs only what schemathesis brings along (pyyaml, jsonschema_rs).
 Ends with the line 'N passed, M failed'; exits 1 if any failed.
 """
@@ -22,8 +31,11 @@ from __future__ import annotations
 
 import copy
 import http.client
+import http.server
 import json
 import sys
+import threading
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -100,9 +112,10 @@ class Runner:
         else:
             status, h, raw = r
             docs = self.spec.responses(template, method)
-            if status >= 500:
+            expected = set(expect) if isinstance(expect, (set, tuple)) else {expect}
+            if status >= 500 and status not in expected:
                 problems.append(f"server error {status}")
-            if expect is not None and status not in (expect if isinstance(expect, (set, tuple)) else {expect}):
+            if expect is not None and status not in expected:
                 problems.append(f"status {status}, expected {expect}")
             doc = docs.get(str(status))
             if doc is None:
@@ -136,6 +149,15 @@ class Runner:
             print(f"ok   {what} -> {r[0]}")
         return parsed
 
+    def finish(self) -> int:
+        print()
+        if self.failed:
+            print("failed:")
+            for f in self.failed:
+                print(f"  {f}")
+        print(f"{self.passed} passed, {len(self.failed)} failed")
+        return 1 if self.failed else 0
+
     def start(self, body: dict | bytes = b'{"workflow":"edge"}'):
         if isinstance(body, dict):
             body = json.dumps(body).encode()
@@ -145,9 +167,22 @@ class Runner:
 
 
 def main() -> int:
-    base = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:7070"
-    spec = Spec(Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "docs/openapi.yaml")
+    args = sys.argv[1:]
+    cluster = None
+    if args[:1] == ["--cluster"]:
+        cluster, args = args[1], args[2:]
+    base = args[0] if args else "http://127.0.0.1:7070"
+    spec = Spec(Path(args[1]) if len(args) > 1 else ROOT / "docs/openapi.yaml")
     t = Runner(base, spec)
+    if cluster is not None:
+        secret, port = cluster.rsplit(":", 1)
+        cluster_cases(t, secret, int(port))
+        return t.finish()
+    single_node_cases(t)
+    return t.finish()
+
+
+def single_node_cases(t: Runner) -> None:
     EX = "/api/executions"
     ID = "/api/executions/{id}"
     EV = "/api/executions/{id}/events"
@@ -221,13 +256,135 @@ def main() -> int:
         t.check("read back after start input 1e400", EV, "GET", f"/api/executions/{e}/events", expect=200)
         t.check("get after start input 1e400", ID, "GET", f"/api/executions/{e}", expect=200)
 
-    print()
-    if t.failed:
-        print("failed:")
-        for f in t.failed:
-            print(f"  {f}")
-    print(f"{t.passed} passed, {len(t.failed)} failed")
-    return 1 if t.failed else 0
+
+class FakePeer:
+    """Node 2's peer port: answers probes as node 2 owning shard 1, and
+    forwards as `mode` says: "owner" (a JSON 404 from node 2, as the real
+    owner would give for an unknown execution) or "garbage" (a proxy's
+    text error page). `stop()` closes the port."""
+
+    def __init__(self, port: int):
+        self.mode = "owner"
+        peer = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self):
+                n = int(self.headers.get("content-length") or 0)
+                if n:
+                    self.rfile.read(n)
+                if self.path == "/internal/v1/status":
+                    body = json.dumps({"node": 2, "map_version": 1, "owned": [{"shard": 1, "epoch": 1}]}).encode()
+                    self._send(200, body, {"content-type": "application/json", "x-forkless-node": "2"})
+                elif peer.mode == "owner":
+                    body = json.dumps({"error": "execution_not_found", "message": "execution not found"}).encode()
+                    self._send(404, body, {
+                        "content-type": "application/json", "x-forkless-node": "2",
+                        "x-forkless-shard": "1", "x-forkless-owner": "2", "x-forkless-epoch": "1",
+                        "x-forkless-map-version": "1", "x-forkless-hops": self.headers.get("x-forkless-hops", "0"),
+                    })
+                else:
+                    self._send(502, b"<html>bad gateway</html>", {"content-type": "text/html"})
+
+            def _send(self, code, body, headers):
+                self.send_response(code)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def node2_alive(t: Runner) -> bool | None:
+    r = t.c.send("GET", "/api/cluster")
+    if r is None or r[0] != 200:
+        return None
+    for n in json.loads(r[2])["nodes"]:
+        if n["id"] == 2:
+            return n["alive"]
+    return None
+
+
+def wait_for(cond, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cluster_cases(t: Runner, secret: str, fake_port: int) -> None:
+    ID = "/api/executions/{id}"
+    EX = "/api/executions"
+    peer = {"x-forkless-peer-token": secret}
+
+    # Which ids live on which shard: the route headers say.
+    local_id = remote_id = None
+    for i in range(1, 200):
+        r = t.c.send("GET", f"/api/executions/{i}")
+        shard = r[1].get("x-forkless-shard") if r else None
+        if shard == "0" and local_id is None:
+            local_id = i
+        if shard == "1" and remote_id is None:
+            remote_id = i
+        if local_id and remote_id:
+            break
+    assert local_id and remote_id, "could not find ids on both shards; is this node 1 of a 2-shard cluster?"
+    remote_key = next(k for k in (f"key-{i}" for i in range(200))
+                      if (t.c.send("GET", f"/api/keys/{k}") or (0, {}, b""))[1].get("x-forkless-shard") == "1")
+
+    t.check("peer status with the token", "/internal/v1/status", "GET", "/internal/v1/status", headers=peer, expect=200)
+    t.check("peer status with a wrong token", "/internal/v1/status", "GET", "/internal/v1/status",
+            headers={"x-forkless-peer-token": "x" * 26}, expect=403)
+    t.check("hop header from a peer, local shard", ID, "GET", f"/api/executions/{local_id}",
+            headers={**peer, "x-forkless-hops": "1"}, expect=404)
+    t.check("hop header from a peer, not a number", ID, "GET", f"/api/executions/{local_id}",
+            headers={**peer, "x-forkless-hops": "many"}, expect=400)
+    t.check("forwarded request reaches a non-owner", ID, "GET", f"/api/executions/{remote_id}",
+            headers={**peer, "x-forkless-hops": "1"}, expect=421)
+    t.check("client sets the hop header in a cluster", ID, "GET", f"/api/executions/{remote_id}",
+            headers={"x-forkless-hops": "1"}, expect=403)
+
+    fake = FakePeer(fake_port)
+    try:
+        if not wait_for(lambda: node2_alive(t) is True):
+            t.failed.append("fake node 2 never came alive in /api/cluster")
+            print("FAIL fake node 2 never came alive in /api/cluster")
+            return
+        fake.mode = "owner"
+        t.check("owner's answer relayed", ID, "GET", f"/api/executions/{remote_id}", expect=404)
+        fake.mode = "garbage"
+        b = t.check("owner answered with a non-owner page", ID, "GET", f"/api/executions/{remote_id}", expect=503)
+        if b is not None and b.get("executed") != "unknown":
+            t.failed.append("non-owner page: executed should be \"unknown\"")
+            print(f"FAIL non-owner page: executed is {b.get('executed')!r}, expected \"unknown\"")
+        t.check("steered start, owner answered garbage", EX, "POST", EX,
+                json.dumps({"workflow": "w", "routing_key": remote_key}).encode(), expect=503)
+    finally:
+        fake.stop()
+    wait_for(lambda: node2_alive(t) is False)
+    b = t.check("owner down", ID, "GET", f"/api/executions/{remote_id}", expect=503)
+    if b is not None and b.get("executed") is not False:
+        t.failed.append("owner down: executed should be false")
+        print(f"FAIL owner down: executed is {b.get('executed')!r}, expected false")
+    t.check("steered start, owner down", EX, "POST", EX,
+            json.dumps({"workflow": "w", "routing_key": remote_key}).encode(), expect=503)
+    t.check("key lookup, owner down", "/api/keys/{routing_key}", "GET", f"/api/keys/{remote_key}", expect=503)
+    t.check("append, owner down", "/api/executions/{id}/events", "POST", f"/api/executions/{remote_id}/events",
+            b'{"events":[{"type":"x"}]}', expect=503)
+    t.check("unsteered start still placed locally", EX, "POST", EX, b'{"workflow":"w"}', expect=201)
 
 
 if __name__ == "__main__":
