@@ -32,6 +32,96 @@ fn settle_unknown(c: &Client, all: &mut [Batch]) {
     }
 }
 
+/// A start sent while the node may die: its key, and the id if acknowledged.
+struct SentStart {
+    key: String,
+    id: Option<String>,
+}
+
+fn start_body(key: &str) -> serde_json::Value {
+    json!({"workflow": "crash", "routing_key": format!("crash/{key}"), "idempotency_key": key})
+}
+
+/// Starts keyed executions until the node stops answering.
+fn starter(
+    c: Client,
+    tag: String,
+    out: std::sync::Arc<std::sync::Mutex<Vec<SentStart>>>,
+    stop: Stop,
+) {
+    let mut n = 0;
+    while !stop.is_set() {
+        let key = format!("{tag}-{n}");
+        n += 1;
+        let body = start_body(&key).to_string();
+        let r = c.try_req(
+            "POST",
+            "/api/executions",
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(10),
+        );
+        let id = match r {
+            Ok(r) if r.status == 201 => {
+                Some(r.json()["execution_id"].as_str().unwrap().to_string())
+            }
+            Ok(r) => panic!("start answered {} {}", r.status, r.text()),
+            Err(_) => None,
+        };
+        let dead = id.is_none();
+        out.lock().unwrap().push(SentStart { key, id });
+        if dead {
+            return;
+        }
+    }
+}
+
+/// Every acknowledged start exists; every start retried with its keys
+/// finds exactly one execution.
+fn verify_starts(c: &Client, starts: &[SentStart]) -> (usize, usize) {
+    let (mut acked, mut unknown) = (0, 0);
+    for s in starts {
+        if let Some(id) = &s.id {
+            acked += 1;
+            assert_eq!(
+                c.last_seq(id),
+                1,
+                "acknowledged start {id} ({}) lost",
+                s.key
+            );
+        } else {
+            unknown += 1;
+        }
+        let r = c.post("/api/executions", &start_body(&s.key));
+        assert!(
+            r.status == 200 || (r.status == 201 && s.id.is_none()),
+            "retrying start {}: {} {}",
+            s.key,
+            r.status,
+            r.text()
+        );
+        let again = r.json()["execution_id"].as_str().unwrap().to_string();
+        if let Some(id) = &s.id {
+            assert_eq!(
+                &again, id,
+                "a retried start of {} made a new execution",
+                s.key
+            );
+        }
+        let k = c.get(&format!("/api/keys/crash/{}", s.key)).json();
+        let ids = k["executions"].as_array().unwrap();
+        assert_eq!(
+            ids.len(),
+            1,
+            "key {} has {} executions: {k}",
+            s.key,
+            ids.len()
+        );
+        assert_eq!(ids[0]["execution_id"].as_str(), Some(again.as_str()));
+    }
+    (acked, unknown)
+}
+
 #[test]
 fn acknowledged_appends_survive_sigkill() {
     const EXECUTIONS: usize = 6;
@@ -61,6 +151,13 @@ fn acknowledged_appends_survive_sigkill() {
                 })
             })
             .collect();
+        let starts = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let starters: Vec<_> = (0..3)
+            .map(|t| {
+                let (starts, stop) = (starts.clone(), shared.stop.clone());
+                std::thread::spawn(move || starter(c, format!("r{round}-s{t}"), starts, stop))
+            })
+            .collect();
         // Kill mid-stream, once enough has been acknowledged.
         let target = 250 + round * 37;
         wait_until(
@@ -76,11 +173,16 @@ fn acknowledged_appends_survive_sigkill() {
                 .expect("writer panicked")
                 .expect("writer saw a wrong answer");
         }
+        for h in starters {
+            h.join().expect("starter panicked");
+        }
         let batches = shared.take();
         let hist = histogram(&batches);
         all.extend(batches);
 
         node.restart();
+        let (acked_starts, unknown_starts) = verify_starts(&c, &starts.lock().unwrap());
+        eprintln!("[crash] round {round}: {acked_starts} acknowledged starts intact, {unknown_starts} in-flight starts resolved by retry");
         let rep = verify(&c, &execs, &all);
         eprintln!(
             "[crash] round {round}: killed after {killed_after:?}; answers {hist:?}; in flight at the kill: {} landed, {} did not",
