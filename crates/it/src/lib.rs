@@ -780,6 +780,14 @@ impl Cluster {
         shards: &[(u32, u16, u64)],
         timing: PeerTiming,
     ) -> Cluster {
+        let mut c = Cluster::prepare(node_count, shard_count, timing);
+        let ids: Vec<u16> = (1..=node_count).collect();
+        c.start_nodes(&ids, shards);
+        c
+    }
+
+    /// Picks ports and data dirs for `node_count` nodes, starting none.
+    pub fn prepare(node_count: u16, shard_count: u32, timing: PeerTiming) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports = free_ports(2 * node_count as usize);
         let nodes = (0..node_count)
@@ -796,22 +804,28 @@ impl Cluster {
                 }
             })
             .collect();
-        let mut c = Cluster {
+        Cluster {
             dir,
             shard_count,
             timing,
             nodes,
             secret: "it-secret-0123456789abcdef".into(),
-        };
+        }
+    }
+
+    /// Writes the v1 config with `shards` and starts the nodes `ids` (the
+    /// others are left to the test), waiting until they are ready and see
+    /// each other alive.
+    pub fn start_nodes(&mut self, ids: &[u16], shards: &[(u32, u16, u64)]) {
+        let c = self;
         let cfg = c.write_config("cluster-v1.toml", shards);
-        for id in 1..=node_count {
+        for &id in ids {
             c.spawn(id, &cfg);
         }
-        for id in 1..=node_count {
+        for &id in ids {
             c.wait_ready(id);
         }
         c.wait_all_alive();
-        c
     }
 
     /// Waits until every running node believes every other running node is

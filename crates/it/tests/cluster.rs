@@ -1152,3 +1152,208 @@ fn two_owners_at_the_same_epoch_do_not_both_write() {
         b.text()
     );
 }
+
+/// How the fake owner answers forwarded requests.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Garbage {
+    /// 200, stamped by the owner, body not JSON.
+    NotJson,
+    /// 200 JSON stamped by another node.
+    WrongNode,
+    /// A proxy's 502 page: no node stamp, HTML.
+    ProxyPage,
+    /// Reads the request, closes without answering.
+    Close,
+    /// Promises 100 bytes, sends 10, closes.
+    Truncated,
+    /// Never answers.
+    Hang,
+}
+
+/// A fake node 3 on its peer address: answers probes like a healthy node
+/// that owns nothing, and every other request with `mode`'s garbage.
+fn fake_peer(
+    listener: std::net::TcpListener,
+    mode: std::sync::Arc<std::sync::Mutex<Garbage>>,
+    stop: Stop,
+) {
+    use std::io::{Read, Write};
+    listener.set_nonblocking(true).unwrap();
+    while !stop.is_set() {
+        let (mut s, _) = match listener.accept() {
+            Ok(x) => x,
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+        };
+        let mode = mode.clone();
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            s.set_nonblocking(false).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            // Keep-alive: serve requests on this connection until it closes.
+            let mut buf = Vec::new();
+            let mut chunk = [0u8; 8192];
+            loop {
+                let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                    match s.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => {
+                            buf.extend_from_slice(&chunk[..n]);
+                            continue;
+                        }
+                    }
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                let len = head
+                    .lines()
+                    .find_map(|l| {
+                        let (k, v) = l.split_once(':')?;
+                        k.eq_ignore_ascii_case("content-length")
+                            .then(|| v.trim().parse::<usize>().ok())
+                            .flatten()
+                    })
+                    .unwrap_or(0);
+                while buf.len() < end + 4 + len {
+                    match s.read(&mut chunk) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+                buf.drain(..end + 4 + len);
+                let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                if path.starts_with("/internal/v1/status") {
+                    let body = r#"{"node":3,"map_version":1,"owned":[]}"#;
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-forkless-node: 3\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if s.write_all(resp.as_bytes()).is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                let m = *mode.lock().unwrap();
+                let resp: &[u8] = match m {
+                    Garbage::NotJson => b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-forkless-node: 3\r\ncontent-length: 9\r\n\r\nnot json!",
+                    Garbage::WrongNode => b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-forkless-node: 2\r\ncontent-length: 11\r\n\r\n{\"ok\":true}",
+                    Garbage::ProxyPage => b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/html\r\ncontent-length: 22\r\n\r\n<h1>bad gateway</h1>\r\n",
+                    Garbage::Close => return,
+                    Garbage::Truncated => b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-forkless-node: 3\r\ncontent-length: 100\r\n\r\n{\"seq\": 12",
+                    Garbage::Hang => {
+                        while !stop.is_set() {
+                            std::thread::sleep(Duration::from_millis(20));
+                        }
+                        return;
+                    }
+                };
+                let _ = s.write_all(resp);
+                if m == Garbage::Truncated {
+                    return;
+                }
+            }
+        });
+    }
+}
+
+/// Invariant 2 with an owner that answers, but not with an answer the
+/// forwarder can vouch for: every such forward fails closed with 503
+/// `owner_unavailable`, `executed: "unknown"`, Retry-After, within the
+/// forward timeout; nothing is answered as if it succeeded.
+#[test]
+fn garbage_from_the_owner_fails_closed() {
+    let _d = deadline("garbage_from_the_owner_fails_closed", TEST_DEADLINE);
+    let mut cl = Cluster::prepare(NODES, SHARDS, PeerTiming::default());
+    let listener =
+        std::net::TcpListener::bind(cl.node(3).peer).expect("bind node 3's peer address");
+    let mode = std::sync::Arc::new(std::sync::Mutex::new(Garbage::NotJson));
+    let stop = Stop::default();
+    let fake = {
+        let (mode, stop) = (mode.clone(), stop.clone());
+        std::thread::spawn(move || fake_peer(listener, mode, stop))
+    };
+    cl.start_nodes(&[1, 2], &[]);
+    for n in [1u16, 2] {
+        wait_until(
+            "node 3 (fake) to be seen alive",
+            Duration::from_secs(10),
+            || {
+                let v = cl.client(n).get("/api/cluster").json();
+                v["nodes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|x| x["id"] == 3 && x["alive"] == true)
+                    .then_some(())
+            },
+        );
+    }
+    // An id on a shard of node 3 (that it never created: the fake owns it).
+    let id = (1i64..)
+        .find(|i| owner_of_shard(forkless_sharding::shard_for(*i, shard_count(SHARDS))) == 3)
+        .unwrap()
+        .to_string();
+    let key = key_on_shard(
+        "fake",
+        (0..SHARDS).find(|s| owner_of_shard(*s) == 3).unwrap(),
+        SHARDS,
+    );
+    let forward_timeout = Duration::from_millis(cl.timing.forward_timeout_ms);
+    for m in [
+        Garbage::NotJson,
+        Garbage::WrongNode,
+        Garbage::ProxyPage,
+        Garbage::Close,
+        Garbage::Truncated,
+        Garbage::Hang,
+    ] {
+        *mode.lock().unwrap() = m;
+        for n in [1u16, 2] {
+            let c = cl.client(n);
+            let reqs: Vec<(&str, String, Option<Value>)> = vec![
+                ("GET", format!("/api/executions/{id}"), None),
+                (
+                    "POST",
+                    format!("/api/executions/{id}/events"),
+                    Some(json!({"events": [ev("t", 0)]})),
+                ),
+                (
+                    "POST",
+                    "/api/executions".into(),
+                    Some(json!({"workflow": "w", "routing_key": key})),
+                ),
+            ];
+            for (method, path, body) in &reqs {
+                let t = Instant::now();
+                let b = body.as_ref().map(|b| b.to_string());
+                let r = c.req(method, path, &[], b.as_deref().map(str::as_bytes));
+                let took = t.elapsed();
+                let v = r.expect_error(503, "owner_unavailable");
+                assert_eq!(
+                    v["executed"], "unknown",
+                    "{m:?} {method} {path} via {n}: {v}"
+                );
+                assert!(r.header("retry-after").is_some(), "{m:?}: {:?}", r.headers);
+                assert_eq!(r.header_u64("x-forkless-node"), Some(n as u64), "{m:?}");
+                assert!(
+                    took < forward_timeout + Duration::from_millis(1500),
+                    "{m:?} {method} {path}: {took:?}"
+                );
+            }
+        }
+    }
+    assert!(
+        cl.client(1)
+            .metric("forkless_route_total{outcome=\"forward_failed\"}")
+            >= 18.0
+    );
+    assert_eq!(
+        cl.client(1)
+            .metric("forkless_route_total{outcome=\"forwarded_ok\"}"),
+        0.0
+    );
+    stop.set();
+    drop(cl);
+    let _ = fake.join();
+}
