@@ -992,7 +992,7 @@ fn a_config_switch_under_load_never_forks_a_log() {
 /// and `peer::learn` only when the map itself moved, so the old copy stays
 /// at epoch 1. Remove the `ignore` once it is fenced.
 #[test]
-#[ignore = "BUG: a hosted copy of a shard owned elsewhere at a newer epoch is not fenced (reported to the lead)"]
+
 fn a_config_that_moves_a_shard_away_fences_the_old_copy_at_startup() {
     let _d = deadline(
         "a_config_that_moves_a_shard_away_fences_the_old_copy",
@@ -1095,7 +1095,7 @@ fn a_node_that_owns_no_shard_still_serves_starts() {
 /// routing is inactive). Either such a config should be refused, or
 /// routing should be active (forward), or at least the hint kept.
 #[test]
-#[ignore = "BUG: with shard_count 1 in a multi-node cluster, non-owners answer 421 without the owner hint (reported to the lead)"]
+
 fn one_shard_on_three_nodes_forwards_or_names_the_owner() {
     let _d = deadline("one_shard_on_three_nodes", TEST_DEADLINE);
     let cl = Cluster::start(NODES, 1, &[], PeerTiming::relaxed());
@@ -1122,7 +1122,7 @@ fn one_shard_on_three_nodes_forwards_or_names_the_owner() {
 /// the same epoch is a conflict; both should fail closed (and say so in the
 /// log) rather than both write.
 #[test]
-#[ignore = "BUG: two owners of one shard at the same epoch both accept writes (reported to the lead)"]
+
 fn two_owners_at_the_same_epoch_do_not_both_write() {
     let _d = deadline("two_owners_at_the_same_epoch", TEST_DEADLINE);
     let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();

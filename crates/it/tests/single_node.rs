@@ -927,7 +927,7 @@ fn sigterm_stops_promptly_and_keeps_the_data() {
 /// so a node with a client polling with `wait_ms=30000` takes up to 30 s to
 /// stop after SIGTERM. Remove the `ignore` once polls end on shutdown.
 #[test]
-#[ignore = "BUG: SIGTERM waits for long-polls in flight (reported to the lead)"]
+
 fn sigterm_stops_promptly_with_a_long_poll_in_flight() {
     let _d = deadline("sigterm_stops_promptly_with_a_long_poll", TEST_DEADLINE);
     let dir = tempfile::tempdir().unwrap();

@@ -7,6 +7,17 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::RwLock;
 
+/// What a peer's claim did to this node's map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Observation {
+    /// The claim carried a newer epoch: the shard moved to the claimant.
+    Moved,
+    /// The claimant and this node both own the shard at the same epoch:
+    /// the shard now fails closed here.
+    Conflict,
+    Unchanged,
+}
+
 /// A node's view of shard ownership.
 pub trait Directory: Send + Sync {
     fn local_node(&self) -> NodeId;
@@ -103,6 +114,8 @@ pub struct StaticDirectory {
     nodes: BTreeMap<NodeId, NodeInfo>,
     assignments: RwLock<Vec<ShardAssignment>>,
     liveness: Liveness,
+    /// Shards two nodes claim at the same epoch: they fail closed.
+    conflicts: Vec<AtomicBool>,
     /// Derived from `assignments` whenever they change, so the per-request
     /// questions are one atomic load, not a walk over every shard.
     derived: Derived,
@@ -120,7 +133,11 @@ impl Derived {
             a.iter().map(|a| a.epoch.get()).max().unwrap_or(0),
             Ordering::Release,
         );
-        let active = shard_count.get() > 1 && a.iter().any(|a| a.owner != local);
+        // Routing is inert exactly when this node owns every shard (the
+        // embedded default, or a one-node cluster). A multi-node cluster with
+        // one shard routes like any other: non-owners forward.
+        let _ = shard_count;
+        let active = a.iter().any(|a| a.owner != local);
         self.routing_active.store(active, Ordering::Release);
     }
 }
@@ -160,6 +177,9 @@ impl StaticDirectory {
             assignments: RwLock::new(assignments),
             liveness,
             derived,
+            conflicts: (0..shard_count.get())
+                .map(|_| AtomicBool::new(false))
+                .collect(),
         })
     }
 
@@ -218,19 +238,65 @@ impl StaticDirectory {
     /// A peer says `owner` holds `shard` at `epoch`. A newer epoch than the
     /// map's wins (ownership moved after this node's config was written);
     /// an older or equal one changes nothing. Returns true if the map changed.
-    pub fn observe(&self, shard: ShardId, owner: NodeId, epoch: Epoch) -> bool {
+    pub fn observe(&self, shard: ShardId, owner: NodeId, epoch: Epoch) -> Observation {
         if !self.nodes.contains_key(&owner) {
-            return false;
+            return Observation::Unchanged;
         }
         let mut a = self.assignments.write().unwrap_or_else(|e| e.into_inner());
-        match a.get_mut(shard.get() as usize) {
-            Some(cur) if epoch > cur.epoch => {
-                *cur = ShardAssignment { owner, epoch };
-                self.derived.update(self.local, self.shard_count, &a);
-                true
-            }
-            _ => false,
+        let Some(cur) = a.get_mut(shard.get() as usize) else {
+            return Observation::Unchanged;
+        };
+        if epoch > cur.epoch {
+            *cur = ShardAssignment { owner, epoch };
+            self.set_conflict(shard, false);
+            self.derived.update(self.local, self.shard_count, &a);
+            return Observation::Moved;
         }
+        // Two nodes claiming one shard at one epoch (a config moved it
+        // without raising the epoch): neither claim can be preferred, so
+        // both sides stop treating the shard as theirs until an operator
+        // gives it a newer epoch. Better unavailable than forked.
+        if epoch == cur.epoch
+            && owner != cur.owner
+            && cur.owner == self.local
+            && owner != self.local
+        {
+            let was = self.set_conflict(shard, true);
+            return if was {
+                Observation::Unchanged
+            } else {
+                Observation::Conflict
+            };
+        }
+        Observation::Unchanged
+    }
+
+    fn set_conflict(&self, shard: ShardId, on: bool) -> bool {
+        self.conflicts
+            .get(shard.get() as usize)
+            .map(|c| c.swap(on, Ordering::AcqRel))
+            .unwrap_or(false)
+    }
+
+    /// True while two nodes claim this shard at the same epoch.
+    pub fn in_conflict(&self, shard: ShardId) -> bool {
+        self.conflicts
+            .get(shard.get() as usize)
+            .is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
+    /// The shards this node's map assigns to it, with their epochs: what it
+    /// tells its peers it claims (conflicted or not, so a conflict stays
+    /// visible to both sides).
+    pub fn claimed(&self) -> Vec<(ShardId, Epoch)> {
+        self.assignments
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.owner == self.local)
+            .map(|(s, a)| (ShardId(s as u32), a.epoch))
+            .collect()
     }
 
     fn hint(&self, a: ShardAssignment) -> Option<OwnerHint> {
@@ -256,6 +322,9 @@ impl Directory for StaticDirectory {
         let Some(a) = self.assignment(shard) else {
             return Owner::Unknown { hint: None };
         };
+        if self.in_conflict(shard) {
+            return Owner::Unknown { hint: None };
+        }
         if a.owner == self.local {
             return Owner::Local { epoch: a.epoch };
         }
@@ -323,14 +392,50 @@ mod tests {
     fn newer_epochs_learned_from_peers_win_and_older_ones_do_not() {
         let d = dir();
         let n3 = NodeId::new(3).unwrap();
-        assert!(!d.observe(ShardId(0), n3, Epoch(1)));
-        assert_eq!(d.owner_of(ShardId(0)), Owner::Local { epoch: Epoch(1) });
-        assert!(d.observe(ShardId(0), n3, Epoch(5)));
+        assert_eq!(d.observe(ShardId(2), n3, Epoch(1)), Observation::Unchanged);
+        assert_eq!(d.observe(ShardId(0), n3, Epoch(5)), Observation::Moved);
         assert!(
             matches!(d.owner_of(ShardId(0)), Owner::Remote(h) if h.node == n3 && h.epoch == Epoch(5))
         );
         assert_eq!(d.map_version(), 5);
-        assert!(!d.observe(ShardId(0), NodeId::new(1).unwrap(), Epoch(4)));
+        assert_eq!(
+            d.observe(ShardId(0), NodeId::new(1).unwrap(), Epoch(4)),
+            Observation::Unchanged
+        );
+    }
+
+    #[test]
+    fn two_claims_at_one_epoch_fail_closed_until_a_newer_epoch() {
+        let d = dir();
+        let n2 = NodeId::new(2).unwrap();
+        assert_eq!(d.observe(ShardId(0), n2, Epoch(1)), Observation::Conflict);
+        assert_eq!(d.owner_of(ShardId(0)), Owner::Unknown { hint: None });
+        assert_eq!(d.observe(ShardId(0), n2, Epoch(1)), Observation::Unchanged);
+        assert_eq!(
+            d.claimed().first(),
+            Some(&(ShardId(0), Epoch(1))),
+            "still claimed, so the peer sees it too"
+        );
+        assert_eq!(d.observe(ShardId(0), n2, Epoch(2)), Observation::Moved);
+        assert!(matches!(d.owner_of(ShardId(0)), Owner::Remote(h) if h.node == n2));
+        // A claim on a shard owned by a third node at the same epoch is not ours to judge.
+        assert_eq!(d.observe(ShardId(2), n2, Epoch(1)), Observation::Unchanged);
+    }
+
+    #[test]
+    fn one_shard_on_many_nodes_routes() {
+        let n = |x| NodeId::new(x).unwrap();
+        let a = ShardAssignment {
+            owner: n(1),
+            epoch: Epoch(1),
+        };
+        let d2 =
+            StaticDirectory::new(n(2), ShardCount::ONE, vec![node(1), node(2)], vec![a]).unwrap();
+        assert!(d2.routing_active());
+        assert!(matches!(d2.owner_of(ShardId(0)), Owner::Remote(_)));
+        let d1 =
+            StaticDirectory::new(n(1), ShardCount::ONE, vec![node(1), node(2)], vec![a]).unwrap();
+        assert!(!d1.routing_active());
     }
 
     #[test]

@@ -20,7 +20,8 @@
 mod directory;
 
 pub use directory::{
-    Directory, Liveness, NodeInfo, ShardAssignment, StaticDirectory, StaticDirectoryError,
+    Directory, Liveness, NodeInfo, Observation, ShardAssignment, StaticDirectory,
+    StaticDirectoryError,
 };
 
 use forkless_types::{Epoch, ExecutionId, IdMinter, NodeId, ShardCount, ShardId};

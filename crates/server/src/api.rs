@@ -7,6 +7,7 @@ use crate::metrics::outcome;
 use crate::wire::{self, check_name, parse, NAME_BYTES_MAX, ROUTING_KEY_BYTES_MAX};
 use crate::{App, HOPS_HEADER, NODE_HEADER, PEER_TOKEN_HEADER};
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::middleware::Next;
@@ -16,7 +17,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use forkless_routing::{decide, Decision, Directory, Facts, FailClosed, Owner};
 use forkless_store::{
-    AppendRequest, ExecutionMeta, NewEvent, ShardStore, StartRequest, StoreError, StoredEvent,
+    AppendRequest, ExecutionMeta, NewEvent, ShardStore, StartRequest, StoreError,
 };
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use serde::Serialize;
@@ -115,6 +116,13 @@ pub(crate) fn peer_authenticated(app: &App, headers: &HeaderMap) -> bool {
     headers
         .get(PEER_TOKEN_HEADER)
         .is_some_and(|t| bool::from(t.as_bytes().ct_eq(app.secret.as_bytes())))
+}
+
+/// A path segment, or a JSON 400 naming it (axum's own rejection is plain
+/// text, e.g. for invalid UTF-8 after percent-decoding).
+fn path_param(p: Result<Path<String>, PathRejection>, field: &str) -> Result<String, ApiError> {
+    p.map(|Path(v)| v)
+        .map_err(|e| ApiError::invalid(field, e.body_text()))
 }
 
 fn parse_id(raw: &str) -> Result<ExecutionId, ApiError> {
@@ -439,14 +447,14 @@ fn started_payload(b: &wire::StartBody) -> Vec<u8> {
 
 async fn get_execution(
     State(app): AppState,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
     let r = async {
         let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&id)?;
+        let id = parse_id(&path_param(id, "execution_id")?)?;
         let route = id_route(id, &app, hops);
         let app2 = app.clone();
         Ok::<_, ApiError>(
@@ -479,7 +487,7 @@ async fn get_execution(
 
 async fn append(
     State(app): AppState,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -487,7 +495,7 @@ async fn append(
 ) -> Response {
     let r = async {
         let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&id)?;
+        let id = parse_id(&path_param(id, "execution_id")?)?;
         let bytes = read_body(&app, body).await?;
         let b: wire::AppendBody = parse(&bytes)?;
         wire::check_events(&b.events, &app.cfg.limits)?;
@@ -624,7 +632,7 @@ async fn append_local(
 
 async fn signal(
     State(app): AppState,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -632,7 +640,7 @@ async fn signal(
 ) -> Response {
     let r = async {
         let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&id)?;
+        let id = parse_id(&path_param(id, "execution_id")?)?;
         let bytes = read_body(&app, body).await?;
         let b: wire::SignalBody = parse(&bytes)?;
         check_name("name", &b.name, NAME_BYTES_MAX)?;
@@ -663,7 +671,7 @@ async fn signal(
 
 async fn cancel(
     State(app): AppState,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -671,7 +679,7 @@ async fn cancel(
 ) -> Response {
     let r = async {
         let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&id)?;
+        let id = parse_id(&path_param(id, "execution_id")?)?;
         let bytes = read_body(&app, body).await?;
         // An empty body is a cancel without a reason.
         let b: wire::CancelBody = if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -732,31 +740,6 @@ async fn single_event(
 // ---------------------------------------------------------------------------
 // Reads
 
-#[derive(Serialize)]
-struct EventJson<'a> {
-    seq: u64,
-    #[serde(rename = "type")]
-    event_type: &'a str,
-    payload: Box<RawValue>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    idempotency_key: Option<&'a str>,
-    recorded_at: String,
-}
-
-fn event_json(e: &StoredEvent) -> Result<EventJson<'_>, ApiError> {
-    let text = String::from_utf8(e.payload.clone())
-        .map_err(|_| ApiError::Internal(format!("event {} payload is not UTF-8", e.seq)))?;
-    let payload = RawValue::from_string(text)
-        .map_err(|_| ApiError::Internal(format!("event {} payload is not JSON", e.seq)))?;
-    Ok(EventJson {
-        seq: e.seq,
-        event_type: &e.event_type,
-        payload,
-        idempotency_key: e.idempotency_key.as_deref(),
-        recorded_at: wire::rfc3339(e.recorded_at_ms),
-    })
-}
-
 struct ReadParams {
     after: u64,
     limit: usize,
@@ -800,7 +783,7 @@ fn read_params(app: &App, q: &HashMap<String, String>) -> Result<ReadParams, Api
 
 async fn read_events(
     State(app): AppState,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     Query(q): Query<HashMap<String, String>>,
     method: Method,
     uri: Uri,
@@ -808,10 +791,11 @@ async fn read_events(
 ) -> Response {
     let r = async {
         let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&id)?;
+        let id = parse_id(&path_param(id, "execution_id")?)?;
         let p = read_params(&app, &q)?;
         let mut route = id_route(id, &app, hops);
         route.extra_wait = p.wait;
+        let app2 = app.clone();
         Ok::<_, ApiError>(
             dispatch(
                 &app,
@@ -822,6 +806,7 @@ async fn read_events(
                 move |_epoch, st| async move {
                     let deadline = tokio::time::Instant::now() + p.wait;
                     let mut commits = st.commits();
+                    let mut stopping = app2.stopping.subscribe();
                     loop {
                         // Mark the commit counter seen before reading, so a
                         // commit between the read and the wait wakes us.
@@ -834,27 +819,32 @@ async fn read_events(
                             })?;
                         let done = !events.is_empty()
                             || meta.status.is_terminal()
-                            || tokio::time::Instant::now() >= deadline;
+                            || tokio::time::Instant::now() >= deadline
+                            || *stopping.borrow();
                         if done {
-                            let events = events
-                                .iter()
-                                .map(event_json)
-                                .collect::<Result<Vec<_>, _>>()?;
-                            return Ok(json_response(
+                            let body = wire::encode_events_page(
+                                &id.to_string(),
+                                meta.status.as_str(),
+                                meta.last_seq,
+                                &events,
+                            );
+                            return Ok((
                                 StatusCode::OK,
-                                &json!({
-                                    "execution_id": id.to_string(),
-                                    "status": meta.status.as_str(),
-                                    "last_seq": meta.last_seq,
-                                    "events": events,
-                                }),
-                            ));
+                                [(http::header::CONTENT_TYPE, "application/json")],
+                                body,
+                            )
+                                .into_response());
                         }
-                        if tokio::time::timeout_at(deadline, commits.changed())
-                            .await
-                            .is_ok_and(|r| r.is_err())
-                        {
-                            return Err(ApiError::Internal("the shard's writer stopped".into()));
+                        // Wake on a commit, the deadline, or shutdown (the
+                        // poll then answers with what there is, so it does
+                        // not hold the node's shutdown up).
+                        tokio::select! {
+                            r = tokio::time::timeout_at(deadline, commits.changed()) => {
+                                if r.is_ok_and(|r| r.is_err()) {
+                                    return Err(ApiError::Internal("the shard's writer stopped".into()));
+                                }
+                            }
+                            _ = stopping.changed() => {}
                         }
                     }
                 },
@@ -868,13 +858,14 @@ async fn read_events(
 
 async fn by_key(
     State(app): AppState,
-    Path(key): Path<String>,
+    key: Result<Path<String>, PathRejection>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
     let r = async {
         let hops = hops_taken(&app, &headers)?;
+        let key = path_param(key, "routing_key")?;
         check_name("routing_key", &key, ROUTING_KEY_BYTES_MAX)?;
         let n = app.dir.shard_count();
         let p = PartitionId::for_key(&key);

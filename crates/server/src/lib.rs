@@ -38,6 +38,9 @@ pub struct App {
     pub metrics: metrics::Metrics,
     pub secret: String,
     pub ready: AtomicBool,
+    /// Turns true when the node starts shutting down: long-polls answer
+    /// with what they have instead of holding the shutdown up.
+    pub stopping: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,16 +82,24 @@ impl App {
             .as_ref()
             .map(|c| c.secret.clone())
             .unwrap_or_default();
-        Ok(Arc::new(App {
+        let app = Arc::new(App {
             minter: IdMinter::new(cfg.node_id),
             forwarder: forward::Forwarder::new(cfg.peer.forward_connect_timeout(), &secret),
             metrics: metrics::Metrics::new(),
             secret,
             ready: AtomicBool::new(false),
+            stopping: tokio::sync::watch::channel(false).0,
             dir,
             store,
             cfg,
-        }))
+        });
+        // A copy of a shard that the map now gives to another node at a
+        // newer epoch (the config moved it away) is fenced at that epoch
+        // before this node serves anything.
+        for st in app.store.hosted() {
+            peer::fence_hosted_copy(&app, st.id()).await;
+        }
+        Ok(app)
     }
 }
 
@@ -113,9 +124,11 @@ pub async fn run(
         None => None,
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let app_stop = app.clone();
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
+        app_stop.stopping.send_replace(true);
     });
     let router = api::router(app.clone());
     let mut tasks = Vec::new();

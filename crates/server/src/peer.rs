@@ -14,7 +14,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use forkless_routing::Directory;
+use forkless_routing::{Directory, Observation};
 use forkless_types::{Epoch, NodeId, ShardId};
 use serde::Deserialize;
 use serde_json::json;
@@ -29,13 +29,11 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
         )
             .into_response();
     }
-    let shards: Vec<_> = (0..app.dir.shard_count().get())
-        .filter_map(|s| match app.dir.owner_of(ShardId(s)) {
-            forkless_routing::Owner::Local { epoch } => {
-                Some(json!({"shard": s, "epoch": epoch.get()}))
-            }
-            _ => None,
-        })
+    let shards: Vec<_> = app
+        .dir
+        .claimed()
+        .into_iter()
+        .map(|(s, e)| json!({"shard": s.get(), "epoch": e.get()}))
         .collect();
     Json(json!({"node": app.cfg.node_id.get(), "map_version": app.dir.map_version(), "owned": shards})).into_response()
 }
@@ -116,15 +114,42 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
         if o.shard >= app.dir.shard_count().get() {
             continue;
         }
-        if app.dir.observe(shard, node, Epoch(o.epoch)) {
-            tracing::warn!(shard = o.shard, owner = %node, epoch = o.epoch, "learned a newer owner from a peer; this node's map was stale");
-            if let Some(local) = app.store.shard(shard) {
-                // Fence our own copy, durably: from now on a write carrying
-                // the old epoch is refused by the store itself.
-                if let Err(e) = local.advance_epoch(Epoch(o.epoch)).await {
-                    tracing::error!(shard = o.shard, error = %e, "could not fence the local copy of the shard");
-                }
-            }
+        let epoch = Epoch(o.epoch);
+        match app.dir.observe(shard, node, epoch) {
+            Observation::Moved => tracing::warn!(
+                shard = o.shard, owner = %node, epoch = o.epoch,
+                "learned a newer owner from a peer; this node's map was stale"
+            ),
+            Observation::Conflict => tracing::error!(
+                shard = o.shard, peer = %node, epoch = o.epoch,
+                "this node and a peer both own the shard at the same epoch (a config moved it without \
+                 raising the epoch); failing closed for it until one of them is given a newer epoch"
+            ),
+            Observation::Unchanged => {}
+        }
+        // Whether or not the map moved just now: a copy of the shard hosted
+        // here that is behind the owner's epoch is fenced at it.
+        fence_hosted_copy(app, shard).await;
+    }
+}
+
+/// If this node hosts a copy of `shard` but the map names another owner at
+/// a newer epoch than the copy's, moves the copy's fence to that epoch
+/// (durably): from then on a write carrying an older epoch is refused by
+/// the store itself, even if this node is later restarted on a stale config.
+pub async fn fence_hosted_copy(app: &App, shard: ShardId) {
+    let (Some(local), Some(a)) = (app.store.shard(shard), app.dir.assignment(shard)) else {
+        return;
+    };
+    if a.owner == app.cfg.node_id || local.epoch() >= a.epoch {
+        return;
+    }
+    match local.advance_epoch(a.epoch).await {
+        Ok(_) => {
+            tracing::warn!(shard = shard.get(), epoch = a.epoch.get(), owner = %a.owner, "fenced this node's copy of a shard owned elsewhere")
+        }
+        Err(e) => {
+            tracing::error!(shard = shard.get(), error = %e, "could not fence the local copy of the shard")
         }
     }
 }

@@ -23,9 +23,15 @@ pub fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     if let Ok(v) = serde_json::from_slice::<T>(body) {
         return Ok(v);
     }
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    match serde_path_to_error::deserialize::<_, T>(de) {
-        Ok(v) => Ok(v),
+    let mut de = serde_json::Deserializer::from_slice(body);
+    match serde_path_to_error::deserialize::<_, T>(&mut de) {
+        Ok(v) => {
+            // The fast path failed, so if the value parsed, something
+            // follows it (`{...} trailing`): refuse, never drop it.
+            de.end()
+                .map_err(|e| ApiError::invalid("body", e.to_string()))?;
+            Ok(v)
+        }
         Err(e) => {
             let path = e.path().to_string();
             let field = if path == "." {
@@ -223,4 +229,107 @@ pub fn check_events(events: &[EventBody], limits: &Limits) -> Result<(), ApiErro
 pub fn rfc3339(ms: u64) -> String {
     let t = std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms);
     humantime::format_rfc3339_millis(t).to_string()
+}
+
+/// Encodes a page of events by hand, splicing each stored payload verbatim.
+///
+/// Payloads were validated as JSON when they were written and are stored as
+/// the client's exact text. Re-parsing them here (into a `serde_json::Value`
+/// or a checked `RawValue`) would cost CPU on every read and, worse, could
+/// refuse text that is valid JSON but not representable as a `Value` (a
+/// number like `1e400`, a lone surrogate escape, deep nesting), making an
+/// acknowledged event unreadable.
+pub fn encode_events_page(
+    execution_id: &str,
+    status: &str,
+    last_seq: u64,
+    events: &[forkless_store::StoredEvent],
+) -> Vec<u8> {
+    let mut out =
+        Vec::with_capacity(96 + events.iter().map(|e| e.payload.len() + 128).sum::<usize>());
+    out.extend_from_slice(b"{\"execution_id\":");
+    push_str(&mut out, execution_id);
+    out.extend_from_slice(b",\"status\":");
+    push_str(&mut out, status);
+    out.extend_from_slice(format!(",\"last_seq\":{last_seq},\"events\":[").as_bytes());
+    for (i, e) in events.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(format!("{{\"seq\":{},\"type\":", e.seq).as_bytes());
+        push_str(&mut out, &e.event_type);
+        out.extend_from_slice(b",\"payload\":");
+        if e.payload.is_empty() {
+            out.extend_from_slice(b"null");
+        } else {
+            out.extend_from_slice(&e.payload);
+        }
+        if let Some(k) = &e.idempotency_key {
+            out.extend_from_slice(b",\"idempotency_key\":");
+            push_str(&mut out, k);
+        }
+        out.extend_from_slice(b",\"recorded_at\":");
+        push_str(&mut out, &rfc3339(e.recorded_at_ms));
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"]}");
+    out
+}
+
+fn push_str(out: &mut Vec<u8>, s: &str) {
+    // Serializing a &str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trailing_bytes_after_the_value_are_refused_on_both_paths() {
+        let ok: Result<StartBody, _> = parse(&Bytes::from_static(br#"{"workflow":"a"}"#));
+        assert!(ok.is_ok());
+        for bad in [
+            &br#"{"workflow":"a"} trailing"#[..],
+            br#"{"workflow":"a"}{"workflow":"b"}"#,
+        ] {
+            let err = parse::<StartBody>(&Bytes::copy_from_slice(bad)).unwrap_err();
+            assert!(
+                matches!(err, ApiError::Invalid { ref field, .. } if field == "body"),
+                "{err:?}"
+            );
+        }
+        let err = parse::<StartBody>(&Bytes::from_static(br#"{"workflow":1}"#)).unwrap_err();
+        assert!(
+            matches!(err, ApiError::Invalid { ref field, .. } if field == "workflow"),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn events_page_splices_payloads_that_a_value_could_not_hold() {
+        let ev = |seq, payload: &str, idem: Option<&str>| forkless_store::StoredEvent {
+            seq,
+            event_type: "t\"q".into(),
+            idempotency_key: idem.map(String::from),
+            recorded_at_ms: 0,
+            payload: payload.as_bytes().to_vec(),
+        };
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let events = vec![
+            ev(1, "1e400", None),
+            ev(2, r#""\ud800""#, Some("k")),
+            ev(3, &deep, None),
+        ];
+        let out = String::from_utf8(encode_events_page("7", "running", 3, &events)).unwrap();
+        assert!(out.starts_with(r#"{"execution_id":"7","status":"running","last_seq":3,"events":[{"seq":1,"type":"t\"q","payload":1e400,"recorded_at":"1970-01-01T00:00:00.000Z"}"#), "{out}");
+        assert!(out.contains(r#""payload":"\ud800","idempotency_key":"k""#));
+        assert!(out.contains(&format!(r#""payload":{deep},"recorded_at""#)));
+        assert!(out.ends_with("}]}"));
+        let empty = encode_events_page("7", "completed", 0, &[]);
+        assert_eq!(
+            empty,
+            br#"{"execution_id":"7","status":"completed","last_seq":0,"events":[]}"#
+        );
+    }
 }
