@@ -132,19 +132,26 @@ fn put_opt_string(out: &mut Vec<u8>, s: Option<&str>) {
     }
 }
 
+/// The metadata record: what does not change with every append. `last_seq`
+/// and `updated_at_ms` are not stored here; they are the last event's
+/// (see [`last_event`]), so an append writes one event row and nothing else.
 pub fn encode_meta(m: &ExecutionMeta) -> Vec<u8> {
-    let mut out = Vec::with_capacity(64 + m.workflow.len());
+    let mut out = Vec::with_capacity(32 + m.workflow.len());
     out.push(VALUE_VERSION);
     out.push(m.status.code());
-    out.extend_from_slice(&m.last_seq.to_be_bytes());
     out.extend_from_slice(&m.created_at_ms.to_be_bytes());
-    out.extend_from_slice(&m.updated_at_ms.to_be_bytes());
     put_string(&mut out, &m.workflow);
     put_opt_string(&mut out, m.routing_key.as_deref());
     out
 }
 
-pub fn decode_meta(id: ExecutionId, bytes: &[u8]) -> Result<ExecutionMeta, StoreError> {
+/// Decodes a metadata record; `last` is the execution's last event
+/// `(seq, recorded_at_ms)`.
+pub fn decode_meta(
+    id: ExecutionId,
+    bytes: &[u8],
+    last: (u64, u64),
+) -> Result<ExecutionMeta, StoreError> {
     let mut r = Reader {
         buf: bytes,
         what: "execution metadata",
@@ -160,12 +167,26 @@ pub fn decode_meta(id: ExecutionId, bytes: &[u8]) -> Result<ExecutionMeta, Store
     Ok(ExecutionMeta {
         id,
         status,
-        last_seq: r.u64()?,
         created_at_ms: r.u64()?,
-        updated_at_ms: r.u64()?,
         workflow: r.string()?,
         routing_key: r.opt_string()?,
+        last_seq: last.0,
+        updated_at_ms: last.1,
     })
+}
+
+/// The `(seq, recorded_at_ms)` of an execution's last event, from a key
+/// and value found by a reverse scan of its event prefix.
+pub fn last_event(key: &[u8], value: &[u8]) -> Result<(u64, u64), StoreError> {
+    if key.len() != 20 || value.len() < 9 || value[0] != VALUE_VERSION {
+        return Err(StoreError::Corrupt(
+            "last event: malformed key or value".into(),
+        ));
+    }
+    Ok((
+        decode_u64(&key[12..], "event key")?,
+        decode_u64(&value[1..9], "event time")?,
+    ))
 }
 
 pub fn encode_event(
@@ -246,7 +267,7 @@ mod tests {
             workflow: "wf".into(),
             routing_key: Some("k/é".into()),
         };
-        assert_eq!(decode_meta(id, &encode_meta(&m)).unwrap(), m);
+        assert_eq!(decode_meta(id, &encode_meta(&m), (9, 2)).unwrap(), m);
         let e = encode_event(5, "t", Some("i"), b"{\"a\":1}");
         let d = decode_event(3, &e).unwrap();
         assert_eq!(
@@ -259,7 +280,7 @@ mod tests {
             (3, "t", Some("i"), &b"{\"a\":1}"[..])
         );
         for cut in 0..encode_meta(&m).len() - 1 {
-            assert!(decode_meta(id, &encode_meta(&m)[..cut]).is_err());
+            assert!(decode_meta(id, &encode_meta(&m)[..cut], (9, 2)).is_err());
         }
         assert!(decode_event(1, &[9, 9, 9]).is_err());
     }

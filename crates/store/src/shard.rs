@@ -57,6 +57,31 @@ pub(crate) struct Keyspaces {
 
 pub(crate) const EPOCH_KEY: &[u8] = b"epoch";
 
+/// An execution's metadata as of `snap`: its record plus its last event.
+pub(crate) fn read_meta(
+    ks: &Keyspaces,
+    snap: &impl Readable,
+    id: ExecutionId,
+) -> Result<Option<ExecutionMeta>, StoreError> {
+    let key = codec::execution_key(id.partition(), id);
+    let Some(record) = snap.get(&ks.executions, key)? else {
+        return Ok(None);
+    };
+    // Every execution has at least its `execution.started` event, written
+    // in the same batch as the record.
+    let Some(last) = snap.prefix(&ks.events, key).next_back() else {
+        return Err(StoreError::Corrupt(format!(
+            "execution {id} has a record but no events"
+        )));
+    };
+    let (k, v) = last.into_inner()?;
+    Ok(Some(codec::decode_meta(
+        id,
+        &record,
+        codec::last_event(&k, &v)?,
+    )?))
+}
+
 /// A handle on one shard's durable state. Cheap to share (`Arc`).
 pub struct ShardStore {
     shard: ShardId,
@@ -157,11 +182,7 @@ impl ShardStore {
     }
 
     pub fn execution(&self, id: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
-        let key = codec::execution_key(id.partition(), id);
-        match self.ks.executions.get(key)? {
-            Some(v) => Ok(Some(codec::decode_meta(id, &v)?)),
-            None => Ok(None),
-        }
+        read_meta(&self.ks, &self.ks.db.snapshot(), id)
     }
 
     /// The execution and up to `limit` of its events with seq > `after`, in
@@ -174,9 +195,8 @@ impl ShardStore {
     ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
         let snap = self.ks.db.snapshot();
         let p = id.partition();
-        let meta = match snap.get(&self.ks.executions, codec::execution_key(p, id))? {
-            Some(v) => codec::decode_meta(id, &v)?,
-            None => return Ok(None),
+        let Some(meta) = read_meta(&self.ks, &snap, id)? else {
+            return Ok(None);
         };
         let mut events = Vec::new();
         if after < meta.last_seq && limit > 0 {

@@ -245,14 +245,9 @@ impl Writer {
         if let Some(m) = overlay.metas.get(&id).or_else(|| self.cache.get(&id)) {
             return Ok(Some(m.clone()));
         }
-        match self
-            .ks
-            .executions
-            .get(codec::execution_key(id.partition(), id))?
-        {
-            Some(v) => Ok(Some(codec::decode_meta(id, &v)?)),
-            None => Ok(None),
-        }
+        // Only this thread writes the shard, so the latest committed state
+        // is the state: no snapshot needed beyond the database's own.
+        crate::shard::read_meta(&self.ks, &self.ks.db.snapshot(), id)
     }
 
     fn start(
@@ -435,11 +430,15 @@ impl Writer {
             meta.last_seq = seq;
         }
         meta.updated_at_ms = now;
-        batch.insert(
-            &self.ks.executions,
-            codec::execution_key(p, req.id).to_vec(),
-            codec::encode_meta(&meta),
-        );
+        // The record changes only when the status does (a terminal event):
+        // last_seq and updated_at are read off the last event.
+        if meta.status.is_terminal() {
+            batch.insert(
+                &self.ks.executions,
+                codec::execution_key(p, req.id).to_vec(),
+                codec::encode_meta(&meta),
+            );
+        }
         let last_seq = meta.last_seq;
         overlay.metas.insert(req.id, meta);
         Ok(AppendOutcome {
