@@ -8,9 +8,9 @@
 //! wait on conditions with [`wait_until`].
 //!
 //! Run: `cargo test -p forkless-it` (builds `forkless` first if needed; set
-//! `FORKLESS_BIN` to test another binary). Tests that pin down reported,
-//! not yet fixed bugs are `#[ignore]`d with the bug in the reason:
-//! `cargo test -p forkless-it -- --ignored` runs them.
+//! `FORKLESS_BIN` to test another binary). A test that pins down a
+//! reported, not yet fixed bug is `#[ignore]`d with the bug in the reason
+//! (`cargo test -p forkless-it -- --ignored` runs those).
 
 use serde_json::Value;
 use std::io::{Read, Write};

@@ -988,11 +988,10 @@ fn a_config_switch_under_load_never_forks_a_log() {
 /// old copy must refuse writes at the old epoch from then on, whatever a
 /// later (stale, rolled-back) config says.
 ///
-/// BUG (reported): `App::open` only fences shards the map names as local,
-/// and `peer::learn` only when the map itself moved, so the old copy stays
-/// at epoch 1. Remove the `ignore` once it is fenced.
+/// Regression: `App::open` used to fence only shards the map names as
+/// local, and `peer::learn` only when the map itself moved, so the old copy
+/// stayed at epoch 1 and a rolled-back node accepted writes on it.
 #[test]
-
 fn a_config_that_moves_a_shard_away_fences_the_old_copy_at_startup() {
     let _d = deadline(
         "a_config_that_moves_a_shard_away_fences_the_old_copy",
@@ -1086,16 +1085,13 @@ fn a_node_that_owns_no_shard_still_serves_starts() {
     assert_eq!(id_of(&a), id_of(&b.json()));
 }
 
-/// A multi-node cluster configured with one shard: routing is "inert" on
-/// every node (`routing_active` is false when shard_count is 1), so the
-/// non-owners neither forward nor say who the owner is.
+/// A multi-node cluster configured with one shard: the non-owners forward
+/// to the owner, or at least name it.
 ///
-/// BUG (reported, low): the 421 from a non-owner drops the owner hint that
-/// the node knows (`decide` answers `NotOwner { hint: None }` whenever
-/// routing is inactive). Either such a config should be refused, or
-/// routing should be active (forward), or at least the hint kept.
+/// Regression: the 421 from a non-owner used to drop the owner hint the
+/// node knows (`decide` answered `NotOwner { hint: None }` whenever routing
+/// was inactive). Now such a cluster routes.
 #[test]
-
 fn one_shard_on_three_nodes_forwards_or_names_the_owner() {
     let _d = deadline("one_shard_on_three_nodes", TEST_DEADLINE);
     let cl = Cluster::start(NODES, 1, &[], PeerTiming::relaxed());
@@ -1113,16 +1109,14 @@ fn one_shard_on_three_nodes_forwards_or_names_the_owner() {
 }
 
 /// Two configs that name different owners for a shard at the SAME epoch
-/// (an operator moved it without bumping the epoch). Neither node learns
-/// from the other (only a strictly newer epoch wins), so both keep
-/// accepting writes for the shard: two owners, and the same routing key and
-/// idempotency key start two different executions.
+/// (an operator moved it without bumping the epoch). If both kept accepting
+/// writes, the same routing key and idempotency key would start two
+/// different executions.
 ///
-/// BUG (reported, hardening): a peer that claims a shard this node owns at
-/// the same epoch is a conflict; both should fail closed (and say so in the
-/// log) rather than both write.
+/// Regression: a peer that claims a shard this node owns at the same epoch
+/// is a conflict; both must fail closed (and say so in the log) rather than
+/// both write.
 #[test]
-
 fn two_owners_at_the_same_epoch_do_not_both_write() {
     let _d = deadline("two_owners_at_the_same_epoch", TEST_DEADLINE);
     let v1: Vec<(u32, u16, u64)> = (0..SHARDS).map(|s| (s, owner_of_shard(s), 1)).collect();

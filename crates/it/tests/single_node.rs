@@ -923,11 +923,10 @@ fn sigterm_stops_promptly_and_keeps_the_data() {
     assert_eq!(n.client.last_seq(&id), 1);
 }
 
-/// BUG (reported): graceful shutdown waits for every long-poll in flight,
-/// so a node with a client polling with `wait_ms=30000` takes up to 30 s to
-/// stop after SIGTERM. Remove the `ignore` once polls end on shutdown.
+/// Regression: graceful shutdown used to wait for every long-poll in
+/// flight, so a node with a client polling with `wait_ms=30000` took up to
+/// 30 s to stop after SIGTERM.
 #[test]
-
 fn sigterm_stops_promptly_with_a_long_poll_in_flight() {
     let _d = deadline("sigterm_stops_promptly_with_a_long_poll", TEST_DEADLINE);
     let dir = tempfile::tempdir().unwrap();
