@@ -207,6 +207,8 @@ pub enum StoreError {
         on_disk: u32,
         requested: u32,
     },
+    #[error("{0} is in use by another process (is another forkless node running on this data directory?)")]
+    InUse(String),
     #[error("corrupt data: {0}")]
     Corrupt(String),
     #[error("storage I/O failed: {0}")]

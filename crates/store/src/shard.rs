@@ -102,7 +102,11 @@ impl ShardStore {
             .cache_size(config.cache_bytes_per_shard)
             .worker_threads(config.worker_threads_per_shard.max(1))
             .max_journaling_size(config.journal_bytes_max.max(64 * 1024 * 1024))
-            .open()?;
+            .open()
+            .map_err(|e| match e {
+                fjall::Error::Locked => StoreError::InUse(path.display().to_string()),
+                e => StoreError::from(e),
+            })?;
         let opts = KeyspaceCreateOptions::default;
         let ks = Keyspaces {
             meta: db.keyspace("meta", opts)?,
