@@ -17,7 +17,8 @@ use forkless_loadgen::forkless::ForklessHttp;
 use forkless_loadgen::{run, Report, Workload};
 
 /// Exit status of `run` when the disk probe before the point showed a slow
-/// spell (the point is still recorded, marked `slow_probe`).
+/// spell or other processes took too much CPU during the window (the point
+/// is still recorded, marked `slow_probe` / `busy_machine`).
 const EXIT_SLOW_PROBE: i32 = 3;
 
 #[derive(Parser)]
@@ -85,6 +86,11 @@ enum Cmd {
         /// marked and the exit status is 3, so the caller can rerun it.
         #[arg(long, default_value_t = 1500.0)]
         slow_below: f64,
+        /// Other processes using more than this much CPU (% of one core)
+        /// during the measured window make the point suspect: it is marked
+        /// and the exit status is 3.
+        #[arg(long, default_value_t = 50.0)]
+        busy_above: f64,
         /// Append the point to this results file (JSON lines).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -203,6 +209,7 @@ async fn main() -> anyhow::Result<()> {
             probe_dir,
             probe_seconds,
             slow_below,
+            busy_above,
             out,
             rerun,
         } => {
@@ -238,6 +245,7 @@ async fn main() -> anyhow::Result<()> {
                 Kind::Etcd => run(peers::Etcd::new(&url), &w).await,
             }
             .with_context(|| format!("{target:?} at {url}"))?;
+            let busy = report.other_cpu_pct().is_some_and(|o| o > busy_above);
             let point = results::Point {
                 label: label.unwrap_or_else(|| report.target.clone()),
                 durable: !not_durable,
@@ -246,6 +254,7 @@ async fn main() -> anyhow::Result<()> {
                     .map_or(0, |d| d.as_secs()),
                 probe,
                 slow_probe: slow,
+                busy_machine: busy,
                 rerun,
                 report,
             };
@@ -256,11 +265,14 @@ async fn main() -> anyhow::Result<()> {
                 if slow {
                     println!("  (slow disk spell: probe under {slow_below:.0} fsyncs/s)");
                 }
+                if busy {
+                    println!("  (busy machine: other processes over {busy_above:.0}% CPU)");
+                }
             }
             if let Some(out) = out {
                 results::append(&out, &point)?;
             }
-            if slow {
+            if slow || busy {
                 std::process::exit(EXIT_SLOW_PROBE);
             }
         }

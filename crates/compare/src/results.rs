@@ -29,7 +29,10 @@ pub struct Point {
     pub probe: Option<Probe>,
     /// The probe showed a slow spell.
     pub slow_probe: bool,
-    /// This point is a rerun of one taken in a slow spell.
+    /// Other processes used more CPU than allowed during the measured window.
+    #[serde(default)]
+    pub busy_machine: bool,
+    /// This point is a rerun of one taken in a slow spell or on a busy machine.
     pub rerun: bool,
     pub report: Report,
 }
@@ -124,6 +127,9 @@ pub fn table(points: &[Point]) -> String {
                     let mut t = thousands(pr.fsync_per_s);
                     if p.slow_probe {
                         t.push_str(" (slow)");
+                    }
+                    if p.busy_machine {
+                        t.push_str(" (busy)");
                     }
                     if p.rerun {
                         t.push_str(" (rerun)");
