@@ -39,6 +39,48 @@ fn load_font(font: Option<&Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Line colours (forkless itself is always black), picked for contrast on white.
+const PALETTE: [RGBColor; 7] = [
+    RGBColor(228, 26, 28),
+    RGBColor(55, 126, 184),
+    RGBColor(77, 175, 74),
+    RGBColor(255, 127, 0),
+    RGBColor(152, 78, 163),
+    RGBColor(166, 86, 40),
+    RGBColor(0, 160, 160),
+];
+
+/// One system's line with its points: solid and thick when durable, dashed
+/// and thin when not.
+fn draw_line<DB, CT>(
+    chart: &mut ChartContext<'_, DB, CT>,
+    xy: Vec<(f64, f64)>,
+    label: &str,
+    c: RGBAColor,
+    durable: bool,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend,
+    CT: CoordTranslate<From = (f64, f64)>,
+{
+    let anno = if durable {
+        chart.draw_series(LineSeries::new(xy.clone(), c.stroke_width(3)))
+    } else {
+        chart.draw_series(DashedLineSeries::new(xy.clone(), 8, 6, c.stroke_width(2)))
+    }
+    .map_err(|e| anyhow!("{e}"))?;
+    anno.label(label).legend(move |(x, y)| {
+        PathElement::new(
+            vec![(x, y), (x + 24, y)],
+            c.stroke_width(if durable { 3 } else { 1 }),
+        )
+    });
+    chart
+        .draw_series(xy.iter().map(|p| Circle::new(*p, 4, c.filled())))
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
 /// Draws the chart of `points` into the PNG at `out`.
 pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> anyhow::Result<()> {
     load_font(font)?;
@@ -72,7 +114,12 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .map_err(|e| anyhow!("{e}"))?;
     let (left, right) = root.split_horizontally(750);
     let x_fmt = |x: &f64| format!("{}", 2f64.powf(*x).round());
-    let color = |i: usize| Palette99::pick(i).to_rgba();
+    let color = |i: usize, label: &str| {
+        if label.starts_with("forkless") {
+            return BLACK.to_rgba();
+        }
+        PALETTE[i % PALETTE.len()].to_rgba()
+    };
 
     // Left: throughput.
     let mut chart = ChartBuilder::on(&left)
@@ -96,20 +143,17 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
     for (i, (label, pts)) in series.iter().enumerate() {
-        let c = color(i);
         let xy: Vec<(f64, f64)> = pts
             .iter()
             .map(|p| ((p.report.clients as f64).log2(), p.report.events_per_s))
             .collect();
-        let width = if pts.iter().all(|p| p.durable) { 3 } else { 1 };
-        chart
-            .draw_series(LineSeries::new(xy.clone(), c.stroke_width(width)))
-            .map_err(|e| anyhow!("{e}"))?
-            .label(label.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
-        chart
-            .draw_series(xy.iter().map(|p| Circle::new(*p, 4, c.filled())))
-            .map_err(|e| anyhow!("{e}"))?;
+        draw_line(
+            &mut chart,
+            xy,
+            label,
+            color(i, label),
+            pts.iter().all(|p| p.durable),
+        )?;
     }
     chart
         .configure_series_labels()
@@ -133,7 +177,8 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .x_desc("concurrent clients (log scale)")
         .y_desc("p99 ms")
         .x_labels(8)
-        .y_labels(20)
+        .y_labels(12)
+        .light_line_style(TRANSPARENT)
         .x_label_formatter(&x_fmt)
         .y_label_formatter(&|y| {
             if *y < 1.0 {
@@ -146,21 +191,18 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
     for (i, (label, pts)) in series.iter().enumerate() {
-        let c = color(i);
         let xy: Vec<(f64, f64)> = pts
             .iter()
             .filter(|p| p.report.p99_ms > 0.0)
             .map(|p| ((p.report.clients as f64).log2(), p.report.p99_ms))
             .collect();
-        let width = if pts.iter().all(|p| p.durable) { 3 } else { 1 };
-        chart
-            .draw_series(LineSeries::new(xy.clone(), c.stroke_width(width)))
-            .map_err(|e| anyhow!("{e}"))?
-            .label(label.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
-        chart
-            .draw_series(xy.iter().map(|p| Circle::new(*p, 4, c.filled())))
-            .map_err(|e| anyhow!("{e}"))?;
+        draw_line(
+            &mut chart,
+            xy,
+            label,
+            color(i, label),
+            pts.iter().all(|p| p.durable),
+        )?;
     }
     chart
         .configure_series_labels()

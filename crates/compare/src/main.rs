@@ -97,6 +97,9 @@ enum Cmd {
         /// Mark the point as a rerun of a slow-spell point.
         #[arg(long)]
         rerun: bool,
+        /// Version of the system under test, recorded with the point.
+        #[arg(long)]
+        server_version: Option<String>,
     },
     /// Measure the disk: 256 B write + fdatasync, then 64 KiB write + fdatasync.
     DiskProbe {
@@ -212,6 +215,7 @@ async fn main() -> anyhow::Result<()> {
             busy_above,
             out,
             rerun,
+            server_version,
         } => {
             ensure_loopback(&url)?;
             let probe = match probe_dir {
@@ -255,6 +259,7 @@ async fn main() -> anyhow::Result<()> {
                 probe,
                 slow_probe: slow,
                 busy_machine: busy,
+                server_version,
                 rerun,
                 report,
             };

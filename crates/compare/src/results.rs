@@ -32,6 +32,9 @@ pub struct Point {
     /// Other processes used more CPU than allowed during the measured window.
     #[serde(default)]
     pub busy_machine: bool,
+    /// Version of the system measured, as the caller knew it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub server_version: Option<String>,
     /// This point is a rerun of one taken in a slow spell or on a busy machine.
     pub rerun: bool,
     pub report: Report,

@@ -974,7 +974,10 @@ fn a_second_node_on_the_same_data_dir_refuses_to_start() {
     );
     assert_ne!(code, Some(0), "a second process opened a data dir in use");
     assert!(code.is_some());
-    assert!(err.to_lowercase().contains("in use by another process"), "stderr: {err}");
+    assert!(
+        err.to_lowercase().contains("in use by another process"),
+        "stderr: {err}"
+    );
     // The first node is unharmed.
     assert_eq!(n.client.last_seq(&id), 1);
     n.client

@@ -58,9 +58,10 @@ pub struct Report {
 
 impl Report {
     /// Machine CPU used by neither the load generator nor the server (when
-    /// both are known), percent of one core.
+    /// both are known), percent of one core; clamped at 0, since the three
+    /// readings are taken a moment apart.
     pub fn other_cpu_pct(&self) -> Option<f64> {
-        Some(self.machine_cpu_pct? - self.loadgen_cpu_pct? - self.server_cpu_pct?)
+        Some((self.machine_cpu_pct? - self.loadgen_cpu_pct? - self.server_cpu_pct?).max(0.0))
     }
 }
 
