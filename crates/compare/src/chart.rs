@@ -39,7 +39,7 @@ fn load_font(font: Option<&Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Line colours (forkless itself is always black), picked for contrast on white.
+/// Line colours (forkless itself is always black, forkless through a peer grey), picked for contrast on white.
 const PALETTE: [RGBColor; 7] = [
     RGBColor(228, 26, 28),
     RGBColor(55, 126, 184),
@@ -115,6 +115,9 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
     let (left, right) = root.split_horizontally(750);
     let x_fmt = |x: &f64| format!("{}", 2f64.powf(*x).round());
     let color = |i: usize, label: &str| {
+        if label.starts_with("forkless via") {
+            return RGBColor(120, 120, 120).to_rgba();
+        }
         if label.starts_with("forkless") {
             return BLACK.to_rgba();
         }
