@@ -40,6 +40,13 @@ pub struct Point {
     pub report: Report,
 }
 
+impl Point {
+    /// Taken with a normal disk and no competing load.
+    pub fn is_clean(&self) -> bool {
+        !self.slow_probe && !self.busy_machine
+    }
+}
+
 /// Appends one point to the results file.
 pub fn append(path: &Path, point: &Point) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
@@ -69,9 +76,9 @@ pub fn load(path: &Path) -> anyhow::Result<Vec<Point>> {
         .collect()
 }
 
-/// The points that count: for each (label, clients), the last one taken
-/// (a rerun supersedes the slow-spell point), in first-seen label order
-/// and ascending client count.
+/// The points that count: for each (label, clients), the last clean one
+/// (probe not slow, machine not busy), or the last one if none is clean; in
+/// first-seen label order and ascending client count.
 pub fn latest(points: &[Point]) -> Vec<(String, Vec<Point>)> {
     let mut order: Vec<String> = Vec::new();
     let mut by: BTreeMap<(usize, usize), Point> = BTreeMap::new();
@@ -83,7 +90,13 @@ pub fn latest(points: &[Point]) -> Vec<(String, Vec<Point>)> {
                 order.len() - 1
             }
         };
-        by.insert((li, p.report.clients), p.clone());
+        let key = (li, p.report.clients);
+        let keep_old = by
+            .get(&key)
+            .is_some_and(|old| old.is_clean() && !p.is_clean());
+        if !keep_old {
+            by.insert(key, p.clone());
+        }
     }
     order
         .iter()
@@ -210,6 +223,44 @@ mod tests {
         );
         let out = splice("", "t");
         assert_eq!(out, format!("{BEGIN_MARKER}\nt\n{END_MARKER}\n"));
+    }
+
+    fn point(label: &str, clients: usize, rate: f64, slow: bool, busy: bool) -> Point {
+        serde_json::from_value(serde_json::json!({
+            "label": label, "durable": true, "unix_time": 0, "probe": null,
+            "slow_probe": slow, "busy_machine": busy, "rerun": false,
+            "report": {
+                "target": "t", "clients": clients, "keys": 1000, "payload_bytes": 256,
+                "warmup_s": 1.0, "duration_s": 1.0, "events": 1, "events_per_s": rate,
+                "p50_ms": 1.0, "p90_ms": 1.0, "p99_ms": 1.0, "p999_ms": 1.0, "max_ms": 1.0,
+                "errors": 0, "error_kinds": {}, "error_samples": [], "retired_keys": 0,
+                "total_appends": 1, "loadgen_cpu_pct": null, "server_cpu_pct": null
+            }
+        }))
+        .expect("point")
+    }
+
+    #[test]
+    fn latest_prefers_the_last_clean_point() {
+        let pts = vec![
+            point("a", 1, 10.0, false, false),
+            point("a", 16, 20.0, true, false),
+            point("b", 1, 30.0, false, false),
+            point("a", 1, 11.0, false, true), // busy: the clean 10.0 stays
+            point("a", 16, 21.0, false, true), // neither clean: the last wins
+            point("b", 1, 31.0, false, false), // clean and later: wins
+        ];
+        let got: Vec<(String, Vec<f64>)> = latest(&pts)
+            .into_iter()
+            .map(|(l, p)| (l, p.iter().map(|p| p.report.events_per_s).collect()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a".to_string(), vec![10.0, 21.0]),
+                ("b".to_string(), vec![31.0])
+            ]
+        );
     }
 
     #[test]
