@@ -246,7 +246,13 @@ async fn main() -> anyhow::Result<()> {
                 Kind::Redis => run(peers::Redis::new(&url), &w).await,
                 Kind::Postgres => run(peers::Postgres::new(&url), &w).await,
                 Kind::Nats => run(peers::Nats::new(&url), &w).await,
+                #[cfg(feature = "etcd")]
                 Kind::Etcd => run(peers::Etcd::new(&url), &w).await,
+                #[cfg(not(feature = "etcd"))]
+                Kind::Etcd => bail!(
+                    "this forkless-compare was built without etcd support: \
+                     cargo build --release -p forkless-compare --features etcd (needs protoc)"
+                ),
             }
             .with_context(|| format!("{target:?} at {url}"))?;
             let busy = report.other_cpu_pct().is_some_and(|o| o > busy_above);

@@ -290,89 +290,105 @@ impl Connection for NatsConn {
 }
 
 // ----------------------------------------------------------------- etcd
+// Behind the `etcd` feature: etcd-client needs `protoc` to build.
 
-/// etcd, one key per key, compare-revision-then-put transactions.
-pub struct Etcd {
-    endpoint: String,
-}
+#[cfg(feature = "etcd")]
+pub use etcd::Etcd;
 
-impl Etcd {
-    /// `endpoint` like `http://127.0.0.1:2389`.
-    pub fn new(endpoint: &str) -> Self {
-        Self {
-            endpoint: endpoint.into(),
-        }
+#[cfg(feature = "etcd")]
+mod etcd {
+    use std::collections::HashMap;
+
+    use forkless_loadgen::{AppendError, Connection, Payload, SetupError, Target};
+
+    /// etcd, one key per key, compare-revision-then-put transactions.
+    pub struct Etcd {
+        endpoint: String,
     }
-    async fn client(&self) -> Result<etcd_client::Client, SetupError> {
-        etcd_client::Client::connect([self.endpoint.as_str()], None)
-            .await
-            .map_err(SetupError::new)
-    }
-}
 
-fn etcd_key(k: usize) -> String {
-    format!("fl/{k}")
-}
-
-impl Target for Etcd {
-    type Conn = EtcdConn;
-    fn name(&self) -> String {
-        "etcd".into()
-    }
-    async fn setup(&mut self, _keys: usize) -> Result<(), SetupError> {
-        let mut client = self.client().await?;
-        client
-            .delete("fl/", Some(etcd_client::DeleteOptions::new().with_prefix()))
-            .await
-            .map_err(SetupError::new)?;
-        Ok(())
-    }
-    async fn connect(&self, _client: usize) -> Result<EtcdConn, SetupError> {
-        Ok(EtcdConn {
-            client: self.client().await?,
-            revision: HashMap::new(),
-        })
-    }
-}
-
-/// One client's etcd connection and the mod revision of the last put of
-/// each of its keys.
-pub struct EtcdConn {
-    client: etcd_client::Client,
-    revision: HashMap<usize, i64>,
-}
-
-impl Connection for EtcdConn {
-    async fn append(&mut self, key: usize, seq: u64, payload: &Payload) -> Result<(), AppendError> {
-        use etcd_client::{Compare, CompareOp, Txn, TxnOp};
-        let last = self.revision.get(&key).copied().unwrap_or(0);
-        if (seq == 1) != (last == 0) {
-            return Err(AppendError::Refused(format!(
-                "key {key}: append {seq} but last revision {last}"
-            )));
-        }
-        let k = etcd_key(key);
-        let txn = Txn::new()
-            .when([Compare::mod_revision(k.clone(), CompareOp::Equal, last)])
-            .and_then([TxnOp::put(k, payload.as_bytes().to_vec(), None)]);
-        let resp = self.client.txn(txn).await.map_err(|e| match e {
-            etcd_client::Error::GRpcStatus(s) => AppendError::Refused(s.to_string()),
-            other => AppendError::Transport(other.to_string()),
-        })?;
-        if !resp.succeeded() {
-            return Err(AppendError::Conflict(format!(
-                "mod revision of {} is no longer {last}",
-                etcd_key(key)
-            )));
-        }
-        match resp.header().map(|h| h.revision()) {
-            Some(rev) if rev > last => {
-                self.revision.insert(key, rev);
-                Ok(())
+    impl Etcd {
+        /// `endpoint` like `http://127.0.0.1:2389`.
+        pub fn new(endpoint: &str) -> Self {
+            Self {
+                endpoint: endpoint.into(),
             }
-            other => Err(AppendError::BadAnswer(format!(
-                "txn succeeded with revision {other:?} after {last}"
-            ))),
+        }
+        async fn client(&self) -> Result<etcd_client::Client, SetupError> {
+            etcd_client::Client::connect([self.endpoint.as_str()], None)
+                .await
+                .map_err(SetupError::new)
+        }
+    }
+
+    fn etcd_key(k: usize) -> String {
+        format!("fl/{k}")
+    }
+
+    impl Target for Etcd {
+        type Conn = EtcdConn;
+        fn name(&self) -> String {
+            "etcd".into()
+        }
+        async fn setup(&mut self, _keys: usize) -> Result<(), SetupError> {
+            let mut client = self.client().await?;
+            client
+                .delete("fl/", Some(etcd_client::DeleteOptions::new().with_prefix()))
+                .await
+                .map_err(SetupError::new)?;
+            Ok(())
+        }
+        async fn connect(&self, _client: usize) -> Result<EtcdConn, SetupError> {
+            Ok(EtcdConn {
+                client: self.client().await?,
+                revision: HashMap::new(),
+            })
+        }
+    }
+
+    /// One client's etcd connection and the mod revision of the last put of
+    /// each of its keys.
+    pub struct EtcdConn {
+        client: etcd_client::Client,
+        revision: HashMap<usize, i64>,
+    }
+
+    impl Connection for EtcdConn {
+        async fn append(
+            &mut self,
+            key: usize,
+            seq: u64,
+            payload: &Payload,
+        ) -> Result<(), AppendError> {
+            use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+            let last = self.revision.get(&key).copied().unwrap_or(0);
+            if (seq == 1) != (last == 0) {
+                return Err(AppendError::Refused(format!(
+                    "key {key}: append {seq} but last revision {last}"
+                )));
+            }
+            let k = etcd_key(key);
+            let txn = Txn::new()
+                .when([Compare::mod_revision(k.clone(), CompareOp::Equal, last)])
+                .and_then([TxnOp::put(k, payload.as_bytes().to_vec(), None)]);
+            let resp = self.client.txn(txn).await.map_err(|e| match e {
+                etcd_client::Error::GRpcStatus(s) => AppendError::Refused(s.to_string()),
+                other => AppendError::Transport(other.to_string()),
+            })?;
+            if !resp.succeeded() {
+                return Err(AppendError::Conflict(format!(
+                    "mod revision of {} is no longer {last}",
+                    etcd_key(key)
+                )));
+            }
+            match resp.header().map(|h| h.revision()) {
+                Some(rev) if rev > last => {
+                    self.revision.insert(key, rev);
+                    Ok(())
+                }
+                other => Err(AppendError::BadAnswer(format!(
+                    "txn succeeded with revision {other:?} after {last}"
+                ))),
+            }
         }
     }
 }
