@@ -451,35 +451,29 @@ async fn get_execution(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&path_param(id, "execution_id")?)?;
-        let route = id_route(id, &app, hops);
-        let app2 = app.clone();
-        Ok::<_, ApiError>(
-            dispatch(
-                &app,
-                method,
-                &uri,
-                Bytes::new(),
-                route,
-                move |epoch, st| async move {
-                    match st.execution(id) {
-                        Ok(Some(m)) => Ok(json_response(
-                            StatusCode::OK,
-                            &execution_json(&app2, &m, Some(epoch)),
-                        )),
-                        Ok(None) => Err(ApiError::NotFound(format!("execution {id} not found"))),
-                        Err(e) => Err(ApiError::Internal(e.to_string())),
-                    }
-                },
-            )
-            .await,
-        )
-    }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let route = id_route(id, &app, hops);
+    let app2 = app.clone();
+    Ok(dispatch(
+        &app,
+        method,
+        &uri,
+        Bytes::new(),
+        route,
+        move |epoch, st| async move {
+            match st.execution(id) {
+                Ok(Some(m)) => Ok(json_response(
+                    StatusCode::OK,
+                    &execution_json(&app2, &m, Some(epoch)),
+                )),
+                Ok(None) => Err(ApiError::NotFound(format!("execution {id} not found"))),
+                Err(e) => Err(ApiError::Internal(e.to_string())),
+            }
+        },
+    )
+    .await)
 }
 
 // ---------------------------------------------------------------------------
@@ -492,29 +486,23 @@ async fn append(
     uri: Uri,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&path_param(id, "execution_id")?)?;
-        let bytes = read_body(&app, body).await?;
-        let b: wire::AppendBody = parse(&bytes)?;
-        wire::check_events(&b.events, &app.cfg.limits)?;
-        Ok::<_, ApiError>(
-            append_routed(
-                &app,
-                method,
-                &uri,
-                hops,
-                id,
-                bytes,
-                b.events,
-                b.expected_last_seq,
-            )
-            .await,
-        )
-    }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let bytes = read_body(&app, body).await?;
+    let b: wire::AppendBody = parse(&bytes)?;
+    wire::check_events(&b.events, &app.cfg.limits)?;
+    Ok(append_routed(
+        &app,
+        method,
+        &uri,
+        hops,
+        id,
+        bytes,
+        b.events,
+        b.expected_last_seq,
+    )
+    .await)
 }
 
 async fn append_by_body_id(
@@ -523,29 +511,23 @@ async fn append_by_body_id(
     uri: Uri,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let bytes = read_body(&app, body).await?;
-        let b: wire::AppendByIdBody = parse(&bytes)?;
-        let id = parse_id(&b.execution_id.0)?;
-        wire::check_events(&b.events, &app.cfg.limits)?;
-        Ok::<_, ApiError>(
-            append_routed(
-                &app,
-                method,
-                &uri,
-                hops,
-                id,
-                bytes,
-                b.events,
-                b.expected_last_seq,
-            )
-            .await,
-        )
-    }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let bytes = read_body(&app, body).await?;
+    let b: wire::AppendByIdBody = parse(&bytes)?;
+    let id = parse_id(&b.execution_id.0)?;
+    wire::check_events(&b.events, &app.cfg.limits)?;
+    Ok(append_routed(
+        &app,
+        method,
+        &uri,
+        hops,
+        id,
+        bytes,
+        b.events,
+        b.expected_last_seq,
+    )
+    .await)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -637,36 +619,32 @@ async fn signal(
     uri: Uri,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&path_param(id, "execution_id")?)?;
-        let bytes = read_body(&app, body).await?;
-        let b: wire::SignalBody = parse(&bytes)?;
-        check_name("name", &b.name, NAME_BYTES_MAX)?;
-        if let Some(k) = &b.idempotency_key {
-            check_name("idempotency_key", k, NAME_BYTES_MAX)?;
-        }
-        wire::check_payload("payload", &b.payload, &app.cfg.limits)?;
-        #[derive(Serialize)]
-        struct Signal<'a> {
-            name: &'a str,
-            payload: Option<&'a RawValue>,
-        }
-        let payload = serde_json::to_vec(&Signal {
-            name: &b.name,
-            payload: b.payload.as_deref(),
-        })
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
-        let event = NewEvent {
-            event_type: "execution.signaled".into(),
-            payload,
-            idempotency_key: b.idempotency_key,
-        };
-        Ok::<_, ApiError>(single_event(&app, method, &uri, hops, id, bytes, event).await)
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let bytes = read_body(&app, body).await?;
+    let b: wire::SignalBody = parse(&bytes)?;
+    check_name("name", &b.name, NAME_BYTES_MAX)?;
+    if let Some(k) = &b.idempotency_key {
+        check_name("idempotency_key", k, NAME_BYTES_MAX)?;
     }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+    wire::check_payload("payload", &b.payload, &app.cfg.limits)?;
+    #[derive(Serialize)]
+    struct Signal<'a> {
+        name: &'a str,
+        payload: Option<&'a RawValue>,
+    }
+    let payload = serde_json::to_vec(&Signal {
+        name: &b.name,
+        payload: b.payload.as_deref(),
+    })
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let event = NewEvent {
+        event_type: "execution.signaled".into(),
+        payload,
+        idempotency_key: b.idempotency_key,
+    };
+    Ok(single_event(&app, method, &uri, hops, id, bytes, event).await)
 }
 
 async fn cancel(
@@ -676,43 +654,39 @@ async fn cancel(
     uri: Uri,
     headers: HeaderMap,
     body: Body,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&path_param(id, "execution_id")?)?;
-        let bytes = read_body(&app, body).await?;
-        // An empty body is a cancel without a reason.
-        let b: wire::CancelBody = if bytes.iter().all(u8::is_ascii_whitespace) {
-            wire::CancelBody {
-                reason: None,
-                idempotency_key: None,
-            }
-        } else {
-            parse(&bytes)?
-        };
-        if let Some(r) = &b.reason {
-            if r.len() > app.cfg.limits.event_payload_bytes_max {
-                return Err(ApiError::TooLarge {
-                    what: "reason".into(),
-                    size: r.len(),
-                    limit: app.cfg.limits.event_payload_bytes_max,
-                });
-            }
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let bytes = read_body(&app, body).await?;
+    // An empty body is a cancel without a reason.
+    let b: wire::CancelBody = if bytes.iter().all(u8::is_ascii_whitespace) {
+        wire::CancelBody {
+            reason: None,
+            idempotency_key: None,
         }
-        if let Some(k) = &b.idempotency_key {
-            check_name("idempotency_key", k, NAME_BYTES_MAX)?;
+    } else {
+        parse(&bytes)?
+    };
+    if let Some(r) = &b.reason {
+        if r.len() > app.cfg.limits.event_payload_bytes_max {
+            return Err(ApiError::TooLarge {
+                what: "reason".into(),
+                size: r.len(),
+                limit: app.cfg.limits.event_payload_bytes_max,
+            });
         }
-        let payload = serde_json::to_vec(&json!({"reason": b.reason}))
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
-        let event = NewEvent {
-            event_type: "execution.cancelled".into(),
-            payload,
-            idempotency_key: b.idempotency_key,
-        };
-        Ok::<_, ApiError>(single_event(&app, method, &uri, hops, id, bytes, event).await)
     }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+    if let Some(k) = &b.idempotency_key {
+        check_name("idempotency_key", k, NAME_BYTES_MAX)?;
+    }
+    let payload = serde_json::to_vec(&json!({"reason": b.reason}))
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let event = NewEvent {
+        event_type: "execution.cancelled".into(),
+        payload,
+        idempotency_key: b.idempotency_key,
+    };
+    Ok(single_event(&app, method, &uri, hops, id, bytes, event).await)
 }
 
 async fn single_event(
@@ -788,72 +762,64 @@ async fn read_events(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let id = parse_id(&path_param(id, "execution_id")?)?;
-        let p = read_params(&app, &q)?;
-        let mut route = id_route(id, &app, hops);
-        route.extra_wait = p.wait;
-        let app2 = app.clone();
-        Ok::<_, ApiError>(
-            dispatch(
-                &app,
-                method,
-                &uri,
-                Bytes::new(),
-                route,
-                move |_epoch, st| async move {
-                    let deadline = tokio::time::Instant::now() + p.wait;
-                    let mut commits = st.commits();
-                    let mut stopping = app2.stopping.subscribe();
-                    loop {
-                        // Mark the commit counter seen before reading, so a
-                        // commit between the read and the wait wakes us.
-                        commits.borrow_and_update();
-                        let (meta, events) = st
-                            .read_events(id, p.after, p.limit)
-                            .map_err(|e| ApiError::Internal(e.to_string()))?
-                            .ok_or_else(|| {
-                                ApiError::NotFound(format!("execution {id} not found"))
-                            })?;
-                        let done = !events.is_empty()
-                            || meta.status.is_terminal()
-                            || tokio::time::Instant::now() >= deadline
-                            || *stopping.borrow();
-                        if done {
-                            let body = wire::encode_events_page(
-                                &id.to_string(),
-                                meta.status.as_str(),
-                                meta.last_seq,
-                                &events,
-                            );
-                            return Ok((
-                                StatusCode::OK,
-                                [(http::header::CONTENT_TYPE, "application/json")],
-                                body,
-                            )
-                                .into_response());
-                        }
-                        // Wake on a commit, the deadline, or shutdown (the
-                        // poll then answers with what there is, so it does
-                        // not hold the node's shutdown up).
-                        tokio::select! {
-                            r = tokio::time::timeout_at(deadline, commits.changed()) => {
-                                if r.is_ok_and(|r| r.is_err()) {
-                                    return Err(ApiError::Internal("the shard's writer stopped".into()));
-                                }
-                            }
-                            _ = stopping.changed() => {}
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let p = read_params(&app, &q)?;
+    let mut route = id_route(id, &app, hops);
+    route.extra_wait = p.wait;
+    let app2 = app.clone();
+    Ok(dispatch(
+        &app,
+        method,
+        &uri,
+        Bytes::new(),
+        route,
+        move |_epoch, st| async move {
+            let deadline = tokio::time::Instant::now() + p.wait;
+            let mut commits = st.commits();
+            let mut stopping = app2.stopping.subscribe();
+            loop {
+                // Mark the commit counter seen before reading, so a
+                // commit between the read and the wait wakes us.
+                commits.borrow_and_update();
+                let (meta, events) = st
+                    .read_events(id, p.after, p.limit)
+                    .map_err(|e| ApiError::Internal(e.to_string()))?
+                    .ok_or_else(|| ApiError::NotFound(format!("execution {id} not found")))?;
+                let done = !events.is_empty()
+                    || meta.status.is_terminal()
+                    || tokio::time::Instant::now() >= deadline
+                    || *stopping.borrow();
+                if done {
+                    let body = wire::encode_events_page(
+                        &id.to_string(),
+                        meta.status.as_str(),
+                        meta.last_seq,
+                        &events,
+                    );
+                    return Ok((
+                        StatusCode::OK,
+                        [(http::header::CONTENT_TYPE, "application/json")],
+                        body,
+                    )
+                        .into_response());
+                }
+                // Wake on a commit, the deadline, or shutdown (the
+                // poll then answers with what there is, so it does
+                // not hold the node's shutdown up).
+                tokio::select! {
+                    r = tokio::time::timeout_at(deadline, commits.changed()) => {
+                        if r.is_ok_and(|r| r.is_err()) {
+                            return Err(ApiError::Internal("the shard's writer stopped".into()));
                         }
                     }
-                },
-            )
-            .await,
-        )
-    }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+                    _ = stopping.changed() => {}
+                }
+            }
+        },
+    )
+    .await)
 }
 
 async fn by_key(
@@ -862,38 +828,39 @@ async fn by_key(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
-) -> Response {
-    let r = async {
-        let hops = hops_taken(&app, &headers)?;
-        let key = path_param(key, "routing_key")?;
-        check_name("routing_key", &key, ROUTING_KEY_BYTES_MAX)?;
-        let n = app.dir.shard_count();
-        let p = PartitionId::for_key(&key);
-        let route = Route { partition: Some(p), shard: p.shard(n), hops_taken: hops, extra_wait: Duration::ZERO };
-        let app2 = app.clone();
-        Ok::<_, ApiError>(
-            dispatch(&app, method, &uri, Bytes::new(), route, move |epoch, st| async move {
-                let ids = st.executions_for_key(&key, 1000).map_err(|e| ApiError::Internal(e.to_string()))?;
-                let mut out = Vec::new();
-                for id in ids {
-                    // Steered ids are minted on the key's shard, so this is
-                    // normally the same store; after a resize it may not be.
-                    let meta = app2.store.shard(id.shard(n)).and_then(|s| s.execution(id).ok().flatten());
-                    out.push(match meta {
-                        Some(m) => execution_json(&app2, &m, Some(epoch)),
-                        None => json!({"execution_id": id.to_string(), "partition": id.partition().get(), "shard": id.shard(n).get()}),
-                    });
-                }
-                Ok(json_response(
-                    StatusCode::OK,
-                    &json!({"routing_key": key, "partition": p.get(), "shard": p.shard(n).get(), "executions": out}),
-                ))
-            })
-            .await,
-        )
-    }
-    .await;
-    r.unwrap_or_else(|e| e.into_response())
+) -> Result<Response, ApiError> {
+    let hops = hops_taken(&app, &headers)?;
+    let key = path_param(key, "routing_key")?;
+    check_name("routing_key", &key, ROUTING_KEY_BYTES_MAX)?;
+    let n = app.dir.shard_count();
+    let p = PartitionId::for_key(&key);
+    let route = Route {
+        partition: Some(p),
+        shard: p.shard(n),
+        hops_taken: hops,
+        extra_wait: Duration::ZERO,
+    };
+    let app2 = app.clone();
+    Ok(
+        dispatch(&app, method, &uri, Bytes::new(), route, move |epoch, st| async move {
+            let ids = st.executions_for_key(&key, 1000).map_err(|e| ApiError::Internal(e.to_string()))?;
+            let mut out = Vec::new();
+            for id in ids {
+                // Steered ids are minted on the key's shard, so this is
+                // normally the same store; after a resize it may not be.
+                let meta = app2.store.shard(id.shard(n)).and_then(|s| s.execution(id).ok().flatten());
+                out.push(match meta {
+                    Some(m) => execution_json(&app2, &m, Some(epoch)),
+                    None => json!({"execution_id": id.to_string(), "partition": id.partition().get(), "shard": id.shard(n).get()}),
+                });
+            }
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"routing_key": key, "partition": p.get(), "shard": p.shard(n).get(), "executions": out}),
+            ))
+        })
+        .await,
+    )
 }
 
 // ---------------------------------------------------------------------------
