@@ -361,10 +361,8 @@ impl Writer {
         // Idempotency first: a retry of a batch that was applied must get the
         // original answer even though the log has moved on since.
         let mut found = Vec::new();
-        let mut keyed = 0;
         for (i, e) in req.events.iter().enumerate() {
             if let Some(idem) = &e.idempotency_key {
-                keyed += 1;
                 let k = codec::event_idem_key(p, req.id, idem);
                 let seq = match overlay.event_idem.get(&k) {
                     Some(s) => Some(*s),
@@ -389,7 +387,6 @@ impl Writer {
                 });
             }
             let (index, key, seq) = found.swap_remove(0);
-            let _ = keyed;
             return Err(StoreError::IdempotencyConflict { index, key, seq });
         }
 
