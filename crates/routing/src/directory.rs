@@ -27,7 +27,8 @@ pub trait Directory: Send + Sync {
     /// Grows whenever the map changes; lets a client tell which of two
     /// disagreeing answers is newer.
     fn map_version(&self) -> u64;
-    /// False when routing is inert (one shard, or one node owning all).
+    /// False when routing is inert: this node owns every shard (the embedded
+    /// single-node default, or a one-node cluster).
     fn routing_active(&self) -> bool;
     fn owns(&self, shard: ShardId) -> bool {
         matches!(self.owner_of(shard), Owner::Local { .. })
@@ -128,7 +129,7 @@ struct Derived {
 }
 
 impl Derived {
-    fn update(&self, local: NodeId, shard_count: ShardCount, a: &[ShardAssignment]) {
+    fn update(&self, local: NodeId, a: &[ShardAssignment]) {
         self.map_version.store(
             a.iter().map(|a| a.epoch.get()).max().unwrap_or(0),
             Ordering::Release,
@@ -136,7 +137,6 @@ impl Derived {
         // Routing is inert exactly when this node owns every shard (the
         // embedded default, or a one-node cluster). A multi-node cluster with
         // one shard routes like any other: non-owners forward.
-        let _ = shard_count;
         let active = a.iter().any(|a| a.owner != local);
         self.routing_active.store(active, Ordering::Release);
     }
@@ -169,7 +169,7 @@ impl StaticDirectory {
         }
         let liveness = Liveness::new(nodes.keys().copied());
         let derived = Derived::default();
-        derived.update(local, shard_count, &assignments);
+        derived.update(local, &assignments);
         Ok(StaticDirectory {
             local,
             shard_count,
@@ -249,7 +249,7 @@ impl StaticDirectory {
         if epoch > cur.epoch {
             *cur = ShardAssignment { owner, epoch };
             self.set_conflict(shard, false);
-            self.derived.update(self.local, self.shard_count, &a);
+            self.derived.update(self.local, &a);
             return Observation::Moved;
         }
         // Two nodes claiming one shard at one epoch (a config moved it
