@@ -81,6 +81,18 @@ struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
+    /// A reader past the value's version byte, which must be ours.
+    fn versioned(buf: &'a [u8], what: &'static str) -> Result<Reader<'a>, StoreError> {
+        let mut r = Reader { buf, what };
+        let version = r.u8()?;
+        if version != VALUE_VERSION {
+            return Err(StoreError::Corrupt(format!(
+                "{what}: unknown version {version}"
+            )));
+        }
+        Ok(r)
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8], StoreError> {
         if self.buf.len() < n {
             return Err(StoreError::Corrupt(format!(
@@ -152,16 +164,7 @@ pub fn decode_meta(
     bytes: &[u8],
     last: (u64, u64),
 ) -> Result<ExecutionMeta, StoreError> {
-    let mut r = Reader {
-        buf: bytes,
-        what: "execution metadata",
-    };
-    let version = r.u8()?;
-    if version != VALUE_VERSION {
-        return Err(StoreError::Corrupt(format!(
-            "execution metadata: unknown version {version}"
-        )));
-    }
+    let mut r = Reader::versioned(bytes, "execution metadata")?;
     let status = ExecutionStatus::from_code(r.u8()?)
         .ok_or_else(|| StoreError::Corrupt("execution metadata: bad status".into()))?;
     Ok(ExecutionMeta {
@@ -178,15 +181,11 @@ pub fn decode_meta(
 /// The `(seq, recorded_at_ms)` of an execution's last event, from a key
 /// and value found by a reverse scan of its event prefix.
 pub fn last_event(key: &[u8], value: &[u8]) -> Result<(u64, u64), StoreError> {
-    if key.len() != 20 || value.len() < 9 || value[0] != VALUE_VERSION {
-        return Err(StoreError::Corrupt(
-            "last event: malformed key or value".into(),
-        ));
+    if key.len() != 20 {
+        return Err(StoreError::Corrupt("last event: malformed key".into()));
     }
-    Ok((
-        decode_u64(&key[12..], "event key")?,
-        decode_u64(&value[1..9], "event time")?,
-    ))
+    let recorded_at_ms = Reader::versioned(value, "last event")?.u64()?;
+    Ok((decode_u64(&key[12..], "event key")?, recorded_at_ms))
 }
 
 pub fn encode_event(
@@ -205,16 +204,7 @@ pub fn encode_event(
 }
 
 pub fn decode_event(seq: u64, bytes: &[u8]) -> Result<StoredEvent, StoreError> {
-    let mut r = Reader {
-        buf: bytes,
-        what: "event",
-    };
-    let version = r.u8()?;
-    if version != VALUE_VERSION {
-        return Err(StoreError::Corrupt(format!(
-            "event: unknown version {version}"
-        )));
-    }
+    let mut r = Reader::versioned(bytes, "event")?;
     let recorded_at_ms = r.u64()?;
     let event_type = r.string()?;
     let idempotency_key = r.opt_string()?;

@@ -280,13 +280,9 @@ impl Writer {
             )
         });
         if let Some(k) = &idem_key {
-            let existing = match overlay.start_idem.get(k) {
-                Some(id) => Some(*id),
-                None => match self.ks.start_idem.get(k)? {
-                    Some(v) => Some(codec::decode_execution_id(&v, "start idempotency index")?),
-                    None => None,
-                },
-            };
+            let existing = lookup(&overlay.start_idem, &self.ks.start_idem, k, |v| {
+                codec::decode_execution_id(v, "start idempotency index")
+            })?;
             if let Some(id) = existing {
                 let meta = self.meta(overlay, id)?.ok_or_else(|| {
                     StoreError::Corrupt(format!(
@@ -364,13 +360,9 @@ impl Writer {
         for (i, e) in req.events.iter().enumerate() {
             if let Some(idem) = &e.idempotency_key {
                 let k = codec::event_idem_key(p, req.id, idem);
-                let seq = match overlay.event_idem.get(&k) {
-                    Some(s) => Some(*s),
-                    None => match self.ks.event_idem.get(&k)? {
-                        Some(v) => Some(codec::decode_u64(&v, "event idempotency index")?),
-                        None => None,
-                    },
-                };
+                let seq = lookup(&overlay.event_idem, &self.ks.event_idem, &k, |v| {
+                    codec::decode_u64(v, "event idempotency index")
+                })?;
                 if let Some(seq) = seq {
                     found.push((i, idem.clone(), seq));
                 }
@@ -444,6 +436,20 @@ impl Writer {
             deduplicated: false,
         })
     }
+}
+
+/// An index entry as of the batch being built: what an earlier command of
+/// the batch wrote, else what is on disk.
+fn lookup<T: Copy>(
+    pending: &HashMap<Vec<u8>, T>,
+    on_disk: &fjall::Keyspace,
+    key: &[u8],
+    decode: impl Fn(&[u8]) -> Result<T, StoreError>,
+) -> Result<Option<T>, StoreError> {
+    if let Some(v) = pending.get(key) {
+        return Ok(Some(*v));
+    }
+    on_disk.get(key)?.map(|v| decode(&v)).transpose()
 }
 
 /// The store's own checks of an append; the edge checks the same things
