@@ -344,30 +344,34 @@ async fn start_inner(
 
     let n = app.dir.shard_count();
     let steering = b.routing_key.clone().or_else(|| b.idempotency_key.clone());
-    let route = match &steering {
+    // The id minted for placement is used for the first attempt, so a
+    // local unsteered start mints once.
+    let (route, mut placed) = match &steering {
         // Steered: the key decides the shard, wherever the request landed.
         Some(key) => {
             let p = PartitionId::for_key(key);
-            Route {
+            let route = Route {
                 partition: Some(p),
                 shard: p.shard(n),
                 hops_taken: hops,
                 extra_wait: Duration::ZERO,
-            }
+            };
+            (route, None)
         }
         // Unsteered: a shard this node owns, so the start never forwards.
         None => {
-            let shard = match forkless_routing::place_unsteered(&app.minter, n, |s| app.dir.owns(s))
-            {
-                forkless_routing::Placement::Local { shard, .. }
-                | forkless_routing::Placement::Routed { shard, .. } => shard,
-            };
-            Route {
+            let (shard, placed) =
+                match forkless_routing::place_unsteered(&app.minter, n, |s| app.dir.owns(s)) {
+                    forkless_routing::Placement::Local { id, shard } => (shard, Some(id)),
+                    forkless_routing::Placement::Routed { shard, .. } => (shard, None),
+                };
+            let route = Route {
                 partition: None,
                 shard,
                 hops_taken: hops,
                 extra_wait: Duration::ZERO,
-            }
+            };
+            (route, placed)
         }
     };
     let shard = route.shard;
@@ -383,10 +387,13 @@ async fn start_inner(
             // The minted id is new, but the clock may have stepped back since a
             // restart: the store refuses a duplicate id, and we mint again.
             for _ in 0..4 {
-                let id = app2
-                    .minter
-                    .mint_on(n, |s| s == shard)
-                    .map_err(|e| ApiError::Internal(e.to_string()))?;
+                let id = match placed.take() {
+                    Some(id) => id,
+                    None => app2
+                        .minter
+                        .mint_on(n, |s| s == shard)
+                        .map_err(|e| ApiError::Internal(e.to_string()))?,
+                };
                 let req = StartRequest {
                     epoch,
                     id,
@@ -702,10 +709,11 @@ async fn single_event(
     let app2 = app.clone();
     dispatch(app, method, uri, bytes, route, move |epoch, st| async move {
         let out = append_local(&app2, &st, epoch, id, vec![event], None).await?;
-        let status = st.execution(id).ok().flatten().map(|m| m.status.as_str());
+        // The status comes with the append's own answer: a second read here
+        // could already see a later append's.
         Ok(json_response(
             StatusCode::OK,
-            &json!({"execution_id": id.to_string(), "seq": out.last_seq, "deduplicated": out.deduplicated, "status": status}),
+            &json!({"execution_id": id.to_string(), "seq": out.last_seq, "deduplicated": out.deduplicated, "status": out.status.as_str()}),
         ))
     })
     .await

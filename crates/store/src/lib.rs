@@ -169,6 +169,9 @@ pub struct AppendOutcome {
     /// True when every event carried an idempotency key that was already
     /// recorded: the original sequence numbers are returned, nothing written.
     pub deduplicated: bool,
+    /// The execution's status once this append is applied (for a
+    /// deduplicated one: its status now).
+    pub status: ExecutionStatus,
 }
 
 /// Every way a store operation can fail, one variant per distinct reaction.

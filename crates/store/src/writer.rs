@@ -376,6 +376,7 @@ impl Writer {
                     first_seq,
                     last_seq,
                     deduplicated: true,
+                    status: meta.status,
                 });
             }
             let (index, key, seq) = found.swap_remove(0);
@@ -428,12 +429,13 @@ impl Writer {
                 codec::encode_meta(&meta),
             );
         }
-        let last_seq = meta.last_seq;
+        let (last_seq, status) = (meta.last_seq, meta.status);
         overlay.metas.insert(req.id, meta);
         Ok(AppendOutcome {
             first_seq,
             last_seq,
             deduplicated: false,
+            status,
         })
     }
 }

@@ -72,6 +72,7 @@ async fn start_append_read_and_close() {
         .await
         .unwrap();
     assert_eq!(done.last_seq, 4);
+    assert_eq!(done.status, ExecutionStatus::Completed);
     let err = s
         .append(append(1, 10, vec![ev("late", None)], None))
         .await
