@@ -241,18 +241,13 @@ impl Connection for RoutedConn {
             .ok_or_else(|| AppendError::Refused(format!("no execution for key {key}")))?;
         // The start wrote event 1, so this run's append `seq` follows event `seq`.
         let expected_last = seq;
-        let mut body = Vec::with_capacity(payload.len() + 96);
-        body.extend_from_slice(br#"{"events":[{"type":"bench.tick","payload":"#);
-        body.extend_from_slice(payload.as_bytes());
-        body.extend_from_slice(format!(r#"}}],"expected_last_seq":{expected_last}}}"#).as_bytes());
+        let body = forkless_loadgen::forkless::append_body(payload, expected_last);
         match self.client.append_raw(id, Bytes::from(body), false).await {
-            Ok(a) if a.first_seq == expected_last + 1 && a.last_seq == expected_last + 1 => Ok(()),
-            Ok(a) => Err(AppendError::BadAnswer(format!(
-                "expected first_seq = last_seq = {}, got {} / {}",
-                expected_last + 1,
-                a.first_seq,
-                a.last_seq
-            ))),
+            Ok(a) => forkless_loadgen::forkless::check_ack(
+                expected_last,
+                Some(a.first_seq),
+                Some(a.last_seq),
+            ),
             Err(Error::SequenceConflict { last_seq, .. }) => Err(AppendError::Conflict(format!(
                 "expected last_seq {expected_last}, server has {last_seq}"
             ))),

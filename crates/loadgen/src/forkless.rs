@@ -224,6 +224,32 @@ impl Target for ForklessHttp {
     }
 }
 
+/// The body of one benchmark append: one `bench.tick` event carrying
+/// `payload`, checked against `expected_last_seq`.
+pub fn append_body(payload: &Payload, expected_last: u64) -> Vec<u8> {
+    let mut body = Vec::with_capacity(payload.len() + 96);
+    body.extend_from_slice(br#"{"events":[{"type":"bench.tick","payload":"#);
+    body.extend_from_slice(payload.as_bytes());
+    body.extend_from_slice(format!(r#"}}],"expected_last_seq":{expected_last}}}"#).as_bytes());
+    body
+}
+
+/// Checks an acknowledgement of [`append_body`]: exactly one event, right
+/// after `expected_last`.
+pub fn check_ack(
+    expected_last: u64,
+    first: Option<u64>,
+    last: Option<u64>,
+) -> Result<(), AppendError> {
+    let want = expected_last + 1;
+    if first == Some(want) && last == Some(want) {
+        return Ok(());
+    }
+    Err(AppendError::BadAnswer(format!(
+        "expected first_seq = last_seq = {want}, got {first:?} / {last:?}"
+    )))
+}
+
 /// One client's keep-alive connection to a forkless node.
 pub struct ForklessConn {
     conn: HttpConn,
@@ -238,21 +264,12 @@ impl Connection for ForklessConn {
             .ok_or_else(|| AppendError::Refused(format!("no execution for key {key}")))?;
         // The start wrote event 1, so this run's append `seq` follows event `seq`.
         let expected_last = seq;
-        let mut body = Vec::with_capacity(payload.len() + 96);
-        body.extend_from_slice(br#"{"events":[{"type":"bench.tick","payload":"#);
-        body.extend_from_slice(payload.as_bytes());
-        body.extend_from_slice(format!(r#"}}],"expected_last_seq":{expected_last}}}"#).as_bytes());
+        let body = append_body(payload, expected_last);
         let (status, v) = self.conn.post(path, body.into()).await?;
         if status.is_success() {
             let first = v.get("first_seq").and_then(Value::as_u64);
             let last = v.get("last_seq").and_then(Value::as_u64);
-            let want = expected_last + 1;
-            if first == Some(want) && last == Some(want) {
-                return Ok(());
-            }
-            return Err(AppendError::BadAnswer(format!(
-                "expected first_seq = last_seq = {want}, got {first:?} / {last:?}"
-            )));
+            return check_ack(expected_last, first, last);
         }
         if status == StatusCode::CONFLICT
             && v.get("error").and_then(Value::as_str) == Some("sequence_conflict")
