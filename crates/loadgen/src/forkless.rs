@@ -7,20 +7,14 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http::{Method, Request, StatusCode, Uri};
-use http_body_util::{BodyExt, Full};
-use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
+use http::Uri;
 use serde_json::Value;
-use tokio::net::TcpStream;
 
+use crate::http1::Http1Conn;
 use crate::{AppendError, Connection, Payload, SetupError, Target};
 
 /// Executions started in parallel during setup.
 const SETUP_CONCURRENCY: usize = 16;
-/// Largest answer body read, in bytes.
-const MAX_ANSWER_BYTES: usize = 64 * 1024;
 
 /// A forkless node reached over HTTP at `base` (e.g. `http://127.0.0.1:7400`).
 pub struct ForklessHttp {
@@ -36,6 +30,12 @@ struct Server {
     addr: String,
     /// The `Host` header.
     authority: String,
+}
+
+impl Server {
+    fn conn(&self) -> Http1Conn {
+        Http1Conn::new(self.addr.clone(), self.authority.clone())
+    }
 }
 
 impl ForklessHttp {
@@ -80,91 +80,42 @@ impl ForklessHttp {
     }
 }
 
-/// One HTTP/1.1 keep-alive connection, opened on first use and again after
-/// it broke; never more than one at a time.
-struct HttpConn {
-    server: Server,
-    sender: Option<SendRequest<Full<Bytes>>>,
+/// Sends one JSON POST and returns the status and the parsed body.
+async fn post_json(
+    conn: &mut Http1Conn,
+    path: &str,
+    body: &[u8],
+) -> Result<(u16, Value), AppendError> {
+    let answer = conn.post(path, body).await?;
+    let value = parse_body(answer.status, answer.body)?;
+    Ok((answer.status, value))
 }
 
-impl HttpConn {
-    fn new(server: Server) -> Self {
-        Self {
-            server,
-            sender: None,
-        }
-    }
-
-    async fn open(&self) -> Result<SendRequest<Full<Bytes>>, AppendError> {
-        let stream = TcpStream::connect(&self.server.addr)
-            .await
-            .map_err(|e| AppendError::Transport(format!("connect {}: {e}", self.server.addr)))?;
-        stream
-            .set_nodelay(true)
-            .map_err(|e| AppendError::Transport(e.to_string()))?;
-        let (sender, conn) = http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(|e| AppendError::Transport(format!("handshake: {e}")))?;
-        tokio::spawn(async move {
-            // Ends when the connection closes; errors surface on the sender.
-            let _ = conn.await;
-        });
-        Ok(sender)
-    }
-
-    /// Sends one JSON POST and returns the status and the parsed body.
-    async fn post(&mut self, path: &str, body: Bytes) -> Result<(StatusCode, Value), AppendError> {
-        let mut sender = match self.sender.take() {
-            Some(s) if !s.is_closed() => s,
-            _ => self.open().await?,
-        };
-        sender
-            .ready()
-            .await
-            .map_err(|e| AppendError::Transport(e.to_string()))?;
-        let req = Request::builder()
-            .method(Method::POST)
-            .uri(path)
-            .header(http::header::HOST, &self.server.authority)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(body))
-            .map_err(|e| AppendError::Transport(format!("building request: {e}")))?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| AppendError::Transport(e.to_string()))?;
-        let status = resp.status();
-        let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
-            .collect()
-            .await
-            .map_err(|e| AppendError::Transport(format!("reading answer: {e}")))?
-            .to_bytes();
-        // The answer was read whole: the connection can carry the next request.
-        self.sender = Some(sender);
-        let value = serde_json::from_slice(&body).map_err(|e| {
-            AppendError::BadAnswer(format!(
-                "HTTP {status}, body not JSON ({e}): {}",
-                String::from_utf8_lossy(&body[..body.len().min(200)])
-            ))
-        })?;
-        Ok((status, value))
-    }
+fn parse_body<'a, T: serde::Deserialize<'a>>(
+    status: u16,
+    body: &'a [u8],
+) -> Result<T, AppendError> {
+    serde_json::from_slice(body).map_err(|e| {
+        AppendError::BadAnswer(format!(
+            "HTTP {status}, body not the expected JSON ({e}): {}",
+            String::from_utf8_lossy(&body[..body.len().min(200)])
+        ))
+    })
 }
 
-fn error_text(status: StatusCode, v: &Value) -> String {
+fn error_text(status: u16, v: &Value) -> String {
     let code = v.get("error").and_then(Value::as_str).unwrap_or("?");
     let msg = v.get("message").and_then(Value::as_str).unwrap_or("");
     format!("HTTP {status} {code}: {msg}")
 }
 
-async fn start_execution(conn: &mut HttpConn, workflow: &str) -> Result<String, SetupError> {
+async fn start_execution(conn: &mut Http1Conn, workflow: &str) -> Result<String, SetupError> {
     let body = serde_json::to_vec(&serde_json::json!({ "workflow": workflow }))
         .map_err(SetupError::new)?;
-    let (status, v) = conn
-        .post("/api/executions", body.into())
+    let (status, v) = post_json(conn, "/api/executions", &body)
         .await
         .map_err(|e| SetupError(format!("starting an execution: {e}")))?;
-    if status != StatusCode::CREATED && status != StatusCode::OK {
+    if status != 201 && status != 200 {
         return Err(SetupError(format!(
             "starting an execution: {}",
             error_text(status, &v)
@@ -191,7 +142,7 @@ impl Target for ForklessHttp {
     async fn setup(&mut self, keys: usize) -> Result<(), SetupError> {
         let mut tasks = Vec::new();
         for worker in 0..SETUP_CONCURRENCY.min(keys) {
-            let mut conn = HttpConn::new(self.server.clone());
+            let mut conn = self.server.conn();
             let workflow = self.workflow.clone();
             tasks.push(tokio::spawn(async move {
                 let mut ids = Vec::new();
@@ -217,10 +168,14 @@ impl Target for ForklessHttp {
             .iter()
             .map(|id| format!("/api/executions/{id}/events"))
             .collect();
-        let mut conn = HttpConn::new(self.server.clone());
+        let mut conn = self.server.conn();
         // Connect now, so a run never measures connection set-up.
-        conn.sender = Some(conn.open().await.map_err(SetupError::new)?);
-        Ok(ForklessConn { conn, paths })
+        conn.connect().await.map_err(SetupError::new)?;
+        Ok(ForklessConn {
+            conn,
+            paths,
+            body: Vec::new(),
+        })
     }
 }
 
@@ -228,10 +183,18 @@ impl Target for ForklessHttp {
 /// `payload`, checked against `expected_last_seq`.
 pub fn append_body(payload: &Payload, expected_last: u64) -> Vec<u8> {
     let mut body = Vec::with_capacity(payload.len() + 96);
+    write_append_body(&mut body, payload, expected_last);
+    body
+}
+
+/// [`append_body`] into a buffer that is reused.
+fn write_append_body(body: &mut Vec<u8>, payload: &Payload, expected_last: u64) {
+    body.clear();
     body.extend_from_slice(br#"{"events":[{"type":"bench.tick","payload":"#);
     body.extend_from_slice(payload.as_bytes());
-    body.extend_from_slice(format!(r#"}}],"expected_last_seq":{expected_last}}}"#).as_bytes());
-    body
+    body.extend_from_slice(br#"}],"expected_last_seq":"#);
+    body.extend_from_slice(expected_last.to_string().as_bytes());
+    body.push(b'}');
 }
 
 /// Checks an acknowledgement of [`append_body`]: exactly one event, right
@@ -252,8 +215,22 @@ pub fn check_ack(
 
 /// One client's keep-alive connection to a forkless node.
 pub struct ForklessConn {
-    conn: HttpConn,
+    conn: Http1Conn,
     paths: Vec<String>,
+    /// The request body, reused.
+    body: Vec<u8>,
+}
+
+/// The fields of an append's answer the benchmark looks at (success or
+/// error).
+#[derive(serde::Deserialize)]
+struct AppendAnswer<'a> {
+    first_seq: Option<u64>,
+    last_seq: Option<u64>,
+    #[serde(borrow)]
+    error: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow)]
+    message: Option<std::borrow::Cow<'a, str>>,
 }
 
 impl Connection for ForklessConn {
@@ -264,21 +241,23 @@ impl Connection for ForklessConn {
             .ok_or_else(|| AppendError::Refused(format!("no execution for key {key}")))?;
         // The start wrote event 1, so this run's append `seq` follows event `seq`.
         let expected_last = seq;
-        let body = append_body(payload, expected_last);
-        let (status, v) = self.conn.post(path, body.into()).await?;
-        if status.is_success() {
-            let first = v.get("first_seq").and_then(Value::as_u64);
-            let last = v.get("last_seq").and_then(Value::as_u64);
-            return check_ack(expected_last, first, last);
+        write_append_body(&mut self.body, payload, expected_last);
+        let answer = self.conn.post(path, &self.body).await?;
+        let status = answer.status;
+        let v: AppendAnswer = parse_body(status, answer.body)?;
+        if (200..300).contains(&status) {
+            return check_ack(expected_last, v.first_seq, v.last_seq);
         }
-        if status == StatusCode::CONFLICT
-            && v.get("error").and_then(Value::as_str) == Some("sequence_conflict")
-        {
+        if status == 409 && v.error.as_deref() == Some("sequence_conflict") {
             return Err(AppendError::Conflict(format!(
                 "expected last_seq {expected_last}, server has {:?}",
-                v.get("last_seq")
+                v.last_seq
             )));
         }
-        Err(AppendError::Refused(error_text(status, &v)))
+        Err(AppendError::Refused(format!(
+            "HTTP {status} {}: {}",
+            v.error.as_deref().unwrap_or("?"),
+            v.message.as_deref().unwrap_or("")
+        )))
     }
 }

@@ -14,6 +14,7 @@
 
 pub mod cpu;
 pub mod forkless;
+pub mod http1;
 pub mod payload;
 pub mod report;
 pub mod runner;
