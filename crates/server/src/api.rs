@@ -10,7 +10,6 @@ use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -32,7 +31,23 @@ use subtle::ConstantTimeEq;
 
 type AppState = State<Arc<App>>;
 
-pub fn router(app: Arc<App>) -> Router {
+/// The API as one service: the routes, with every answer stamped.
+pub fn service(
+    app: Arc<App>,
+) -> impl tower::Service<
+    Request,
+    Response = Response,
+    Error = std::convert::Infallible,
+    Future = impl Send + 'static,
+> + Clone
+       + Send
+       + 'static {
+    use tower::ServiceExt;
+    let stamp_app = app.clone();
+    ServiceExt::<Request>::map_response(router(app), move |resp| stamp(&stamp_app, resp))
+}
+
+fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/api/executions", post(start))
         .route("/api/executions/{id}", get(get_execution))
@@ -55,22 +70,15 @@ pub fn router(app: Arc<App>) -> Router {
                 Json(json!({"error": "method_not_allowed", "message": format!("{method} is not allowed on {}", uri.path())})),
             )
         })
-        .layer(axum::middleware::from_fn_with_state(app.clone(), stamp))
         .with_state(app)
 }
 
 /// Every answer says which node produced it, and is counted by status.
-async fn stamp(State(app): AppState, req: Request, next: Next) -> Response {
-    let mut resp = next.run(req).await;
+fn stamp(app: &App, mut resp: Response) -> Response {
     resp.headers_mut()
         .entry(NODE_HEADER)
-        .or_insert_with(|| HeaderValue::from(app.cfg.node_id.get()));
-    app.metrics
-        .responses
-        .get_or_create(&crate::metrics::StatusLabel {
-            status: resp.status().as_u16(),
-        })
-        .inc();
+        .or_insert_with(|| app.node_header.clone());
+    app.metrics.response(resp.status().as_u16());
     resp
 }
 
@@ -149,24 +157,36 @@ fn set_route_headers(app: &App, resp: &mut Response, route: &Route, owner: &Owne
         ),
     };
     let h = resp.headers_mut();
+    h.reserve(7);
     if let Some(p) = route.partition {
-        h.insert("x-forkless-partition", HeaderValue::from(p.get()));
+        h.insert(route_header::PARTITION, HeaderValue::from(p.get()));
     }
-    h.insert("x-forkless-shard", HeaderValue::from(route.shard.get()));
+    h.insert(route_header::SHARD, HeaderValue::from(route.shard.get()));
     if let Some(n) = node {
-        h.insert("x-forkless-owner", HeaderValue::from(n.get()));
+        h.insert(route_header::OWNER, HeaderValue::from(n.get()));
     }
     if let Some(e) = epoch {
-        h.insert("x-forkless-epoch", HeaderValue::from(e.get()));
+        h.insert(route_header::EPOCH, HeaderValue::from(e.get()));
     }
     h.insert(
-        "x-forkless-map-version",
+        route_header::MAP_VERSION,
         HeaderValue::from(app.dir.map_version()),
     );
     h.insert(
-        "x-forkless-hops",
+        route_header::HOPS,
         HeaderValue::from(route.hops_taken as u16),
     );
+}
+
+/// The route headers on every routed answer, named once.
+mod route_header {
+    use axum::http::HeaderName;
+    pub const PARTITION: HeaderName = HeaderName::from_static("x-forkless-partition");
+    pub const SHARD: HeaderName = HeaderName::from_static("x-forkless-shard");
+    pub const OWNER: HeaderName = HeaderName::from_static("x-forkless-owner");
+    pub const EPOCH: HeaderName = HeaderName::from_static("x-forkless-epoch");
+    pub const MAP_VERSION: HeaderName = HeaderName::from_static("x-forkless-map-version");
+    pub const HOPS: HeaderName = HeaderName::from_static(crate::HOPS_HEADER);
 }
 
 /// The routing step: decide, then perform. `local` runs only when this node
@@ -486,15 +506,15 @@ async fn get_execution(
 // ---------------------------------------------------------------------------
 // Appends, signals, cancel
 
-async fn append(
-    State(app): AppState,
-    id: Result<Path<String>, PathRejection>,
-    method: Method,
-    uri: Uri,
-    headers: HeaderMap,
-    body: Body,
-) -> Result<Response, ApiError> {
-    let hops = hops_taken(&app, &headers)?;
+async fn append(State(app): AppState, req: Request) -> Result<Response, ApiError> {
+    // The request taken apart, not its head cloned into extractors: this
+    // is the hottest route.
+    let (mut parts, body) = req.into_parts();
+    let id =
+        <Path<String> as axum::extract::FromRequestParts<_>>::from_request_parts(&mut parts, &app)
+            .await;
+    let (method, uri) = (parts.method, parts.uri);
+    let hops = hops_taken(&app, &parts.headers)?;
     let id = parse_id(&path_param(id, "execution_id")?)?;
     let bytes = read_body(&app, body).await?;
     let b: wire::AppendBody = parse(&bytes)?;

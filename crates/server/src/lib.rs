@@ -37,6 +37,8 @@ pub struct App {
     pub forwarder: forward::Forwarder,
     pub metrics: metrics::Metrics,
     pub secret: String,
+    /// This node's id as the value of [`NODE_HEADER`], made once.
+    pub node_header: axum::http::HeaderValue,
     pub ready: AtomicBool,
     /// Turns true when the node starts shutting down: long-polls answer
     /// with what they have instead of holding the shutdown up.
@@ -87,6 +89,7 @@ impl App {
             forwarder: forward::Forwarder::new(cfg.peer.forward_connect_timeout(), &secret),
             metrics: metrics::Metrics::new(),
             secret,
+            node_header: axum::http::HeaderValue::from(cfg.node_id.get()),
             ready: AtomicBool::new(false),
             stopping: tokio::sync::watch::channel(false).0,
             dir,
@@ -130,17 +133,17 @@ pub async fn run(
         let _ = stop_tx.send(true);
         app_stop.stopping.send_replace(true);
     });
-    let router = api::router(app.clone());
+    let service = api::service(app.clone());
     let mut tasks = Vec::new();
     for listener in std::iter::once(api_listener).chain(peer_listener) {
-        let router = router.clone();
+        let service = tower::make::Shared::new(service.clone());
         let mut stop = stop_rx.clone();
         use axum::serve::ListenerExt;
         let listener = listener.tap_io(|tcp| {
             let _ = tcp.set_nodelay(true);
         });
         tasks.push(tokio::spawn(async move {
-            axum::serve(listener, router)
+            axum::serve(listener, service)
                 .with_graceful_shutdown(async move {
                     let _ = stop.wait_for(|s| *s).await;
                 })

@@ -6,6 +6,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::OnceLock;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
@@ -30,10 +31,27 @@ pub mod outcome {
     pub const NOT_OWNER: &str = "not_owner";
     pub const FAIL_CLOSED: &str = "fail_closed";
     pub const REFUSED_HOP_HEADER: &str = "refused_hop_header";
+    pub const ALL: [&str; 6] = [
+        LOCAL,
+        FORWARDED_OK,
+        FORWARD_FAILED,
+        NOT_OWNER,
+        FAIL_CLOSED,
+        REFUSED_HOP_HEADER,
+    ];
 }
+
+/// HTTP status codes are three digits.
+const STATUS_CODES: usize = 1000;
 
 pub struct Metrics {
     registry: Registry,
+    /// Handles into `responses` by status code, made on first use (a
+    /// status never answered is not exported): a request then costs one
+    /// atomic add, not a family lookup under its lock.
+    by_status: Box<[OnceLock<Counter>]>,
+    /// The same for `route`, indexed like [`outcome::ALL`].
+    by_outcome: [OnceLock<Counter>; outcome::ALL.len()],
     pub route: Family<OutcomeLabel, Counter>,
     pub forward_seconds: Histogram,
     pub events_appended: Counter,
@@ -81,6 +99,8 @@ impl Metrics {
         );
         Metrics {
             registry,
+            by_status: (0..STATUS_CODES).map(|_| OnceLock::new()).collect(),
+            by_outcome: Default::default(),
             route,
             forward_seconds,
             events_appended,
@@ -91,7 +111,24 @@ impl Metrics {
     }
 
     pub fn outcome(&self, outcome: &'static str) {
-        self.route.get_or_create(&OutcomeLabel { outcome }).inc();
+        let make = || self.route.get_or_create(&OutcomeLabel { outcome }).clone();
+        match outcome::ALL.iter().position(|o| *o == outcome) {
+            Some(i) => self.by_outcome[i].get_or_init(make).inc(),
+            None => make().inc(),
+        };
+    }
+
+    /// Counts one answer with this status.
+    pub fn response(&self, status: u16) {
+        let make = || {
+            self.responses
+                .get_or_create(&StatusLabel { status })
+                .clone()
+        };
+        match self.by_status.get(usize::from(status)) {
+            Some(slot) => slot.get_or_init(make).inc(),
+            None => make().inc(),
+        };
     }
 
     pub fn render(&self) -> String {
