@@ -44,7 +44,33 @@ pub fn service(
        + 'static {
     use tower::ServiceExt;
     let stamp_app = app.clone();
-    ServiceExt::<Request>::map_response(router(app), move |resp| stamp(&stamp_app, resp))
+    let counter = app.in_progress.clone();
+    let counted = ServiceExt::<Request>::map_future(router(app), move |answer| {
+        let guard = InProgress::enter(&counter);
+        async move {
+            let r = answer.await;
+            drop(guard);
+            r
+        }
+    });
+    ServiceExt::<Request>::map_response(counted, move |resp| stamp(&stamp_app, resp))
+}
+
+/// Counts one request in [`App::in_progress`] until its answer is ready or
+/// it is dropped (the client went away).
+struct InProgress(Arc<std::sync::atomic::AtomicUsize>);
+
+impl InProgress {
+    fn enter(n: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        n.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        InProgress(n.clone())
+    }
+}
+
+impl Drop for InProgress {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 fn router(app: Arc<App>) -> Router {

@@ -18,7 +18,7 @@ use config::ServerConfig;
 use forkless_routing::{Directory, StaticDirectory};
 use forkless_store::{Store, StoreConfig};
 use forkless_types::{IdMinter, ShardId};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Hops a forwarded request has taken. Only peers may set it.
@@ -39,6 +39,9 @@ pub struct App {
     pub secret: String,
     /// This node's id as the value of [`NODE_HEADER`], made once.
     pub node_header: axum::http::HeaderValue,
+    /// API requests being served right now (the store commits on a
+    /// request's own thread only when it is alone).
+    pub in_progress: Arc<AtomicUsize>,
     pub ready: AtomicBool,
     /// Turns true when the node starts shutting down: long-polls answer
     /// with what they have instead of holding the shutdown up.
@@ -60,10 +63,14 @@ impl App {
     /// epoch the map gives it.
     pub async fn open(cfg: ServerConfig) -> Result<Arc<App>, StartupError> {
         let dir = Arc::new(cfg.directory()?);
+        let in_progress = Arc::new(AtomicUsize::new(0));
         let store = Arc::new(Store::open(
             &cfg.data_dir,
             cfg.shard_count,
-            StoreConfig::default(),
+            StoreConfig {
+                requests_in_progress: Some(in_progress.clone()),
+                ..StoreConfig::default()
+            },
         )?);
         for s in 0..cfg.shard_count.get() {
             let shard = ShardId(s);
@@ -87,9 +94,10 @@ impl App {
         let app = Arc::new(App {
             minter: IdMinter::new(cfg.node_id),
             forwarder: forward::Forwarder::new(cfg.peer.forward_connect_timeout(), &secret),
-            metrics: metrics::Metrics::new(),
+            metrics: metrics::Metrics::new(store.clone()),
             secret,
             node_header: axum::http::HeaderValue::from(cfg.node_id.get()),
+            in_progress,
             ready: AtomicBool::new(false),
             stopping: tokio::sync::watch::channel(false).0,
             dir,

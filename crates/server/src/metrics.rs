@@ -1,10 +1,13 @@
 //! Prometheus metrics, rendered as text on `/metrics`.
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use std::sync::OnceLock;
 
@@ -61,8 +64,9 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new() -> Metrics {
+    pub fn new(store: std::sync::Arc<forkless_store::Store>) -> Metrics {
         let mut registry = Registry::with_prefix("forkless");
+        registry.register_collector(Box::new(StoreCollector(store)));
         let route = Family::<OutcomeLabel, Counter>::default();
         registry.register("route", "Requests by routing outcome", route.clone());
         let forward_seconds = Histogram::new([
@@ -140,8 +144,66 @@ impl Metrics {
     }
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
+/// The shards' group-commit counters, read from the store at each scrape:
+/// `forkless_store_commits_total{shard, committer}` and
+/// `forkless_store_committed_commands_total{shard}` (their ratio is the
+/// mean group size: how much each fsync carried).
+pub struct StoreCollector(pub std::sync::Arc<forkless_store::Store>);
+
+impl std::fmt::Debug for StoreCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StoreCollector")
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CommitLabel {
+    shard: u32,
+    committer: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShardLabel {
+    shard: u32,
+}
+
+impl Collector for StoreCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut shards: Vec<_> = self
+            .0
+            .hosted()
+            .into_iter()
+            .map(|s| (s.id().get(), s.commit_stats()))
+            .collect();
+        shards.sort_by_key(|(id, _)| *id);
+        let mut commits = encoder.encode_descriptor(
+            "store_commits",
+            "Group commits (one fsync each), by shard and by who committed: the shard's writer thread, or an idle shard's caller",
+            None,
+            MetricType::Counter,
+        )?;
+        for (shard, st) in &shards {
+            for (committer, n) in [
+                ("writer_thread", st.groups_by_writer_thread),
+                ("caller", st.groups_by_caller),
+            ] {
+                let label = CommitLabel {
+                    shard: *shard,
+                    committer,
+                };
+                ConstCounter::new(n).encode(commits.encode_family(&label)?)?;
+            }
+        }
+        let mut commands = encoder.encode_descriptor(
+            "store_committed_commands",
+            "Commands (starts, appends, epoch moves) carried by those commits, by shard",
+            None,
+            MetricType::Counter,
+        )?;
+        for (shard, st) in &shards {
+            ConstCounter::new(st.commands)
+                .encode(commands.encode_family(&ShardLabel { shard: *shard })?)?;
+        }
+        Ok(())
     }
 }

@@ -18,6 +18,7 @@ mod shard;
 mod writer;
 
 pub use shard::{ShardStore, StoreConfig};
+pub use writer::CommitStats;
 
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};
 use std::collections::BTreeMap;

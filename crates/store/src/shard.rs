@@ -10,7 +10,7 @@ use crate::{
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, Readable};
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -25,6 +25,11 @@ pub struct StoreConfig {
     /// restart after a crash replays (fjall's minimum is 64 MiB; its default
     /// of 512 MiB made a crashed shard take seconds to reopen).
     pub journal_bytes_max: u64,
+    /// How many requests the process is serving right now, counted by the
+    /// caller (the API edge). A shard commits on a caller's own thread only
+    /// while this says the caller is alone; without it, only the shard's
+    /// own signs of concurrency decide.
+    pub requests_in_progress: Option<Arc<AtomicUsize>>,
 }
 
 impl Default for StoreConfig {
@@ -33,6 +38,7 @@ impl Default for StoreConfig {
             cache_bytes_per_shard: 32 * 1024 * 1024,
             worker_threads_per_shard: 1,
             journal_bytes_max: 64 * 1024 * 1024,
+            requests_in_progress: None,
         }
     }
 }
@@ -82,11 +88,23 @@ pub(crate) fn read_meta(
     )?))
 }
 
+/// The writer's shared state; rings the writer thread when dropped.
+struct WriterRef(Arc<writer::Shared>);
+
+impl Drop for WriterRef {
+    fn drop(&mut self) {
+        self.0.ring();
+    }
+}
+
 /// A handle on one shard's durable state. Cheap to share (`Arc`).
 pub struct ShardStore {
     shard: ShardId,
     ks: Keyspaces,
     tx: mpsc::Sender<Command>,
+    /// Declared after `tx`, so dropped after it: its drop rings the writer
+    /// thread, which then finds every handle gone and stops.
+    writer: WriterRef,
     epoch: Arc<AtomicU64>,
     commits: watch::Receiver<u64>,
 }
@@ -133,11 +151,19 @@ impl ShardStore {
         let epoch = Arc::new(AtomicU64::new(epoch.get()));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0u64);
-        writer::spawn(shard, ks.clone(), rx, epoch.clone(), commits_tx)?;
+        let writer = WriterRef(writer::spawn(
+            shard,
+            ks.clone(),
+            rx,
+            epoch.clone(),
+            commits_tx,
+            config.requests_in_progress.clone(),
+        )?);
         Ok(ShardStore {
             shard,
             ks,
             tx,
+            writer,
             epoch,
             commits,
         })
@@ -177,7 +203,18 @@ impl ShardStore {
     }
 
     async fn send(&self, cmd: Command) -> Result<(), StoreError> {
-        self.tx.send(cmd).await.map_err(|_| StoreError::WriterGone)
+        let ticket = self.writer.0.ticket();
+        self.tx
+            .send(cmd)
+            .await
+            .map_err(|_| StoreError::WriterGone)?;
+        self.writer.0.submitted(ticket);
+        Ok(())
+    }
+
+    /// How this shard's commits were made since it was opened.
+    pub fn commit_stats(&self) -> crate::CommitStats {
+        self.writer.0.stats()
     }
 
     /// A counter bumped after every durable commit; long-polls wait on it.

@@ -18,8 +18,9 @@ use crate::{
 use fjall::{OwnedWriteBatch, PersistMode};
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
+use std::thread::Thread;
 use tokio::sync::{mpsc, oneshot, watch};
 
 pub(crate) enum Command {
@@ -84,28 +85,283 @@ impl Reply {
     }
 }
 
+/// The shard's writer state and its queue, shared by the writer thread and
+/// by a submitting task that finds the shard idle.
+///
+/// Commits happen only under `core`'s lock, so the shard still has exactly
+/// one writer at a time. Whoever holds the lock drains the queue, so every
+/// queued command is committed by the holder that drains after it was
+/// queued, or by the writer thread, which a submitter rings ([`Shared::ring`])
+/// whenever it does not commit itself.
+pub(crate) struct Shared {
+    /// `None` after a commit panicked: the writer is gone and every queued
+    /// and later command fails with `WriterGone`.
+    core: Mutex<Option<Core>>,
+    thread: Thread,
+    /// Commands queued and not yet answered.
+    in_flight: AtomicUsize,
+    /// Lone commands committed in a row: a larger group, or a caller
+    /// finding another one in flight, means callers overlap, and the
+    /// writer thread should batch them, so the count starts again.
+    solo_streak: AtomicUsize,
+    /// See [`crate::StoreConfig::requests_in_progress`].
+    requests_in_progress: Option<Arc<AtomicUsize>>,
+    /// Groups committed by the writer thread and by callers, and the
+    /// commands they carried.
+    groups_by_thread: AtomicU64,
+    groups_by_caller: AtomicU64,
+    commands: AtomicU64,
+}
+
+/// How a shard's commits were made, since it was opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CommitStats {
+    /// Group commits (one fsync each) made by the shard's writer thread.
+    pub groups_by_writer_thread: u64,
+    /// Group commits made on an idle shard by the caller's own thread.
+    pub groups_by_caller: u64,
+    /// Commands (starts, appends, epoch moves) those groups carried.
+    pub commands: u64,
+}
+
+/// Lone commands in a row before a caller may commit on its own thread.
+const SOLO_STREAK_FOR_INLINE: usize = 32;
+
+struct Core {
+    writer: Writer,
+    rx: mpsc::Receiver<Command>,
+}
+
+/// A command counted in flight before it is queued (so that the count
+/// never goes below the commands queued and unanswered). Dropped without
+/// [`Shared::submitted`] (the queue was gone, or the caller gave up while
+/// waiting for room in it), it takes the count back.
+pub(crate) struct Ticket<'a> {
+    shared: &'a Shared,
+    /// Nothing else was in flight.
+    first: bool,
+    queued: bool,
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        if !self.queued {
+            self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// If a commit panics, drops the writer and its queue (once the lock is
+/// released by the unwinding), so that every queued caller learns at once
+/// that the writer is gone instead of waiting for one that never comes.
+struct DropCoreOnPanic<'a>(&'a Shared);
+
+impl Drop for DropCoreOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let mut core = self.0.core.lock().unwrap_or_else(|p| p.into_inner());
+            drop(core.take());
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Committer {
+    WriterThread,
+    Caller,
+}
+
+/// What a drain ended on.
+#[derive(PartialEq)]
+enum Drained {
+    /// The queue is empty.
+    Empty,
+    /// Every handle was dropped and the queue is empty: the writer stops.
+    Closed,
+    /// The group limit was reached with commands still queued.
+    More,
+}
+
+impl Shared {
+    /// Called after a command was queued. On an idle shard (nothing else in
+    /// flight, nobody committing, and the last groups were lone commands)
+    /// the caller commits the queue itself, on its own thread: at one
+    /// client a request then costs no hand-off to the writer thread and
+    /// back, two thread wake-ups that cost about as much as the fsync on
+    /// this kind of disk. The caller blocks for one group commit, which is
+    /// acceptable only because nothing else is waiting on this shard. As
+    /// soon as callers arrive together the writer thread commits for them
+    /// (measured: committing inline whenever nothing was in flight cost a
+    /// quarter of the throughput at 16 clients, and after a single lone
+    /// group a fifth at 4 clients; at 2 clients, inline commits that were
+    /// never overlapped still cost a sixth).
+    pub(crate) fn submitted(&self, mut ticket: Ticket<'_>) {
+        ticket.queued = true;
+        if !ticket.first {
+            // Another caller is waiting too: this shard has concurrent
+            // callers, whom the writer thread batches.
+            self.solo_streak.store(0, Ordering::Release);
+        } else if self.solo_streak.load(Ordering::Acquire) >= SOLO_STREAK_FOR_INLINE
+            && self
+                .requests_in_progress
+                .as_ref()
+                .is_none_or(|n| n.load(Ordering::Acquire) <= 1)
+        {
+            let _unwind = DropCoreOnPanic(self);
+            match self.core.try_lock() {
+                Ok(mut core) => {
+                    if let Some(c) = core.as_mut() {
+                        if c.drain(self, 1, Committer::Caller) != Drained::More {
+                            return;
+                        }
+                    }
+                }
+                Err(TryLockError::Poisoned(p)) => drop(p.into_inner().take()),
+                Err(TryLockError::WouldBlock) => {}
+            }
+        }
+        self.ring();
+    }
+
+    /// Counts a command as in flight; take it before queueing the command
+    /// and hand it to [`Shared::submitted`] once the command is queued.
+    pub(crate) fn ticket(&self) -> Ticket<'_> {
+        Ticket {
+            shared: self,
+            first: self.in_flight.fetch_add(1, Ordering::AcqRel) == 0,
+            queued: false,
+        }
+    }
+
+    pub(crate) fn stats(&self) -> CommitStats {
+        CommitStats {
+            groups_by_writer_thread: self.groups_by_thread.load(Ordering::Relaxed),
+            groups_by_caller: self.groups_by_caller.load(Ordering::Relaxed),
+            commands: self.commands.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Wakes the writer thread to drain the queue (or to see that every
+    /// handle is gone). A ring while it is busy is remembered.
+    pub(crate) fn ring(&self) {
+        self.thread.unpark();
+    }
+
+    fn thread_main(&self) {
+        let _unwind = DropCoreOnPanic(self);
+        loop {
+            std::thread::park();
+            let mut guard = match self.core.lock() {
+                Ok(g) => g,
+                Err(p) => {
+                    // A commit panicked: drop the queue so that every caller
+                    // learns the writer is gone instead of waiting forever.
+                    drop(p.into_inner().take());
+                    return;
+                }
+            };
+            let Some(core) = guard.as_mut() else { return };
+            if core.drain(self, usize::MAX, Committer::WriterThread) == Drained::Closed {
+                let shard = core.writer.shard;
+                guard.take();
+                tracing::debug!(shard = %shard, "writer stopped: every handle was dropped");
+                return;
+            }
+        }
+    }
+}
+
+impl Core {
+    /// Commits what is queued, one group at a time, at most `groups`
+    /// groups.
+    fn drain(&mut self, shared: &Shared, groups: usize, by: Committer) -> Drained {
+        let mut cmds = Vec::new();
+        for _ in 0..groups {
+            let first = match self.rx.try_recv() {
+                Ok(c) => c,
+                Err(mpsc::error::TryRecvError::Empty) => return Drained::Empty,
+                Err(mpsc::error::TryRecvError::Disconnected) => return Drained::Closed,
+            };
+            let mut bytes = first.payload_bytes();
+            cmds.push(first);
+            while cmds.len() < GROUP_COMMIT_COMMANDS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
+                match self.rx.try_recv() {
+                    Ok(c) => {
+                        bytes += c.payload_bytes();
+                        cmds.push(c);
+                    }
+                    Err(_) => break,
+                }
+            }
+            match by {
+                Committer::WriterThread => &shared.groups_by_thread,
+                Committer::Caller => &shared.groups_by_caller,
+            }
+            .fetch_add(1, Ordering::Relaxed);
+            shared
+                .commands
+                .fetch_add(cmds.len() as u64, Ordering::Relaxed);
+            if cmds.len() == 1 {
+                shared.solo_streak.fetch_add(1, Ordering::AcqRel);
+            } else {
+                shared.solo_streak.store(0, Ordering::Release);
+            }
+            let replies = self.writer.commit_group(&mut cmds);
+            // Counted down before the answers go out, so that a caller who
+            // submits again right after its answer can find the shard idle.
+            shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
+            for r in replies {
+                r.send();
+            }
+        }
+        Drained::More
+    }
+}
+
+/// Starts the shard's writer thread; submit commands on `tx`'s channel and
+/// then call [`Shared::submitted`].
 pub(crate) fn spawn(
     shard: ShardId,
     ks: Keyspaces,
     rx: mpsc::Receiver<Command>,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
-) -> Result<(), StoreError> {
-    std::thread::Builder::new()
+    requests_in_progress: Option<Arc<AtomicUsize>>,
+) -> Result<Arc<Shared>, StoreError> {
+    let writer = Writer {
+        shard,
+        ks,
+        epoch,
+        commits,
+        failed: None,
+        cache: HashMap::new(),
+    };
+    let core = Mutex::new(Some(Core { writer, rx }));
+    // The thread needs the shared state and the shared state names the
+    // thread: hand the state over once it exists.
+    let (handover, received) = std::sync::mpsc::sync_channel::<Arc<Shared>>(1);
+    let handle = std::thread::Builder::new()
         .name(format!("shard-{shard}-writer"))
         .spawn(move || {
-            Writer {
-                shard,
-                ks,
-                epoch,
-                commits,
-                failed: None,
-                cache: HashMap::new(),
+            if let Ok(shared) = received.recv() {
+                shared.thread_main();
             }
-            .run(rx)
         })
-        .map(|_| ())
-        .map_err(|e| StoreError::Io(format!("spawning writer thread: {e}")))
+        .map_err(|e| StoreError::Io(format!("spawning writer thread: {e}")))?;
+    let shared = Arc::new(Shared {
+        core,
+        thread: handle.thread().clone(),
+        in_flight: AtomicUsize::new(0),
+        solo_streak: AtomicUsize::new(0),
+        requests_in_progress,
+        groups_by_thread: AtomicU64::new(0),
+        groups_by_caller: AtomicU64::new(0),
+        commands: AtomicU64::new(0),
+    });
+    handover
+        .send(shared.clone())
+        .map_err(|_| StoreError::Io("writer thread ended at start".into()))?;
+    Ok(shared)
 }
 
 struct Writer {
@@ -136,26 +392,9 @@ struct Overlay {
 }
 
 impl Writer {
-    fn run(mut self, mut rx: mpsc::Receiver<Command>) {
-        let mut cmds = Vec::with_capacity(GROUP_COMMIT_COMMANDS_MAX);
-        while let Some(first) = rx.blocking_recv() {
-            let mut bytes = first.payload_bytes();
-            cmds.push(first);
-            while cmds.len() < GROUP_COMMIT_COMMANDS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
-                match rx.try_recv() {
-                    Ok(c) => {
-                        bytes += c.payload_bytes();
-                        cmds.push(c);
-                    }
-                    Err(_) => break,
-                }
-            }
-            self.commit_group(&mut cmds);
-        }
-        tracing::debug!(shard = %self.shard, "writer stopped: every handle was dropped");
-    }
-
-    fn commit_group(&mut self, cmds: &mut Vec<Command>) {
+    /// Applies `cmds` as one atomic batch with one fsync and returns their
+    /// answers, to be sent by the caller (after the commit, never before).
+    fn commit_group(&mut self, cmds: &mut Vec<Command>) -> Vec<Reply> {
         let now = now_ms();
         let mut batch = self.ks.db.batch().durability(Some(PersistMode::SyncData));
         let mut overlay = Overlay::default();
@@ -178,10 +417,7 @@ impl Writer {
                 let err = StoreError::Io(format!("shard {} commit failed: {e}", self.shard));
                 tracing::error!(shard = %self.shard, error = %e, "commit failed; the shard refuses writes from now on");
                 self.failed = Some(err.clone());
-                for r in replies {
-                    r.fail(err.clone()).send();
-                }
-                return;
+                return replies.into_iter().map(|r| r.fail(err.clone())).collect();
             }
             if let Some(e) = overlay.epoch {
                 self.epoch.store(e.get(), Ordering::Release);
@@ -192,9 +428,7 @@ impl Writer {
             self.cache.extend(overlay.metas);
             self.commits.send_modify(|c| *c += 1);
         }
-        for r in replies {
-            r.send();
-        }
+        replies
     }
 
     fn current_epoch(&self, overlay: &Overlay) -> Epoch {

@@ -408,3 +408,125 @@ async fn every_shard_with_data_reopens_with_its_epoch() {
         );
     }
 }
+
+/// A lone caller commits on its own thread once the shard has seen only
+/// lone commands for a while; concurrent callers go back to the writer
+/// thread's group commits; the two interleave with no lost or reordered
+/// event, and the shard reopens (the writer let go of the database).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lone_callers_commit_inline_and_concurrent_ones_through_the_writer_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, s) = one_shard(dir.path());
+    s.start(start(1, 1, None, None)).await.unwrap();
+    let mut last = 1;
+    let lone = |s: Arc<ShardStore>, last: u64| async move {
+        let mut last = last;
+        for i in 0..100 {
+            let out = s
+                .append(append(
+                    1,
+                    1,
+                    vec![ev(&format!("lone-{i}"), None)],
+                    Some(last),
+                ))
+                .await
+                .unwrap();
+            assert_eq!(out.last_seq, last + 1);
+            last = out.last_seq;
+        }
+        last
+    };
+    last = lone(s.clone(), last).await;
+    let after_lone = s.commit_stats();
+    assert!(
+        after_lone.groups_by_caller >= 50,
+        "a lone caller should commit inline after the streak: {after_lone:?}"
+    );
+
+    // 16 concurrent callers, each on its own execution.
+    for n in 2..=17 {
+        s.start(start(1, n, None, None)).await.unwrap();
+    }
+    let before = s.commit_stats();
+    let mut tasks = Vec::new();
+    for n in 2..=17i64 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..50u64 {
+                let out = s
+                    .append(append(1, n, vec![ev("c", None)], Some(1 + i)))
+                    .await
+                    .unwrap();
+                assert_eq!(out.last_seq, 2 + i);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let after = s.commit_stats();
+    let by_thread = after.groups_by_writer_thread - before.groups_by_writer_thread;
+    let by_caller = after.groups_by_caller - before.groups_by_caller;
+    assert!(
+        by_thread > by_caller,
+        "concurrent callers should be batched by the writer thread: {before:?} -> {after:?}"
+    );
+    assert_eq!(after.commands - before.commands, 16 * 50);
+
+    // Lone again: the streak builds up anew and the log goes on gap-free.
+    last = lone(s.clone(), last).await;
+    assert_eq!(last, 201);
+    drop(s);
+    drop(store);
+    let store = Store::open(dir.path(), ShardCount::ONE, StoreConfig::default()).unwrap();
+    let s = store.shard(ShardId(0)).unwrap();
+    let (meta, events) = s.read_events(id(1), 0, 1000).unwrap().unwrap();
+    assert_eq!(meta.last_seq, 201);
+    for (i, e) in events.iter().enumerate().skip(1) {
+        let want = if i <= 100 {
+            format!("lone-{}", i - 1)
+        } else {
+            format!("lone-{}", i - 101)
+        };
+        assert_eq!(e.seq, i as u64 + 1);
+        assert_eq!(e.event_type, want);
+    }
+    for n in 2..=17 {
+        assert_eq!(s.execution(id(n)).unwrap().unwrap().last_seq, 51);
+    }
+}
+
+/// A caller that finds the process busy with other requests leaves the
+/// commit to the writer thread, however idle the shard looks.
+#[tokio::test]
+async fn a_busy_process_never_commits_on_the_callers_thread() {
+    let dir = tempfile::tempdir().unwrap();
+    let busy = Arc::new(std::sync::atomic::AtomicUsize::new(2));
+    let store = Store::open(
+        dir.path(),
+        ShardCount::ONE,
+        StoreConfig {
+            requests_in_progress: Some(busy.clone()),
+            ..StoreConfig::default()
+        },
+    )
+    .unwrap();
+    let s = store.open_shard(ShardId(0), Epoch(1)).unwrap();
+    s.start(start(1, 1, None, None)).await.unwrap();
+    for i in 1..=100u64 {
+        s.append(append(1, 1, vec![ev("e", None)], Some(i)))
+            .await
+            .unwrap();
+    }
+    let st = s.commit_stats();
+    assert_eq!(st.groups_by_caller, 0, "{st:?}");
+    assert_eq!(st.groups_by_writer_thread, 101);
+    // Alone again: inline commits resume.
+    busy.store(1, std::sync::atomic::Ordering::Release);
+    for i in 101..=200u64 {
+        s.append(append(1, 1, vec![ev("e", None)], Some(i)))
+            .await
+            .unwrap();
+    }
+    assert!(s.commit_stats().groups_by_caller > 0);
+}
