@@ -588,7 +588,8 @@ async fn append(State(app): AppState, req: Request) -> Result<Response, ApiError
     let id =
         <Path<String> as axum::extract::FromRequestParts<_>>::from_request_parts(&mut parts, &app)
             .await;
-    let id = parse_id(&path_param(id, "execution_id")?);
+    // Checked after the hop header, as on the direct path.
+    let id = path_param(id, "execution_id").and_then(|raw| parse_id(&raw));
     append_with_id(&app, Request::from_parts(parts, body), id).await
 }
 
