@@ -113,14 +113,17 @@ pub(crate) struct Shared {
     commands: AtomicU64,
 }
 
-/// How a shard's commits were made, since it was opened.
+/// How a shard's commits were made, since it was opened. Only groups that
+/// wrote something count (a group of refused commands commits nothing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CommitStats {
-    /// Group commits (one fsync each) made by the shard's writer thread.
+    /// Group commits (one atomic batch, one fsync each) made by the shard's
+    /// writer thread.
     pub groups_by_writer_thread: u64,
     /// Group commits made on an idle shard by the caller's own thread.
     pub groups_by_caller: u64,
-    /// Commands (starts, appends, epoch moves) those groups carried.
+    /// Commands (starts, appends, epoch moves, refused ones included) those
+    /// groups carried.
     pub commands: u64,
 }
 
@@ -293,20 +296,21 @@ impl Core {
                     Err(_) => break,
                 }
             }
-            match by {
-                Committer::WriterThread => &shared.groups_by_thread,
-                Committer::Caller => &shared.groups_by_caller,
-            }
-            .fetch_add(1, Ordering::Relaxed);
-            shared
-                .commands
-                .fetch_add(cmds.len() as u64, Ordering::Relaxed);
             if cmds.len() == 1 {
                 shared.solo_streak.fetch_add(1, Ordering::AcqRel);
             } else {
                 shared.solo_streak.store(0, Ordering::Release);
             }
-            let replies = self.writer.commit_group(&mut cmds);
+            let group = cmds.len() as u64;
+            let (replies, wrote) = self.writer.commit_group(&mut cmds);
+            if wrote {
+                match by {
+                    Committer::WriterThread => &shared.groups_by_thread,
+                    Committer::Caller => &shared.groups_by_caller,
+                }
+                .fetch_add(1, Ordering::Relaxed);
+                shared.commands.fetch_add(group, Ordering::Relaxed);
+            }
             // Counted down before the answers go out, so that a caller who
             // submits again right after its answer can find the shard idle.
             shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
@@ -394,7 +398,9 @@ struct Overlay {
 impl Writer {
     /// Applies `cmds` as one atomic batch with one fsync and returns their
     /// answers, to be sent by the caller (after the commit, never before).
-    fn commit_group(&mut self, cmds: &mut Vec<Command>) -> Vec<Reply> {
+    /// Also says whether the group wrote anything (a group of refused
+    /// commands commits nothing and costs no fsync).
+    fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
         let now = now_ms();
         let mut batch = self.ks.db.batch().durability(Some(PersistMode::SyncData));
         let mut overlay = Overlay::default();
@@ -412,12 +418,14 @@ impl Writer {
                 }
             });
         }
-        if !batch.is_empty() {
+        let wrote = !batch.is_empty();
+        if wrote {
             if let Err(e) = batch.commit() {
                 let err = StoreError::Io(format!("shard {} commit failed: {e}", self.shard));
                 tracing::error!(shard = %self.shard, error = %e, "commit failed; the shard refuses writes from now on");
                 self.failed = Some(err.clone());
-                return replies.into_iter().map(|r| r.fail(err.clone())).collect();
+                let failed = replies.into_iter().map(|r| r.fail(err.clone())).collect();
+                return (failed, false);
             }
             if let Some(e) = overlay.epoch {
                 self.epoch.store(e.get(), Ordering::Release);
@@ -428,7 +436,7 @@ impl Writer {
             self.cache.extend(overlay.metas);
             self.commits.send_modify(|c| *c += 1);
         }
-        replies
+        (replies, wrote)
     }
 
     fn current_epoch(&self, overlay: &Overlay) -> Epoch {
