@@ -7,6 +7,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+// Not every test binary uses both.
+#[allow(unused_imports)]
 pub use forkless_it::{forkless_bin, free_ports};
 
 /// A `forkless serve` process, killed when dropped.
