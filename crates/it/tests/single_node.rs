@@ -201,6 +201,30 @@ fn happy_paths_of_every_endpoint() {
         "{text}"
     );
     assert!(parse_metric(&text, "forkless_executions_started_total") >= 2.0);
+    // Every write above was committed in some shard's group commit, by the
+    // writer thread or by a lone caller; each group carried one command or
+    // more.
+    let (mut groups, mut commands) = (0.0, 0.0);
+    for shard in 0..4 {
+        for committer in ["writer_thread", "caller"] {
+            groups += parse_metric(
+                &text,
+                &format!(
+                    "forkless_store_commits_total{{shard=\"{shard}\",committer=\"{committer}\"}}"
+                ),
+            );
+        }
+        commands += parse_metric(
+            &text,
+            &format!("forkless_store_committed_commands_total{{shard=\"{shard}\"}}"),
+        );
+    }
+    assert!(groups >= 1.0, "{text}");
+    assert!(commands >= groups, "{text}");
+    assert!(
+        commands >= parse_metric(&text, "forkless_executions_started_total"),
+        "{text}"
+    );
 }
 
 #[test]
