@@ -81,6 +81,42 @@ where
     Ok(())
 }
 
+/// One line per system, at x = log2(clients), y = `value` (points where it
+/// is `None` left out), and the legend.
+fn draw_systems<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    series: &[(String, Vec<Point>)],
+    color: &impl Fn(usize, &str) -> RGBAColor,
+    value: impl Fn(&Point) -> Option<f64>,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    CT: CoordTranslate<From = (f64, f64)>,
+{
+    for (i, (label, pts)) in series.iter().enumerate() {
+        let xy: Vec<(f64, f64)> = pts
+            .iter()
+            .filter_map(|p| Some(((p.report.clients as f64).log2(), value(p)?)))
+            .collect();
+        draw_line(
+            chart,
+            xy,
+            label,
+            color(i, label),
+            pts.iter().all(|p| p.durable),
+        )?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(())
+}
+
 /// Draws the chart of `points` into the PNG at `out`.
 pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> anyhow::Result<()> {
     load_font(font)?;
@@ -145,27 +181,7 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
-    for (i, (label, pts)) in series.iter().enumerate() {
-        let xy: Vec<(f64, f64)> = pts
-            .iter()
-            .map(|p| ((p.report.clients as f64).log2(), p.report.events_per_s))
-            .collect();
-        draw_line(
-            &mut chart,
-            xy,
-            label,
-            color(i, label),
-            pts.iter().all(|p| p.durable),
-        )?;
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    draw_systems(&mut chart, &series, &color, |p| Some(p.report.events_per_s))?;
 
     // Right: p99 latency, log scale.
     let mut chart = ChartBuilder::on(&right)
@@ -193,28 +209,10 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         .label_style(("sans-serif", 14))
         .draw()
         .map_err(|e| anyhow!("{e}"))?;
-    for (i, (label, pts)) in series.iter().enumerate() {
-        let xy: Vec<(f64, f64)> = pts
-            .iter()
-            .filter(|p| p.report.p99_ms > 0.0)
-            .map(|p| ((p.report.clients as f64).log2(), p.report.p99_ms))
-            .collect();
-        draw_line(
-            &mut chart,
-            xy,
-            label,
-            color(i, label),
-            pts.iter().all(|p| p.durable),
-        )?;
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font(("sans-serif", 14))
-        .draw()
-        .map_err(|e| anyhow!("{e}"))?;
+    // A latency of 0 (no answer measured) has no place on a log scale.
+    draw_systems(&mut chart, &series, &color, |p| {
+        (p.report.p99_ms > 0.0).then_some(p.report.p99_ms)
+    })?;
 
     root.present().map_err(|e| anyhow!("{e}"))?;
     Ok(())
