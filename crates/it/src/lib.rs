@@ -857,6 +857,27 @@ impl Cluster {
         }
     }
 
+    /// Waits (up to 10 s) until each of `observers` reports `peer` in
+    /// `/api/cluster` as alive, or as down when `alive` is false.
+    pub fn wait_peer_seen(&self, observers: &[u16], peer: u16, alive: bool) {
+        let state = if alive { "alive" } else { "down" };
+        for &n in observers {
+            let c = self.client(n);
+            wait_until(
+                &format!("node {n} to see node {peer} {state}"),
+                Duration::from_secs(10),
+                || {
+                    let v = c.get("/api/cluster").json();
+                    v["nodes"]
+                        .as_array()?
+                        .iter()
+                        .any(|x| x["id"] == peer && x["alive"] == alive)
+                        .then_some(())
+                },
+            );
+        }
+    }
+
     /// Writes a config file into the cluster dir and returns its path.
     pub fn write_config(&self, name: &str, shards: &[(u32, u16, u64)]) -> PathBuf {
         let t = &self.timing;

@@ -496,21 +496,7 @@ fn killed_owner_fails_closed_and_keeps_its_acknowledged_events() {
         }
         if round == 0 {
             // Wait for both survivors to see the victim down.
-            for n in [1u16, 2] {
-                wait_until(
-                    "the victim to be seen down",
-                    Duration::from_secs(10),
-                    || {
-                        let v = cl.client(n).get("/api/cluster").json();
-                        v["nodes"]
-                            .as_array()
-                            .unwrap()
-                            .iter()
-                            .any(|x| x["id"] == victim && x["alive"] == false)
-                            .then_some(())
-                    },
-                );
-            }
+            cl.wait_peer_seen(&[1, 2], victim, false);
         }
     }
     // Steered starts for the victim's shards fail closed; others work.
@@ -1268,21 +1254,8 @@ fn garbage_from_the_owner_fails_closed() {
         std::thread::spawn(move || fake_peer(listener, mode, stop))
     };
     cl.start_nodes(&[1, 2], &[]);
-    for n in [1u16, 2] {
-        wait_until(
-            "node 3 (fake) to be seen alive",
-            Duration::from_secs(10),
-            || {
-                let v = cl.client(n).get("/api/cluster").json();
-                v["nodes"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .any(|x| x["id"] == 3 && x["alive"] == true)
-                    .then_some(())
-            },
-        );
-    }
+    // Node 3 is the fake: it must be seen alive.
+    cl.wait_peer_seen(&[1, 2], 3, true);
     // An id on a shard of node 3 (that it never created: the fake owns it).
     let id = (1i64..)
         .find(|i| owner_of_shard(forkless_sharding::shard_for(*i, shard_count(SHARDS))) == 3)
