@@ -191,6 +191,12 @@ fn path_param(p: Result<Path<String>, PathRejection>, field: &str) -> Result<Str
         .map_err(|e| ApiError::invalid(field, e.body_text()))
 }
 
+/// The `{id}` path segment as an execution id, or a 400 naming
+/// `execution_id`.
+fn path_execution_id(p: Result<Path<String>, PathRejection>) -> Result<ExecutionId, ApiError> {
+    parse_id(&path_param(p, "execution_id")?)
+}
+
 fn parse_id(raw: &str) -> Result<ExecutionId, ApiError> {
     raw.parse::<ExecutionId>()
         .map_err(|e| ApiError::invalid("execution_id", e.to_string()))
@@ -557,7 +563,7 @@ async fn get_execution(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let hops = hops_taken(&app, &headers)?;
-    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let id = path_execution_id(id)?;
     let route = id_route(id, &app, hops);
     let app2 = app.clone();
     Ok(dispatch(
@@ -589,7 +595,7 @@ async fn append(State(app): AppState, req: Request) -> Result<Response, ApiError
         <Path<String> as axum::extract::FromRequestParts<_>>::from_request_parts(&mut parts, &app)
             .await;
     // Checked after the hop header, as on the direct path.
-    let id = path_param(id, "execution_id").and_then(|raw| parse_id(&raw));
+    let id = path_execution_id(id);
     append_with_id(&app, Request::from_parts(parts, body), id).await
 }
 
@@ -740,7 +746,7 @@ async fn signal(
     body: Body,
 ) -> Result<Response, ApiError> {
     let hops = hops_taken(&app, &headers)?;
-    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let id = path_execution_id(id)?;
     let bytes = read_body(&app, body).await?;
     let b: wire::SignalBody = parse(&bytes)?;
     check_name("name", &b.name, NAME_BYTES_MAX)?;
@@ -775,7 +781,7 @@ async fn cancel(
     body: Body,
 ) -> Result<Response, ApiError> {
     let hops = hops_taken(&app, &headers)?;
-    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let id = path_execution_id(id)?;
     let bytes = read_body(&app, body).await?;
     // An empty body is a cancel without a reason.
     let b: wire::CancelBody = if bytes.iter().all(u8::is_ascii_whitespace) {
@@ -884,7 +890,7 @@ async fn read_events(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let hops = hops_taken(&app, &headers)?;
-    let id = parse_id(&path_param(id, "execution_id")?)?;
+    let id = path_execution_id(id)?;
     let p = read_params(&app, &q)?;
     let mut route = id_route(id, &app, hops);
     route.extra_wait = p.wait;
