@@ -246,16 +246,10 @@ fn set_route_headers(app: &App, resp: &mut Response, route: &Route, owner: &Owne
 fn number_header(n: u64) -> HeaderValue {
     const SMALL: usize = forkless_types::PARTITION_COUNT as usize;
     static TABLE: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    // Made once per process and kept for its life (about 20 KiB).
     let table = TABLE.get_or_init(|| {
-        let all: &'static str = (0..SMALL).map(|i| i.to_string()).collect::<String>().leak();
-        let mut at = 0;
         (0..SMALL)
-            .map(|i| {
-                let len = i.to_string().len();
-                let s = &all[at..at + len];
-                at += len;
-                s
-            })
+            .map(|i| -> &'static str { i.to_string().leak() })
             .collect()
     });
     match usize::try_from(n).ok().and_then(|i| table.get(i)) {
