@@ -366,7 +366,9 @@ impl Resp {
     }
 }
 
-/// One HTTP/1.1 request on a fresh connection (`Connection: close`).
+/// One HTTP/1.1 request on a fresh connection, dropped after the answer
+/// (kept alive until then, as real clients do: add `Connection: close` to
+/// `headers` to ask the server to close it).
 pub fn request(
     to: SocketAddr,
     method: &str,
@@ -379,7 +381,7 @@ pub fn request(
     let mut s = TcpStream::connect_timeout(&to, timeout)?;
     s.set_nodelay(true)?;
     s.set_write_timeout(Some(timeout))?;
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n");
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {to}\r\n");
     for (k, v) in headers {
         head.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -415,7 +417,7 @@ pub fn request(
             Ok(0) => break,
             Ok(n) => {
                 buf.extend_from_slice(&chunk[..n]);
-                if let Some(r) = parse_response(&buf, false)? {
+                if let Some((r, _)) = parse_response(&buf, false)? {
                     return Ok(r);
                 }
             }
@@ -424,7 +426,7 @@ pub fn request(
             Err(e) => return Err(e),
         }
     }
-    parse_response(&buf, true)?.ok_or_else(|| {
+    parse_response(&buf, true)?.map(|(r, _)| r).ok_or_else(|| {
         std::io::Error::new(
             std::io::ErrorKind::UnexpectedEof,
             format!(
@@ -439,8 +441,9 @@ fn bad(m: &str) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string())
 }
 
-/// Parses a whole response out of `buf`, or `None` if more is needed.
-fn parse_response(buf: &[u8], eof: bool) -> std::io::Result<Option<Resp>> {
+/// Parses a whole response out of the start of `buf`, with the bytes it
+/// took, or `None` if more is needed.
+fn parse_response(buf: &[u8], eof: bool) -> std::io::Result<Option<(Resp, usize)>> {
     let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
         return Ok(None);
     };
@@ -463,7 +466,10 @@ fn parse_response(buf: &[u8], eof: bool) -> std::io::Result<Option<Resp>> {
             .find(|(k, _)| k == n)
             .map(|(_, v)| v.as_str())
     };
-    let body = if get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+    let informational = (100..200).contains(&status);
+    let (body, used) = if informational {
+        (Vec::new(), 0)
+    } else if get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
         let mut body = Vec::new();
         let mut i = 0;
         loop {
@@ -483,22 +489,85 @@ fn parse_response(buf: &[u8], eof: bool) -> std::io::Result<Option<Resp>> {
             body.extend_from_slice(&rest[i..i + size]);
             i += size + 2;
         }
-        body
+        // The last chunk's line, then no trailers: one more CRLF.
+        if rest.len() < i + 2 {
+            return Ok(None);
+        }
+        (body, i + 2)
     } else if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
         if rest.len() < len {
             return Ok(None);
         }
-        rest[..len].to_vec()
+        (rest[..len].to_vec(), len)
     } else if eof {
-        rest.to_vec()
+        (rest.to_vec(), rest.len())
     } else {
         return Ok(None);
     };
-    Ok(Some(Resp {
-        status,
-        headers,
-        body,
-    }))
+    Ok(Some((
+        Resp {
+            status,
+            headers,
+            body,
+        },
+        end + 4 + used,
+    )))
+}
+
+/// One kept-alive connection to a node, written and read as raw bytes:
+/// for pipelining, odd framings and partial writes.
+pub struct RawConn {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl RawConn {
+    pub fn open(to: SocketAddr) -> RawConn {
+        let s = TcpStream::connect_timeout(&to, REQUEST_TIMEOUT)
+            .unwrap_or_else(|e| panic!("connecting to {to}: {e}"));
+        s.set_nodelay(true).expect("nodelay");
+        s.set_read_timeout(Some(REQUEST_TIMEOUT)).expect("timeout");
+        s.set_write_timeout(Some(REQUEST_TIMEOUT)).expect("timeout");
+        RawConn { s, buf: Vec::new() }
+    }
+
+    pub fn send(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).expect("writing to the node");
+    }
+
+    /// The next whole answer (an interim 1xx counts as one).
+    pub fn read(&mut self) -> Resp {
+        let mut chunk = [0u8; 64 * 1024];
+        loop {
+            match parse_response(&self.buf, false) {
+                Ok(Some((r, used))) => {
+                    self.buf.drain(..used);
+                    return r;
+                }
+                Ok(None) => {}
+                Err(e) => panic!(
+                    "unreadable answer ({e}): {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                ),
+            }
+            match self.s.read(&mut chunk) {
+                Ok(0) => panic!(
+                    "the node closed the connection mid-answer: {:?}",
+                    String::from_utf8_lossy(&self.buf)
+                ),
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => panic!("reading from the node: {e}"),
+            }
+        }
+    }
+
+    /// True once the node has closed its side (reads end) with nothing
+    /// left unread; false if it sends more.
+    pub fn closed_by_node(&mut self) -> bool {
+        let mut b = [0u8; 1];
+        self.buf.is_empty() && matches!(self.s.read(&mut b), Ok(0))
+    }
 }
 
 /// A client for one node's API address.

@@ -9,7 +9,7 @@ use crate::{App, HOPS_HEADER, NODE_HEADER, PEER_TOKEN_HEADER};
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Query, Request, State};
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -197,7 +197,7 @@ fn path_execution_id(p: Result<Path<String>, PathRejection>) -> Result<Execution
     parse_id(&path_param(p, "execution_id")?)
 }
 
-fn parse_id(raw: &str) -> Result<ExecutionId, ApiError> {
+pub(crate) fn parse_id(raw: &str) -> Result<ExecutionId, ApiError> {
     raw.parse::<ExecutionId>()
         .map_err(|e| ApiError::invalid("execution_id", e.to_string()))
 }
@@ -212,31 +212,57 @@ struct Route {
 }
 
 fn set_route_headers(app: &App, resp: &mut Response, route: &Route, owner: &Owner) {
-    let (node, epoch) = match owner {
-        Owner::Local { epoch } => (Some(app.cfg.node_id), Some(*epoch)),
-        Owner::Remote(h) => (Some(h.node), Some(h.epoch)),
-        Owner::Unknown { hint } => (
-            hint.as_ref().map(|h| h.node),
-            hint.as_ref().map(|h| h.epoch),
-        ),
-    };
     let h = resp.headers_mut();
     h.reserve(7);
-    if let Some(p) = route.partition {
-        h.insert(route_header::PARTITION, number_header(p.get().into()));
+    for (name, v) in RouteHeaders::new(app, route, owner).pairs() {
+        h.insert(name, number_header(v));
     }
-    h.insert(route_header::SHARD, number_header(route.shard.get().into()));
-    if let Some(n) = node {
-        h.insert(route_header::OWNER, number_header(n.get().into()));
+}
+
+/// The route headers' values for one answer: who owns the request's shard
+/// as this node sees it, and how the request got here.
+pub(crate) struct RouteHeaders {
+    partition: Option<u64>,
+    shard: u64,
+    owner: Option<u64>,
+    epoch: Option<u64>,
+    map_version: u64,
+    hops: u64,
+}
+
+impl RouteHeaders {
+    fn new(app: &App, route: &Route, owner: &Owner) -> Self {
+        let (node, epoch) = match owner {
+            Owner::Local { epoch } => (Some(app.cfg.node_id), Some(*epoch)),
+            Owner::Remote(h) => (Some(h.node), Some(h.epoch)),
+            Owner::Unknown { hint } => (
+                hint.as_ref().map(|h| h.node),
+                hint.as_ref().map(|h| h.epoch),
+            ),
+        };
+        RouteHeaders {
+            partition: route.partition.map(|p| p.get().into()),
+            shard: route.shard.get().into(),
+            owner: node.map(|n| n.get().into()),
+            epoch: epoch.map(|e| e.get()),
+            map_version: app.dir.map_version(),
+            hops: route.hops_taken.into(),
+        }
     }
-    if let Some(e) = epoch {
-        h.insert(route_header::EPOCH, number_header(e.get()));
+
+    /// Each header present, with its value.
+    pub(crate) fn pairs(&self) -> impl Iterator<Item = (HeaderName, u64)> {
+        [
+            (route_header::PARTITION, self.partition),
+            (route_header::SHARD, Some(self.shard)),
+            (route_header::OWNER, self.owner),
+            (route_header::EPOCH, self.epoch),
+            (route_header::MAP_VERSION, Some(self.map_version)),
+            (route_header::HOPS, Some(self.hops)),
+        ]
+        .into_iter()
+        .filter_map(|(name, v)| Some((name, v?)))
     }
-    h.insert(
-        route_header::MAP_VERSION,
-        number_header(app.dir.map_version()),
-    );
-    h.insert(route_header::HOPS, number_header(route.hops_taken.into()));
 }
 
 /// `n` as a header value. The route headers carry small numbers (a
@@ -657,14 +683,7 @@ async fn append_routed(
     expected_last_seq: Option<u64>,
 ) -> Response {
     let route = id_route(id, app, hops);
-    let events: Vec<NewEvent> = events
-        .into_iter()
-        .map(|e| NewEvent {
-            event_type: e.event_type,
-            payload: wire::payload_bytes(e.payload),
-            idempotency_key: e.idempotency_key,
-        })
-        .collect();
+    let events = new_events(events);
     let app2 = app.clone();
     dispatch(
         app,
@@ -674,30 +693,140 @@ async fn append_routed(
         route,
         move |epoch, st| async move {
             let out = append_local(&app2, &st, epoch, id, events, expected_last_seq).await?;
-            // The hottest answer, written directly: four fields, numbers
-            // and a boolean, nothing to escape.
-            let mut n = itoa::Buffer::new();
-            let mut body = Vec::with_capacity(112);
-            body.extend_from_slice(br#"{"execution_id":""#);
-            body.extend_from_slice(n.format(id.get()).as_bytes());
-            body.extend_from_slice(br#"","first_seq":"#);
-            body.extend_from_slice(n.format(out.first_seq).as_bytes());
-            body.extend_from_slice(br#","last_seq":"#);
-            body.extend_from_slice(n.format(out.last_seq).as_bytes());
-            body.extend_from_slice(if out.deduplicated {
-                br#","deduplicated":true}"#.as_slice()
-            } else {
-                br#","deduplicated":false}"#.as_slice()
-            });
             Ok((
                 StatusCode::OK,
                 [(http::header::CONTENT_TYPE, JSON_CONTENT_TYPE)],
-                body,
+                append_answer(id, &out),
             )
                 .into_response())
         },
     )
     .await
+}
+
+fn new_events(events: Vec<wire::EventBody>) -> Vec<NewEvent> {
+    events
+        .into_iter()
+        .map(|e| NewEvent {
+            event_type: e.event_type,
+            payload: wire::payload_bytes(e.payload),
+            idempotency_key: e.idempotency_key,
+        })
+        .collect()
+}
+
+/// The body of a successful append's answer, written directly: four
+/// fields, numbers and a boolean, nothing to escape.
+fn append_answer(id: ExecutionId, out: &forkless_store::AppendOutcome) -> Vec<u8> {
+    let mut n = itoa::Buffer::new();
+    let mut body = Vec::with_capacity(112);
+    body.extend_from_slice(br#"{"execution_id":""#);
+    body.extend_from_slice(n.format(id.get()).as_bytes());
+    body.extend_from_slice(br#"","first_seq":"#);
+    body.extend_from_slice(n.format(out.first_seq).as_bytes());
+    body.extend_from_slice(br#","last_seq":"#);
+    body.extend_from_slice(n.format(out.last_seq).as_bytes());
+    body.extend_from_slice(if out.deduplicated {
+        br#","deduplicated":true}"#.as_slice()
+    } else {
+        br#","deduplicated":false}"#.as_slice()
+    });
+    body
+}
+
+/// The answer to a hot append served by [`crate::conn`].
+pub(crate) enum Hot {
+    /// Appended: a 200 with this JSON body and these route headers, to be
+    /// written as is (the node header and the status count are the
+    /// writer's job, as [`stamp`] would have done them).
+    Appended { body: Vec<u8>, route: RouteHeaders },
+    /// Any other answer, stamped.
+    Other(Response),
+}
+
+/// `POST /api/executions/{id}/events` from a client (no hop header) for
+/// a shard this node owns, answered exactly as [`service`] would answer it
+/// but without building a response for the common case.
+pub(crate) async fn hot_append(app: &Arc<App>, id: ExecutionId, bytes: Bytes) -> Hot {
+    let guard = InProgress::enter(&app.in_progress);
+    let r = hot_append_inner(app, id, bytes).await;
+    drop(guard);
+    match r {
+        Ok((body, route)) => {
+            app.metrics.response(StatusCode::OK.as_u16());
+            Hot::Appended { body, route }
+        }
+        Err(resp) => Hot::Other(stamp(app, resp)),
+    }
+}
+
+async fn hot_append_inner(
+    app: &Arc<App>,
+    id: ExecutionId,
+    bytes: Bytes,
+) -> Result<(Vec<u8>, RouteHeaders), Response> {
+    let b: wire::AppendBody = parse(&bytes).map_err(IntoResponse::into_response)?;
+    wire::check_events(&b.events, &app.cfg.limits).map_err(IntoResponse::into_response)?;
+    let route = id_route(id, app, 0);
+    let owner = app.dir.owner_of(route.shard);
+    let facts = Facts {
+        routing_active: app.dir.routing_active(),
+        hops_taken: 0,
+        owner: owner.clone(),
+    };
+    let local = match decide(&facts) {
+        Decision::Local { epoch } => app.store.shard(route.shard).map(|st| (epoch, st)),
+        _ => None,
+    };
+    let Some((epoch, st)) = local else {
+        // The map changed since the connection saw this request's head:
+        // the general path decides again and answers.
+        let uri = Uri::try_from(format!("/api/executions/{}/events", id.get()))
+            .map_err(|e| ApiError::Internal(format!("rebuilding the path: {e}")).into_response())?;
+        return Err(append_routed(
+            app,
+            Method::POST,
+            &uri,
+            0,
+            id,
+            bytes,
+            b.events,
+            b.expected_last_seq,
+        )
+        .await);
+    };
+    app.metrics.outcome(outcome::LOCAL);
+    let headers = RouteHeaders::new(app, &route, &owner);
+    match append_local(
+        app,
+        &st,
+        epoch,
+        id,
+        new_events(b.events),
+        b.expected_last_seq,
+    )
+    .await
+    {
+        Ok(out) => Ok((append_answer(id, &out), headers)),
+        Err(e) => {
+            let mut resp = e.into_response();
+            set_route_headers(app, &mut resp, &route, &owner);
+            Err(resp)
+        }
+    }
+}
+
+/// Whether [`hot_append`] would serve a client's append to `id` here: this
+/// node owns its shard now. The answer may change before the body is read;
+/// [`hot_append`] decides again.
+pub(crate) fn owns_for_hot_append(app: &App, id: ExecutionId) -> bool {
+    let shard = id.shard(app.dir.shard_count());
+    let facts = Facts {
+        routing_active: app.dir.routing_active(),
+        hops_taken: 0,
+        owner: app.dir.owner_of(shard),
+    };
+    matches!(decide(&facts), Decision::Local { .. })
 }
 
 async fn append_local(

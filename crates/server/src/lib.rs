@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod config;
+mod conn;
 pub mod error;
 pub mod forward;
 pub mod metrics;
@@ -144,19 +145,12 @@ pub async fn run(
     let service = api::service(app.clone());
     let mut tasks = Vec::new();
     for listener in std::iter::once(api_listener).chain(peer_listener) {
-        let service = tower::make::Shared::new(service.clone());
-        let mut stop = stop_rx.clone();
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        tasks.push(tokio::spawn(async move {
-            axum::serve(listener, service)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await
-        }));
+        tasks.push(tokio::spawn(accept_loop(
+            app.clone(),
+            listener,
+            service.clone(),
+            stop_rx.clone(),
+        )));
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
         tokio::spawn(peer::probe_loop(app.clone(), stop_rx.clone()));
@@ -169,12 +163,69 @@ pub async fn run(
         "forkless node ready"
     );
     for t in tasks {
-        match t.await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::error!(error = %e, "listener failed"),
-            Err(e) => tracing::error!(error = %e, "listener task failed"),
+        if let Err(e) = t.await {
+            tracing::error!(error = %e, "listener task failed");
         }
     }
     tracing::info!("forkless node stopped");
     Ok(())
+}
+
+/// Accepts connections until `stop`, then waits for every connection it
+/// accepted to finish (idle ones close at once; a request in progress is
+/// answered first).
+async fn accept_loop<S>(
+    app: Arc<App>,
+    listener: tokio::net::TcpListener,
+    service: S,
+    stop: tokio::sync::watch::Receiver<bool>,
+) where
+    S: tower::Service<
+            axum::extract::Request,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    // Every connection holds a sender; recv() ends when all are dropped.
+    let (open_tx, mut open_rx) = tokio::sync::mpsc::channel::<()>(1);
+    let mut stopping = stop.clone();
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = stopping.wait_for(|s| *s) => break,
+        };
+        match accepted {
+            Ok((tcp, _peer)) => {
+                let _ = tcp.set_nodelay(true);
+                let open = open_tx.clone();
+                let (app, service, stop) = (app.clone(), service.clone(), stop.clone());
+                tokio::spawn(async move {
+                    conn::serve(app, tcp, service, stop).await;
+                    drop(open);
+                });
+            }
+            // The client gave up before it was accepted: nothing to do.
+            Err(e) if is_connection_error(&e) => {}
+            // Out of file descriptors or memory: wait for some to be freed
+            // rather than spin.
+            Err(e) => {
+                tracing::error!(error = %e, "accepting a connection failed; retrying in 1 s");
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+    }
+    drop(listener);
+    drop(open_tx);
+    let _ = open_rx.recv().await;
+}
+
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    )
 }

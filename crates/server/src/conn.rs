@@ -1,0 +1,545 @@
+//! One client connection: its requests read and answered here, with hyper
+//! taking over the connection for anything this does not handle.
+//!
+//! Why not hyper for everything: at 64 clients appending on one node,
+//! hyper's connection machinery (its dispatcher, the request body channel,
+//! header maps in and out, response encoding) cost about as much CPU as
+//! everything else the node does per append (BENCHMARKS.md, issue 4). This
+//! reads a request head with `httparse` (the parser hyper itself uses),
+//! builds the same `http::Request` hyper would, calls the same service, and
+//! writes the answer in one buffer; the hot append skips the request and
+//! response maps entirely ([`api::hot_append`]).
+//!
+//! What is served here is deliberately narrow: HTTP/1.1 requests in origin
+//! form whose head parses completely within [`HEAD_BYTES_MAX`], with no body
+//! or a body framed by one `Content-Length` within the configured limit, and
+//! no `Transfer-Encoding`, `Expect`, `Upgrade`, or `Connection` other than
+//! `keep-alive`; not `HEAD` or `CONNECT`. The first request that is anything
+//! else — and every byte after it, none of them consumed — goes to hyper,
+//! which serves the rest of the connection exactly as if it had read it from
+//! the first byte. Answers already written came before it, so pipelined
+//! requests are still answered in order.
+
+use crate::api::{self, Hot, RouteHeaders};
+use crate::App;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::response::Response;
+use bytes::{Buf, Bytes, BytesMut};
+use forkless_types::ExecutionId;
+use http::header;
+use std::convert::Infallible;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+use tower::{Service, ServiceExt};
+
+/// A request head longer than this goes to hyper (which has its own, larger
+/// limit and answers 431 past it).
+pub const HEAD_BYTES_MAX: usize = 16 * 1024;
+/// A request with more header lines than this goes to hyper.
+const HEADERS_MAX: usize = 32;
+/// Room made in the read buffer before each read.
+const READ_CHUNK: usize = 8 * 1024;
+/// A read buffer grown past this (a large body) is let go once empty.
+const BUF_KEEP_MAX: usize = 64 * 1024;
+
+/// Serves `tcp` until the client closes it, an I/O error, or `stop` (an
+/// idle connection closes at once; a request in progress is answered
+/// first).
+pub(crate) async fn serve<S>(app: Arc<App>, tcp: TcpStream, service: S, stop: watch::Receiver<bool>)
+where
+    S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+{
+    let mut c = Conn {
+        app,
+        tcp,
+        buf: BytesMut::with_capacity(READ_CHUNK),
+        stop,
+    };
+    let mut out = Vec::with_capacity(1024);
+    loop {
+        let head = loop {
+            match read_head(&c.app, &c.buf) {
+                Parsed::Head(h) => break h,
+                Parsed::Partial if c.buf.len() < HEAD_BYTES_MAX => {
+                    let idle = c.buf.is_empty();
+                    if !c.fill(READ_CHUNK, idle).await {
+                        return;
+                    }
+                }
+                Parsed::Partial | Parsed::Other => return c.hand_to_hyper(service).await,
+            }
+        };
+        let total = head.len + head.body_len;
+        while c.buf.len() < total {
+            if !c.fill(total - c.buf.len(), false).await {
+                return;
+            }
+        }
+        let request = c.buf.split_to(total).freeze();
+        let body = request.slice(head.len..);
+        out.clear();
+        match head.kind {
+            Kind::HotAppend(id) => match api::hot_append(&c.app, id, body).await {
+                Hot::Appended { body, route } => write_appended(&c.app, &mut out, &body, &route),
+                Hot::Other(resp) => {
+                    if write_response(resp, &mut out).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            Kind::Plain(parts) => {
+                let req = Request::from_parts(*parts, Body::from(body));
+                let resp = match service.clone().oneshot(req).await {
+                    Ok(r) => r,
+                    Err(never) => match never {},
+                };
+                if write_response(resp, &mut out).await.is_err() {
+                    return;
+                }
+            }
+        }
+        if c.tcp.write_all(&out).await.is_err() || *c.stop.borrow() {
+            return;
+        }
+        if c.buf.is_empty() && c.buf.capacity() > BUF_KEEP_MAX {
+            c.buf = BytesMut::with_capacity(READ_CHUNK);
+        }
+    }
+}
+
+struct Conn {
+    app: Arc<App>,
+    tcp: TcpStream,
+    buf: BytesMut,
+    stop: watch::Receiver<bool>,
+}
+
+impl Conn {
+    /// Reads more into the buffer (making room for at least `room` bytes);
+    /// false when the connection is done: closed, failed, or - while `idle`,
+    /// between requests - the node is stopping.
+    async fn fill(&mut self, room: usize, idle: bool) -> bool {
+        self.buf.reserve(room.max(READ_CHUNK));
+        let read = if idle {
+            tokio::select! {
+                r = self.tcp.read_buf(&mut self.buf) => r,
+                _ = self.stop.wait_for(|s| *s) => return false,
+            }
+        } else {
+            self.tcp.read_buf(&mut self.buf).await
+        };
+        matches!(read, Ok(n) if n > 0)
+    }
+
+    /// Gives the connection, with everything read but not yet answered, to
+    /// hyper for the rest of its life.
+    async fn hand_to_hyper<S>(self, service: S)
+    where
+        S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
+        S::Future: Send + 'static,
+    {
+        let Conn {
+            tcp, buf, mut stop, ..
+        } = self;
+        let io = hyper_util::rt::TokioIo::new(Rewind {
+            unread: buf.freeze(),
+            tcp,
+        });
+        let service = hyper_util::service::TowerToHyperService::new(
+            service.map_request(|r: http::Request<hyper::body::Incoming>| r.map(Body::new)),
+        );
+        let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+        tokio::pin!(conn);
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = stop.wait_for(|s| *s) => conn.as_mut().graceful_shutdown(),
+        }
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "connection ended with an error");
+        }
+    }
+}
+
+enum Parsed {
+    /// The head is not complete yet.
+    Partial,
+    /// Not a request served here: hyper's.
+    Other,
+    Head(Head),
+}
+
+struct Head {
+    /// Bytes of the head, through the blank line.
+    len: usize,
+    body_len: usize,
+    kind: Kind,
+}
+
+enum Kind {
+    /// A client's append to an execution on a shard this node owns.
+    HotAppend(ExecutionId),
+    /// Any other request this serves, for the service.
+    Plain(Box<http::request::Parts>),
+}
+
+/// Reads the request head at the start of `buf`, if complete, and says how
+/// it is to be served.
+fn read_head(app: &App, buf: &[u8]) -> Parsed {
+    let mut headers = [httparse::EMPTY_HEADER; HEADERS_MAX];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        // Malformed, or too many headers: hyper answers it.
+        Err(_) => return Parsed::Other,
+    };
+    let (Some(method), Some(path), Some(1)) = (req.method, req.path, req.version) else {
+        return Parsed::Other;
+    };
+    if method == "HEAD" || method == "CONNECT" || !path.starts_with('/') {
+        return Parsed::Other;
+    }
+    let mut body_len = None;
+    let mut from_peer = false;
+    for h in req.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            match (body_len, content_length(h.value)) {
+                (None, Some(n)) => body_len = Some(n),
+                _ => return Parsed::Other,
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding")
+            || name.eq_ignore_ascii_case("expect")
+            || name.eq_ignore_ascii_case("upgrade")
+            || (name.eq_ignore_ascii_case("connection")
+                && !h.value.eq_ignore_ascii_case(b"keep-alive"))
+        {
+            return Parsed::Other;
+        } else if name.eq_ignore_ascii_case(crate::HOPS_HEADER) {
+            from_peer = true;
+        }
+    }
+    let body_len = body_len.unwrap_or(0);
+    if body_len > app.cfg.limits.request_body_bytes_max {
+        // hyper reads what it must and the service answers 413.
+        return Parsed::Other;
+    }
+    if method == "POST" && !from_peer {
+        if let Some(id) = hot_append_id(path) {
+            if api::owns_for_hot_append(app, id) {
+                return Parsed::Head(Head {
+                    len,
+                    body_len,
+                    kind: Kind::HotAppend(id),
+                });
+            }
+        }
+    }
+    match plain_parts(method, path, req.headers) {
+        Some(parts) => Parsed::Head(Head {
+            len,
+            body_len,
+            kind: Kind::Plain(Box::new(parts)),
+        }),
+        None => Parsed::Other,
+    }
+}
+
+/// A `Content-Length` value: decimal digits only.
+fn content_length(v: &[u8]) -> Option<usize> {
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(v).ok()?.parse().ok()
+}
+
+/// The id of `/api/executions/{id}/events` when it is plain digits that
+/// make a valid id (anything else is the router's to answer).
+fn hot_append_id(path: &str) -> Option<ExecutionId> {
+    let raw = path
+        .strip_prefix("/api/executions/")?
+        .strip_suffix("/events")?;
+    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    api::parse_id(raw).ok()
+}
+
+/// The request as hyper would have handed it to the service, or `None` if
+/// any part of it is not valid for `http` (hyper then refuses it itself).
+fn plain_parts(
+    method: &str,
+    path: &str,
+    headers: &[httparse::Header<'_>],
+) -> Option<http::request::Parts> {
+    let mut b = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .version(http::Version::HTTP_11);
+    let map = b.headers_mut()?;
+    map.reserve(headers.len());
+    for h in headers {
+        let name = header::HeaderName::from_bytes(h.name.as_bytes()).ok()?;
+        let value = header::HeaderValue::from_bytes(h.value).ok()?;
+        map.append(name, value);
+    }
+    Some(b.body(()).ok()?.into_parts().0)
+}
+
+const CRLF: &[u8] = b"\r\n";
+
+/// A successful hot append's answer, with the headers the general path
+/// would have put on it.
+fn write_appended(app: &App, out: &mut Vec<u8>, body: &[u8], route: &RouteHeaders) {
+    out.extend_from_slice(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n");
+    let mut n = itoa::Buffer::new();
+    for (name, v) in route.pairs() {
+        push_header(out, name.as_str().as_bytes(), n.format(v).as_bytes());
+    }
+    push_header(
+        out,
+        crate::NODE_HEADER.as_bytes(),
+        app.node_header.as_bytes(),
+    );
+    push_header(out, b"content-length", n.format(body.len()).as_bytes());
+    push_date(out);
+    out.extend_from_slice(CRLF);
+    out.extend_from_slice(body);
+}
+
+/// Any answer of the service, its body collected (every answer of this API
+/// is a complete body, long-polls included: they answer once).
+async fn write_response(resp: Response, out: &mut Vec<u8>) -> Result<(), axum::Error> {
+    let (parts, body) = resp.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await?;
+    let status = parts.status;
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(CRLF);
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+            || name == header::DATE
+        {
+            continue;
+        }
+        push_header(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    let bodiless = status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED;
+    if !bodiless {
+        let mut n = itoa::Buffer::new();
+        push_header(out, b"content-length", n.format(body.len()).as_bytes());
+    }
+    push_date(out);
+    out.extend_from_slice(CRLF);
+    if !bodiless {
+        out.extend_from_slice(&body);
+    }
+    Ok(())
+}
+
+fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(CRLF);
+}
+
+/// The `date` header, formatted once a second per thread.
+fn push_date(out: &mut Vec<u8>) {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+    thread_local! {
+        static DATE: RefCell<(u64, String)> = const { RefCell::new((u64::MAX, String::new())) };
+    }
+    let now = SystemTime::now();
+    let secs = now
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    DATE.with_borrow_mut(|(at, text)| {
+        if *at != secs {
+            *at = secs;
+            *text = httpdate::fmt_http_date(now);
+        }
+        push_header(out, b"date", text.as_bytes());
+    });
+}
+
+/// The socket, with the bytes already read from it put back in front.
+struct Rewind {
+    unread: Bytes,
+    tcp: TcpStream,
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.unread.is_empty() {
+            let n = this.unread.len().min(buf.remaining());
+            buf.put_slice(&this.unread[..n]);
+            this.unread.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_length_takes_plain_decimal_digits_only() {
+        assert_eq!(content_length(b"0"), Some(0));
+        assert_eq!(content_length(b"312"), Some(312));
+        for bad in [
+            &b""[..],
+            b"+1",
+            b"-1",
+            b" 1",
+            b"1,1",
+            b"0x10",
+            b"99999999999999999999",
+        ] {
+            assert_eq!(
+                content_length(bad),
+                None,
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn hot_append_id_takes_the_digits_path_only() {
+        assert!(hot_append_id("/api/executions/12/events").is_some());
+        for p in [
+            "/api/executions//events",
+            "/api/executions/12/events?x=1",
+            "/api/executions/1%32/events",
+            "/api/executions/12/events/",
+            "/api/executions/12/signals",
+            "/api/executions/99999999999999999999999/events",
+        ] {
+            assert!(hot_append_id(p).is_none(), "{p}");
+        }
+    }
+
+    #[test]
+    fn plain_parts_are_what_hyper_would_build() {
+        let h = [
+            httparse::Header {
+                name: "Content-Type",
+                value: b"application/json",
+            },
+            httparse::Header {
+                name: "X-A",
+                value: b"1",
+            },
+            httparse::Header {
+                name: "x-a",
+                value: b"2",
+            },
+        ];
+        let p = plain_parts("GET", "/api/cluster?x=1", &h).expect("valid");
+        assert_eq!(p.method, http::Method::GET);
+        assert_eq!(p.uri.path(), "/api/cluster");
+        assert_eq!(p.uri.query(), Some("x=1"));
+        assert_eq!(p.version, http::Version::HTTP_11);
+        assert_eq!(p.headers["content-type"], "application/json");
+        let all: Vec<_> = p.headers.get_all("x-a").iter().collect();
+        assert_eq!(all, ["1", "2"]);
+        let bad = [httparse::Header {
+            name: "x",
+            value: b"a\x7fb",
+        }];
+        assert!(plain_parts("GET", "/", &bad).is_none());
+    }
+
+    #[tokio::test]
+    async fn rewind_gives_the_unread_bytes_back_first() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let client = tokio::spawn(async move {
+            let mut s = TcpStream::connect(addr).await.expect("connect");
+            s.write_all(b" world").await.expect("write");
+        });
+        let (tcp, _) = listener.accept().await.expect("accept");
+        let mut r = Rewind {
+            unread: Bytes::from_static(b"hello"),
+            tcp,
+        };
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).await.expect("read");
+        client.await.expect("client");
+        assert_eq!(got, b"hello world");
+    }
+
+    #[tokio::test]
+    async fn written_answers_carry_status_headers_length_and_date() {
+        let resp = Response::builder()
+            .status(http::StatusCode::CONFLICT)
+            .header("content-type", "application/json")
+            .header("content-length", "999")
+            .body(Body::from("{\"error\":\"x\"}"))
+            .expect("response");
+        let mut out = Vec::new();
+        write_response(resp, &mut out).await.expect("write");
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(text.starts_with("HTTP/1.1 409 Conflict\r\n"), "{text}");
+        assert!(
+            text.contains("content-type: application/json\r\n"),
+            "{text}"
+        );
+        assert!(text.contains("content-length: 13\r\n"), "{text}");
+        assert!(!text.contains("999"), "{text}");
+        assert!(text.contains("\r\ndate: "), "{text}");
+        assert!(text.ends_with("\r\n\r\n{\"error\":\"x\"}"), "{text}");
+    }
+}
