@@ -77,15 +77,17 @@ fn hot_append_id(req: &Request) -> Option<Result<ExecutionId, ApiError>> {
     if req.method() != Method::POST {
         return None;
     }
-    let raw = req
-        .uri()
-        .path()
+    hot_append_digits(req.uri().path()).map(parse_id)
+}
+
+/// The `{id}` of an `/api/executions/{id}/events` path when it is plain
+/// digits (any other shape is the router's to answer, which names what is
+/// wrong with it).
+pub(crate) fn hot_append_digits(path: &str) -> Option<&str> {
+    let raw = path
         .strip_prefix("/api/executions/")?
         .strip_suffix("/events")?;
-    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    Some(parse_id(raw))
+    (!raw.is_empty() && raw.bytes().all(|b| b.is_ascii_digit())).then_some(raw)
 }
 
 /// Counts one request in [`App::in_progress`] until its answer is ready or
@@ -295,6 +297,18 @@ mod route_header {
     pub const HOPS: HeaderName = HeaderName::from_static(crate::HOPS_HEADER);
 }
 
+/// This node's routing decision now for a request on `shard` that has taken
+/// `hops` hops, and the owner it was made from.
+fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
+    let owner = app.dir.owner_of(shard);
+    let d = decide(&Facts {
+        routing_active: app.dir.routing_active(),
+        hops_taken: hops,
+        owner: owner.clone(),
+    });
+    (owner, d)
+}
+
 /// The routing step: decide, then perform. `local` runs only when this node
 /// owns the shard at the current epoch; every other answer leaves the local
 /// store untouched.
@@ -310,15 +324,10 @@ where
     F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
     Fut: Future<Output = Result<Response, ApiError>>,
 {
-    let owner = app.dir.owner_of(route.shard);
-    let facts = Facts {
-        routing_active: app.dir.routing_active(),
-        hops_taken: route.hops_taken,
-        owner: owner.clone(),
-    };
+    let (owner, decision) = decision(app, route.shard, route.hops_taken);
     let partition = route.partition.map(|p| p.get());
     let shard = route.shard.get();
-    let mut resp = match decide(&facts) {
+    let mut resp = match decision {
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
             match app.store.shard(route.shard) {
@@ -768,13 +777,8 @@ async fn hot_append_inner(
     let b: wire::AppendBody = parse(&bytes).map_err(IntoResponse::into_response)?;
     wire::check_events(&b.events, &app.cfg.limits).map_err(IntoResponse::into_response)?;
     let route = id_route(id, app, 0);
-    let owner = app.dir.owner_of(route.shard);
-    let facts = Facts {
-        routing_active: app.dir.routing_active(),
-        hops_taken: 0,
-        owner: owner.clone(),
-    };
-    let local = match decide(&facts) {
+    let (owner, decision) = decision(app, route.shard, 0);
+    let local = match decision {
         Decision::Local { epoch } => app.store.shard(route.shard).map(|st| (epoch, st)),
         _ => None,
     };
@@ -821,12 +825,7 @@ async fn hot_append_inner(
 /// [`hot_append`] decides again.
 pub(crate) fn owns_for_hot_append(app: &App, id: ExecutionId) -> bool {
     let shard = id.shard(app.dir.shard_count());
-    let facts = Facts {
-        routing_active: app.dir.routing_active(),
-        hops_taken: 0,
-        owner: app.dir.owner_of(shard),
-    };
-    matches!(decide(&facts), Decision::Local { .. })
+    matches!(decision(app, shard, 0).1, Decision::Local { .. })
 }
 
 async fn append_local(

@@ -268,13 +268,7 @@ fn content_length(v: &[u8]) -> Option<usize> {
 /// The id of `/api/executions/{id}/events` when it is plain digits that
 /// make a valid id (anything else is the router's to answer).
 fn hot_append_id(path: &str) -> Option<ExecutionId> {
-    let raw = path
-        .strip_prefix("/api/executions/")?
-        .strip_suffix("/events")?;
-    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    api::parse_id(raw).ok()
+    api::parse_id(api::hot_append_digits(path)?).ok()
 }
 
 /// The request as hyper would have handed it to the service, or `None` if
