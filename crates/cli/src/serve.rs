@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// Most events in one append [default: 1000].
     #[arg(long, env = "FORKLESS_BATCH_EVENTS_MAX")]
     batch_events_max: Option<usize>,
+    /// How long a client may take to send one whole request once it has
+    /// begun, ms [default: 30000]; then 408 and the connection is closed.
+    #[arg(long, env = "FORKLESS_REQUEST_READ_TIMEOUT_MS")]
+    request_read_timeout_ms: Option<u64>,
     /// How long a forward may wait for the owner, ms [default: 2000].
     #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
     forward_timeout_ms: Option<u64>,
@@ -56,6 +60,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         request_body_bytes_max: a.request_body_bytes_max,
         batch_events_max: a.batch_events_max,
         forward_timeout_ms: a.forward_timeout_ms,
+        request_read_timeout_ms: a.request_read_timeout_ms,
     };
     let cfg = config::resolve(file, a.node, overrides)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();

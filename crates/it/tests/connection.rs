@@ -316,3 +316,49 @@ fn an_idle_kept_alive_connection_does_not_hold_up_a_stop() {
     n.restart();
     assert_eq!(n.client.last_seq(&id), 2);
 }
+
+#[test]
+fn a_request_not_received_in_full_in_time_is_answered_408_and_closed() {
+    let _d = deadline("request_read_timeout", TEST_DEADLINE);
+    let dir = tempfile::tempdir().unwrap();
+    let n = Node::start_single(
+        &dir.path().join("data"),
+        &["--request-read-timeout-ms", "300"],
+    );
+    let c = n.client;
+    let id = start(&c);
+    let path = format!("/api/executions/{id}/events");
+    // A head that never ends, and a body that never arrives in full.
+    let body = step(1);
+    for partial in [
+        format!("POST {path} HTTP/1.1\r\nHost: t\r\n"),
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {}\r\n\r\n{}",
+            body.len(),
+            &body[..body.len() / 2]
+        ),
+    ] {
+        let mut conn = RawConn::open(c.addr);
+        let t = Instant::now();
+        conn.send(partial.as_bytes());
+        let r = conn.read();
+        let v = r.expect_error(408, "request_timeout");
+        assert_eq!(v["timeout_ms"], 300, "{v}");
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+        assert!(conn.closed_by_node(), "still open after 408");
+    }
+    // An idle kept-alive connection has no limit: idle longer than the
+    // timeout, then a request is served.
+    let mut conn = RawConn::open(c.addr);
+    conn.send(&append(&id, &step(1)));
+    assert_eq!(first_seq(&conn.read()), 2);
+    std::thread::sleep(Duration::from_millis(700));
+    conn.send(&append(&id, &step(2)));
+    assert_eq!(first_seq(&conn.read()), 3);
+    // Nothing of the cut-off requests was written.
+    assert_log(&c, &id, 3);
+}

@@ -134,7 +134,7 @@ fn router(app: Arc<App>) -> Router {
 }
 
 /// Every answer says which node produced it, and is counted by status.
-fn stamp(app: &App, mut resp: Response) -> Response {
+pub(crate) fn stamp(app: &App, mut resp: Response) -> Response {
     resp.headers_mut()
         .entry(NODE_HEADER)
         .or_insert_with(|| app.node_header.clone());

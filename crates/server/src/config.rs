@@ -16,7 +16,8 @@ use std::time::Duration;
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
 pub const DEFAULT_DATA_DIR: &str = "./forkless-data";
 
-/// Request limits. Over any of them is `413 payload_too_large`.
+/// Request limits. Over any of the sizes is `413 payload_too_large`; a
+/// request not received in full in time is `408 request_timeout`.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
@@ -30,6 +31,10 @@ pub struct Limits {
     pub wait_ms_max: u64,
     /// Most events one read returns.
     pub read_events_max: usize,
+    /// A request whose first byte has arrived must be received in full
+    /// (head and body) within this, milliseconds, or the connection is
+    /// answered 408 and closed. An idle kept-alive connection has no limit.
+    pub request_read_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -40,6 +45,7 @@ impl Default for Limits {
             batch_events_max: 1000,
             wait_ms_max: 30_000,
             read_events_max: 1000,
+            request_read_timeout_ms: 30_000,
         }
     }
 }
@@ -397,6 +403,11 @@ pub fn resolve(
     } else if overrides.listen.is_some() {
         return Err(ConfigError::Invalid("--listen cannot be combined with a cluster config: the node's api_addr is its listen address".into()));
     }
+    if cfg.limits.request_read_timeout_ms == 0 {
+        return Err(ConfigError::Invalid(
+            "limits.request_read_timeout_ms must be positive".into(),
+        ));
+    }
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
     }
@@ -418,6 +429,7 @@ pub struct Overrides {
     pub request_body_bytes_max: Option<usize>,
     pub batch_events_max: Option<usize>,
     pub forward_timeout_ms: Option<u64>,
+    pub request_read_timeout_ms: Option<u64>,
 }
 
 impl Overrides {
@@ -430,6 +442,9 @@ impl Overrides {
         }
         if let Some(v) = self.batch_events_max {
             l.batch_events_max = v;
+        }
+        if let Some(v) = self.request_read_timeout_ms {
+            l.request_read_timeout_ms = v;
         }
     }
 }
@@ -578,5 +593,29 @@ peer_addr = "127.0.0.1:7172"
         let d = resolve(None, None, Overrides::default()).unwrap();
         assert_eq!(d.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(d.data_dir, PathBuf::from(DEFAULT_DATA_DIR));
+        assert_eq!(d.limits.request_read_timeout_ms, 30_000);
+    }
+
+    #[test]
+    fn the_request_read_timeout_is_set_by_file_or_flag_and_must_be_positive() {
+        let c = check("[limits]\nrequest_read_timeout_ms = 500\n", None, None).unwrap();
+        assert_eq!(c.limits.request_read_timeout_ms, 500);
+        let o = Overrides {
+            request_read_timeout_ms: Some(250),
+            ..Default::default()
+        };
+        let file = parse_file("[limits]\nrequest_read_timeout_ms = 500\n").unwrap();
+        assert_eq!(
+            resolve(Some(file), None, o)
+                .unwrap()
+                .limits
+                .request_read_timeout_ms,
+            250
+        );
+        check(
+            "[limits]\nrequest_read_timeout_ms = 0\n",
+            None,
+            Some("request_read_timeout_ms must be positive"),
+        );
     }
 }

@@ -24,7 +24,7 @@ use crate::api::{self, Hot, RouteHeaders};
 use crate::App;
 use axum::body::Body;
 use axum::extract::Request;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use bytes::{Buf, Bytes, BytesMut};
 use forkless_types::ExecutionId;
 use http::header;
@@ -33,6 +33,7 @@ use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -63,13 +64,19 @@ where
         stop,
     };
     let mut out = Vec::with_capacity(1024);
+    let read_timeout = Duration::from_millis(c.app.cfg.limits.request_read_timeout_ms);
     loop {
+        // Set once the request's first byte is here: the whole request must
+        // follow by then.
+        let mut deadline = None;
         let head = loop {
+            if deadline.is_none() && !c.buf.is_empty() {
+                deadline = Some(Instant::now() + read_timeout);
+            }
             match read_head(&c.app, &c.buf) {
                 Parsed::Head(h) => break h,
                 Parsed::Partial if c.buf.len() < HEAD_BYTES_MAX => {
-                    let idle = c.buf.is_empty();
-                    if !c.fill(READ_CHUNK, idle).await {
+                    if !c.fill(READ_CHUNK, deadline).await {
                         return;
                     }
                 }
@@ -78,7 +85,7 @@ where
         };
         let total = head.len + head.body_len;
         while c.buf.len() < total {
-            if !c.fill(total - c.buf.len(), false).await {
+            if !c.fill(total - c.buf.len(), deadline).await {
                 return;
             }
         }
@@ -123,19 +130,46 @@ struct Conn {
 
 impl Conn {
     /// Reads more into the buffer (making room for at least `room` bytes);
-    /// false when the connection is done: closed, failed, or - while `idle`,
-    /// between requests - the node is stopping.
-    async fn fill(&mut self, room: usize, idle: bool) -> bool {
+    /// false when the connection is done: closed, failed, or - between
+    /// requests (no `deadline`) - the node is stopping. Past `deadline`
+    /// (a request begun and not yet whole), answers 408 first.
+    async fn fill(&mut self, room: usize, deadline: Option<Instant>) -> bool {
         self.buf.reserve(room.max(READ_CHUNK));
-        let read = if idle {
-            tokio::select! {
+        let read = match deadline {
+            None => tokio::select! {
                 r = self.tcp.read_buf(&mut self.buf) => r,
                 _ = self.stop.wait_for(|s| *s) => return false,
+            },
+            Some(d) => {
+                match tokio::time::timeout_at(d.into(), self.tcp.read_buf(&mut self.buf)).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        self.request_timed_out().await;
+                        return false;
+                    }
+                }
             }
-        } else {
-            self.tcp.read_buf(&mut self.buf).await
         };
         matches!(read, Ok(n) if n > 0)
+    }
+
+    /// Answers 408 to a request that did not arrive in full in time; the
+    /// caller then closes the connection (what was read of the request is
+    /// dropped, nothing of it was acted on).
+    async fn request_timed_out(&mut self) {
+        let ms = self.app.cfg.limits.request_read_timeout_ms;
+        tracing::debug!(
+            ms,
+            "request not received in full in time; answering 408 and closing"
+        );
+        let resp = crate::error::ApiError::RequestTimeout(ms).into_response();
+        let mut out = Vec::with_capacity(256);
+        if write_response(crate::api::stamp(&self.app, resp), &mut out)
+            .await
+            .is_ok()
+        {
+            let _ = self.tcp.write_all(&out).await;
+        }
     }
 
     /// Gives the connection, with everything read but not yet answered, to
@@ -145,6 +179,7 @@ impl Conn {
         S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
         S::Future: Send + 'static,
     {
+        let self_timeout_ms = self.app.cfg.limits.request_read_timeout_ms;
         let Conn {
             tcp, buf, mut stop, ..
         } = self;
@@ -155,7 +190,12 @@ impl Conn {
         let service = hyper_util::service::TowerToHyperService::new(
             service.map_request(|r: http::Request<hyper::body::Incoming>| r.map(Body::new)),
         );
-        let conn = hyper::server::conn::http1::Builder::new().serve_connection(io, service);
+        // hyper bounds the time to read a request head the same way (it
+        // closes without an answer); a body it reads (chunked) has no bound.
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(Duration::from_millis(self_timeout_ms))
+            .serve_connection(io, service);
         tokio::pin!(conn);
         tokio::select! {
             r = conn.as_mut() => {

@@ -52,6 +52,8 @@ pub enum ApiError {
         hint: Option<OwnerHint>,
     },
     Forbidden(String),
+    /// A request not received in full within this many milliseconds.
+    RequestTimeout(u64),
     Internal(String),
 }
 
@@ -74,6 +76,7 @@ impl ApiError {
             ApiError::NotOwner { .. } => "not_owner",
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -89,6 +92,7 @@ impl ApiError {
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
             ApiError::OwnerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -102,6 +106,11 @@ impl ApiError {
             ApiError::TooLarge { what, size, limit } => json!({
                 "error": code, "message": format!("{what} is {size} bytes or more, over the limit of {limit}"),
                 "size": size, "limit": limit,
+            }),
+            ApiError::RequestTimeout(ms) => json!({
+                "error": code,
+                "message": format!("the request was not received in full within {ms} ms; nothing of it was acted on"),
+                "timeout_ms": ms,
             }),
             ApiError::NotFound(m)
             | ApiError::IdempotencyConflict(m)
