@@ -31,7 +31,8 @@ pub struct ServeArgs {
     #[arg(long, env = "FORKLESS_BATCH_EVENTS_MAX")]
     batch_events_max: Option<usize>,
     /// How long a client may take to send one whole request once it has
-    /// begun, ms [default: 30000]; then 408 and the connection is closed.
+    /// begun, ms [default: 30000, at most 3600000]; then 408 and the
+    /// connection is closed.
     #[arg(long, env = "FORKLESS_REQUEST_READ_TIMEOUT_MS")]
     request_read_timeout_ms: Option<u64>,
     /// How long a forward may wait for the owner, ms [default: 2000].

@@ -16,6 +16,9 @@ use std::time::Duration;
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:7070";
 pub const DEFAULT_DATA_DIR: &str = "./forkless-data";
 
+/// The longest `limits.request_read_timeout_ms` accepted (one hour).
+pub const REQUEST_READ_TIMEOUT_MS_MAX: u64 = 3_600_000;
+
 /// Request limits. Over any of the sizes is `413 payload_too_large`; a
 /// request not received in full in time is `408 request_timeout`.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
@@ -403,10 +406,10 @@ pub fn resolve(
     } else if overrides.listen.is_some() {
         return Err(ConfigError::Invalid("--listen cannot be combined with a cluster config: the node's api_addr is its listen address".into()));
     }
-    if cfg.limits.request_read_timeout_ms == 0 {
-        return Err(ConfigError::Invalid(
-            "limits.request_read_timeout_ms must be positive".into(),
-        ));
+    if !(1..=REQUEST_READ_TIMEOUT_MS_MAX).contains(&cfg.limits.request_read_timeout_ms) {
+        return Err(ConfigError::Invalid(format!(
+            "limits.request_read_timeout_ms must be positive and at most {REQUEST_READ_TIMEOUT_MS_MAX} (one hour)"
+        )));
     }
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
@@ -612,10 +615,12 @@ peer_addr = "127.0.0.1:7172"
                 .request_read_timeout_ms,
             250
         );
-        check(
-            "[limits]\nrequest_read_timeout_ms = 0\n",
-            None,
-            Some("request_read_timeout_ms must be positive"),
-        );
+        for bad in ["0", "3600001", "18446744073709551615"] {
+            check(
+                &format!("[limits]\nrequest_read_timeout_ms = {bad}\n"),
+                None,
+                Some("request_read_timeout_ms must be positive and at most 3600000"),
+            );
+        }
     }
 }
