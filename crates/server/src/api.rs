@@ -213,14 +213,6 @@ struct Route {
     extra_wait: Duration,
 }
 
-fn set_route_headers(app: &App, resp: &mut Response, route: &Route, owner: &Owner) {
-    let h = resp.headers_mut();
-    h.reserve(7);
-    for (name, v) in RouteHeaders::new(app, route, owner).pairs() {
-        h.insert(name, number_header(v));
-    }
-}
-
 /// The route headers' values for one answer: who owns the request's shard
 /// as this node sees it, and how the request got here.
 pub(crate) struct RouteHeaders {
@@ -249,6 +241,15 @@ impl RouteHeaders {
             epoch: epoch.map(|e| e.get()),
             map_version: app.dir.map_version(),
             hops: route.hops_taken.into(),
+        }
+    }
+
+    /// Puts the headers on `resp`.
+    fn apply(&self, resp: &mut Response) {
+        let h = resp.headers_mut();
+        h.reserve(7);
+        for (name, v) in self.pairs() {
+            h.insert(name, number_header(v));
         }
     }
 
@@ -324,6 +325,41 @@ where
     F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
     Fut: Future<Output = Result<Response, ApiError>>,
 {
+    let path_and_query = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
+    match route_request(app, method, path_and_query, body, route, local).await {
+        Routed::Local(mut resp, headers) => {
+            headers.apply(&mut resp);
+            resp
+        }
+        Routed::Answer(resp) => resp,
+    }
+}
+
+/// What the routing step came to.
+enum Routed<T> {
+    /// This node owns the shard and `local` succeeded: its value, and the
+    /// route headers its answer is to carry.
+    Local(T, RouteHeaders),
+    /// Any other answer, with its route headers (a forwarded answer with
+    /// the owner's own).
+    Answer(Response),
+}
+
+/// [`dispatch`], with the local step's value handed back as it is rather
+/// than as a response (the connection loop writes a hot append's answer
+/// itself).
+async fn route_request<T, F, Fut>(
+    app: &Arc<App>,
+    method: Method,
+    path_and_query: &str,
+    body: Bytes,
+    route: Route,
+    local: F,
+) -> Routed<T>
+where
+    F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
+    Fut: Future<Output = Result<T, ApiError>>,
+{
     let (owner, decision) = decision(app, route.shard, route.hops_taken);
     let partition = route.partition.map(|p| p.get());
     let shard = route.shard.get();
@@ -331,7 +367,10 @@ where
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
             match app.store.shard(route.shard) {
-                Some(st) => local(epoch, st).await.unwrap_or_else(|e| e.into_response()),
+                Some(st) => match local(epoch, st).await {
+                    Ok(v) => return Routed::Local(v, RouteHeaders::new(app, &route, &owner)),
+                    Err(e) => e.into_response(),
+                },
                 None => from_store(
                     StoreError::ShardNotHosted(route.shard),
                     shard,
@@ -345,7 +384,7 @@ where
             let started = std::time::Instant::now();
             let req = ForwardRequest {
                 method,
-                path_and_query: uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"),
+                path_and_query,
                 body,
                 hops,
                 timeout: app.cfg.peer.forward_timeout() + route.extra_wait,
@@ -359,7 +398,7 @@ where
                 Ok(resp) => {
                     app.metrics.outcome(outcome::FORWARDED_OK);
                     // The owner's answer, verbatim, with the owner's route headers.
-                    return resp;
+                    return Routed::Answer(resp);
                 }
                 Err(e) => {
                     app.metrics.outcome(outcome::FORWARD_FAILED);
@@ -400,8 +439,8 @@ where
             .into_response()
         }
     };
-    set_route_headers(app, &mut resp, &route, &owner);
-    resp
+    RouteHeaders::new(app, &route, &owner).apply(&mut resp);
+    Routed::Answer(resp)
 }
 
 fn id_route(id: ExecutionId, app: &App, hops_taken: u8) -> Route {
@@ -753,71 +792,48 @@ pub(crate) enum Hot {
     Other(Response),
 }
 
-/// `POST /api/executions/{id}/events` from a client (no hop header) for
-/// a shard this node owns, answered exactly as [`service`] would answer it
-/// but without building a response for the common case.
-pub(crate) async fn hot_append(app: &Arc<App>, id: ExecutionId, bytes: Bytes) -> Hot {
+/// `POST /api/executions/{id}/events` (`path`) from a client (no hop
+/// header), answered exactly as [`service`] would answer it but without
+/// building a response for the common case.
+pub(crate) async fn hot_append(app: &Arc<App>, id: ExecutionId, path: &str, bytes: Bytes) -> Hot {
     let guard = InProgress::enter(&app.in_progress);
-    let r = hot_append_inner(app, id, bytes).await;
+    let r = hot_append_inner(app, id, path, bytes).await;
     drop(guard);
     match r {
-        Ok((body, route)) => {
+        Routed::Local(body, route) => {
             app.metrics.response(StatusCode::OK.as_u16());
             Hot::Appended { body, route }
         }
-        Err(resp) => Hot::Other(stamp(app, resp)),
+        Routed::Answer(resp) => Hot::Other(stamp(app, resp)),
     }
 }
 
 async fn hot_append_inner(
     app: &Arc<App>,
     id: ExecutionId,
+    path: &str,
     bytes: Bytes,
-) -> Result<(Vec<u8>, RouteHeaders), Response> {
-    let b: wire::AppendBody = parse(&bytes).map_err(IntoResponse::into_response)?;
-    wire::check_events(&b.events, &app.cfg.limits).map_err(IntoResponse::into_response)?;
-    let route = id_route(id, app, 0);
-    let (owner, decision) = decision(app, route.shard, 0);
-    let local = match decision {
-        Decision::Local { epoch } => app.store.shard(route.shard).map(|st| (epoch, st)),
-        _ => None,
+) -> Routed<Vec<u8>> {
+    let b: wire::AppendBody = match parse(&bytes)
+        .and_then(|b: wire::AppendBody| wire::check_events(&b.events, &app.cfg.limits).map(|()| b))
+    {
+        Ok(b) => b,
+        Err(e) => return Routed::Answer(e.into_response()),
     };
-    let Some((epoch, st)) = local else {
-        // The map changed since the connection saw this request's head:
-        // the general path decides again and answers.
-        let uri = Uri::try_from(format!("/api/executions/{}/events", id.get()))
-            .map_err(|e| ApiError::Internal(format!("rebuilding the path: {e}")).into_response())?;
-        return Err(append_routed(
-            app,
-            Method::POST,
-            &uri,
-            0,
-            id,
-            bytes,
-            b.events,
-            b.expected_last_seq,
-        )
-        .await);
-    };
-    app.metrics.outcome(outcome::LOCAL);
-    let headers = RouteHeaders::new(app, &route, &owner);
-    match append_local(
+    let (events, expected_last_seq) = (new_events(b.events), b.expected_last_seq);
+    let app2 = app.clone();
+    route_request(
         app,
-        &st,
-        epoch,
-        id,
-        new_events(b.events),
-        b.expected_last_seq,
+        Method::POST,
+        path,
+        bytes,
+        id_route(id, app, 0),
+        move |epoch, st| async move {
+            let out = append_local(&app2, &st, epoch, id, events, expected_last_seq).await?;
+            Ok(append_answer(id, &out))
+        },
     )
     .await
-    {
-        Ok(out) => Ok((append_answer(id, &out), headers)),
-        Err(e) => {
-            let mut resp = e.into_response();
-            set_route_headers(app, &mut resp, &route, &owner);
-            Err(resp)
-        }
-    }
 }
 
 /// Whether [`hot_append`] would serve a client's append to `id` here: this

@@ -93,7 +93,14 @@ where
         let body = request.slice(head.len..);
         out.clear();
         match head.kind {
-            Kind::HotAppend(id) => match api::hot_append(&c.app, id, body).await {
+            Kind::HotAppend { id, path } => match api::hot_append(
+                &c.app,
+                id,
+                std::str::from_utf8(&request[path]).unwrap_or_default(),
+                body,
+            )
+            .await
+            {
                 Hot::Appended { body, route } => write_appended(&c.app, &mut out, &body, &route),
                 Hot::Other(resp) => {
                     if write_response(resp, &mut out).await.is_err() {
@@ -229,7 +236,12 @@ struct Head {
 
 enum Kind {
     /// A client's append to an execution on a shard this node owns.
-    HotAppend(ExecutionId),
+    /// `path` is where the request target sits in the request's bytes (for
+    /// a forward, should the map move before the append is routed).
+    HotAppend {
+        id: ExecutionId,
+        path: std::ops::Range<usize>,
+    },
     /// Any other request this serves, for the service.
     Plain(Box<http::request::Parts>),
 }
@@ -282,7 +294,14 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
                 return Parsed::Head(Head {
                     len,
                     body_len,
-                    kind: Kind::HotAppend(id),
+                    kind: Kind::HotAppend {
+                        id,
+                        // `path` is a slice of `buf`.
+                        path: {
+                            let at = path.as_ptr() as usize - buf.as_ptr() as usize;
+                            at..at + path.len()
+                        },
+                    },
                 });
             }
         }
