@@ -732,6 +732,19 @@ impl Node {
         n
     }
 
+    /// Sends SIGTERM and asserts the node exits 0 within 3 s (it gets 10 s
+    /// before the test gives up on it); `when` says what was going on.
+    pub fn sigterm_expect_prompt_exit(&mut self, when: &str) {
+        let t = Instant::now();
+        let p = self.proc.as_mut().expect("the node is running");
+        p.sigterm();
+        let status = p
+            .wait_exit(Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("no exit within 10 s of SIGTERM{when}"));
+        assert!(status.success(), "exit after SIGTERM{when}: {status}");
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    }
+
     /// (Re)starts the process with the same arguments and waits for /readyz.
     pub fn restart(&mut self) {
         self.kill9();
