@@ -129,7 +129,12 @@ impl ShardStore {
         let ks = Keyspaces {
             meta: db.keyspace("meta", opts)?,
             executions: db.keyspace("executions", opts)?,
-            events: db.keyspace("events", opts)?,
+            // Events are only ever read by range (an execution's log, its
+            // last event), never by point lookup, so a bloom filter would
+            // be built at every flush and never consulted.
+            events: db.keyspace("events", || {
+                opts().filter_policy(fjall::config::FilterPolicy::disabled())
+            })?,
             event_idem: db.keyspace("event_idem", opts)?,
             routing_keys: db.keyspace("routing_keys", opts)?,
             start_idem: db.keyspace("start_idem", opts)?,
