@@ -100,6 +100,11 @@ enum Cmd {
         /// Version of the system under test, recorded with the point.
         #[arg(long)]
         server_version: Option<String>,
+        /// The sitting this point belongs to (any number, e.g. the sitting's
+        /// start in Unix seconds): the report shows the median of a
+        /// sitting's runs of each point.
+        #[arg(long)]
+        sitting: Option<u64>,
     },
     /// Measure the disk: 256 B write + fdatasync, then 64 KiB write + fdatasync.
     DiskProbe {
@@ -216,6 +221,7 @@ async fn main() -> anyhow::Result<()> {
             out,
             rerun,
             server_version,
+            sitting,
         } => {
             ensure_loopback(&url)?;
             let probe = match probe_dir {
@@ -267,6 +273,7 @@ async fn main() -> anyhow::Result<()> {
                 busy_machine: busy,
                 server_version,
                 rerun,
+                sitting,
                 report,
             };
             if json {

@@ -37,6 +37,11 @@ pub struct Point {
     pub server_version: Option<String>,
     /// This point is a rerun of one taken in a slow spell or on a busy machine.
     pub rerun: bool,
+    /// The sitting (one `bench/compare` invocation, named by its start in
+    /// Unix seconds) the point belongs to; its rounds are summarised
+    /// together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sitting: Option<u64>,
     pub report: Report,
 }
 
@@ -76,12 +81,27 @@ pub fn load(path: &Path) -> anyhow::Result<Vec<Point>> {
         .collect()
 }
 
-/// The points that count: for each (label, clients), the last clean one
-/// (probe not slow, machine not busy), or the last one if none is clean; in
-/// first-seen label order and ascending client count.
-pub fn latest(points: &[Point]) -> Vec<(String, Vec<Point>)> {
+/// One row of the table: the run shown, and how many runs it stands for.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// The median run (by events/s; the lower one of the middle two).
+    pub point: Point,
+    /// Runs it was chosen from.
+    pub runs: usize,
+    /// Lowest and highest events/s among those runs.
+    pub min_events_per_s: f64,
+    pub max_events_per_s: f64,
+}
+
+/// The rows that count: for each (label, clients), the runs of the latest
+/// sitting that measured it (a point without a sitting is a sitting of its
+/// own), only the clean ones (probe not slow, machine not busy) if any is
+/// clean; shown is their median run by events/s. In first-seen label order
+/// and ascending client count.
+pub fn rows(points: &[Point]) -> Vec<(String, Vec<Row>)> {
     let mut order: Vec<String> = Vec::new();
-    let mut by: BTreeMap<(usize, usize), Point> = BTreeMap::new();
+    // (label index, clients) -> the latest sitting's points, in file order.
+    let mut by: BTreeMap<(usize, usize), Vec<Point>> = BTreeMap::new();
     for p in points {
         let li = match order.iter().position(|l| *l == p.label) {
             Some(i) => i,
@@ -90,24 +110,50 @@ pub fn latest(points: &[Point]) -> Vec<(String, Vec<Point>)> {
                 order.len() - 1
             }
         };
-        let key = (li, p.report.clients);
-        let keep_old = by
-            .get(&key)
-            .is_some_and(|old| old.is_clean() && !p.is_clean());
-        if !keep_old {
-            by.insert(key, p.clone());
+        let runs = by.entry((li, p.report.clients)).or_default();
+        let same_sitting =
+            p.sitting.is_some() && runs.last().is_some_and(|last| last.sitting == p.sitting);
+        if !same_sitting {
+            runs.clear();
         }
+        runs.push(p.clone());
     }
     order
         .iter()
         .enumerate()
         .map(|(li, label)| {
-            let pts = by
+            let rows = by
                 .range((li, 0)..(li, usize::MAX))
-                .map(|(_, p)| p.clone())
+                .filter_map(|(_, runs)| row_of(runs))
                 .collect();
-            (label.clone(), pts)
+            (label.clone(), rows)
         })
+        .collect()
+}
+
+fn row_of(runs: &[Point]) -> Option<Row> {
+    let clean: Vec<&Point> = runs.iter().filter(|p| p.is_clean()).collect();
+    let mut pick: Vec<&Point> = if clean.is_empty() {
+        runs.iter().collect()
+    } else {
+        clean
+    };
+    pick.sort_by(|a, b| a.report.events_per_s.total_cmp(&b.report.events_per_s));
+    let first = pick.first()?;
+    let last = pick.last()?;
+    Some(Row {
+        point: (*pick.get((pick.len() - 1) / 2)?).clone(),
+        runs: pick.len(),
+        min_events_per_s: first.report.events_per_s,
+        max_events_per_s: last.report.events_per_s,
+    })
+}
+
+/// The run shown for each (label, clients): see [`rows`].
+pub fn latest(points: &[Point]) -> Vec<(String, Vec<Point>)> {
+    rows(points)
+        .into_iter()
+        .map(|(l, rows)| (l, rows.into_iter().map(|r| r.point).collect()))
         .collect()
 }
 
@@ -131,12 +177,23 @@ fn thousands(v: f64) -> String {
 /// The markdown results table.
 pub fn table(points: &[Point]) -> String {
     let mut s = String::from(
-        "| system | C | events/s | p50 ms | p99 ms | p99.9 ms | errors | server CPU | loadgen CPU | other CPU | disk probe fsyncs/s |\n\
-         | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n",
+        "| system | C | events/s | runs (events/s range) | p50 ms | p99 ms | p99.9 ms | errors | server CPU | loadgen CPU | other CPU | disk probe fsyncs/s |\n\
+         | --- | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |\n",
     );
-    for (label, pts) in latest(points) {
-        for p in pts {
+    for (label, rows) in rows(points) {
+        for row in rows {
+            let p = &row.point;
             let r = &p.report;
+            let runs = if row.runs > 1 {
+                format!(
+                    "{} ({}-{})",
+                    row.runs,
+                    thousands(row.min_events_per_s),
+                    thousands(row.max_events_per_s)
+                )
+            } else {
+                "1".to_string()
+            };
             let probe = p.probe.as_ref().map_or_else(
                 || "n/a".to_string(),
                 |pr| {
@@ -154,10 +211,11 @@ pub fn table(points: &[Point]) -> String {
                 },
             );
             s.push_str(&format!(
-                "| {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {} | {} | {} |\n",
                 label,
                 r.clients,
                 thousands(r.events_per_s),
+                runs,
                 r.p50_ms,
                 r.p99_ms,
                 r.p999_ms,
@@ -240,27 +298,82 @@ mod tests {
         .expect("point")
     }
 
-    #[test]
-    fn latest_prefers_the_last_clean_point() {
-        let pts = vec![
-            point("a", 1, 10.0, false, false),
-            point("a", 16, 20.0, true, false),
-            point("b", 1, 30.0, false, false),
-            point("a", 1, 11.0, false, true), // busy: the clean 10.0 stays
-            point("a", 16, 21.0, false, true), // neither clean: the last wins
-            point("b", 1, 31.0, false, false), // clean and later: wins
-        ];
-        let got: Vec<(String, Vec<f64>)> = latest(&pts)
+    fn in_sitting(mut p: Point, sitting: u64) -> Point {
+        p.sitting = Some(sitting);
+        p
+    }
+
+    fn shown(pts: &[Point]) -> Vec<(String, Vec<(f64, usize)>)> {
+        rows(pts)
             .into_iter()
-            .map(|(l, p)| (l, p.iter().map(|p| p.report.events_per_s).collect()))
-            .collect();
+            .map(|(l, rows)| {
+                (
+                    l,
+                    rows.iter()
+                        .map(|r| (r.point.report.events_per_s, r.runs))
+                        .collect(),
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_sitting_shows_the_median_of_its_clean_runs() {
+        let pts = vec![
+            in_sitting(point("a", 1, 10.0, false, false), 1),
+            in_sitting(point("a", 16, 20.0, true, false), 1),
+            in_sitting(point("b", 1, 30.0, false, false), 1),
+            in_sitting(point("a", 1, 14.0, false, false), 1),
+            in_sitting(point("a", 1, 99.0, false, true), 1), // busy: left out
+            in_sitting(point("a", 1, 12.0, false, false), 1),
+            in_sitting(point("a", 16, 21.0, false, true), 1), // none clean: all count
+        ];
         assert_eq!(
-            got,
+            shown(&pts),
             vec![
-                ("a".to_string(), vec![10.0, 21.0]),
-                ("b".to_string(), vec![31.0])
+                ("a".to_string(), vec![(12.0, 3), (20.0, 2)]),
+                ("b".to_string(), vec![(30.0, 1)])
             ]
         );
+        // An even count shows the lower of the middle two.
+        let pts = vec![
+            in_sitting(point("a", 1, 13.0, false, false), 1),
+            in_sitting(point("a", 1, 11.0, false, false), 1),
+        ];
+        assert_eq!(shown(&pts), vec![("a".to_string(), vec![(11.0, 2)])]);
+    }
+
+    #[test]
+    fn a_later_sitting_replaces_an_earlier_one_point_by_point() {
+        let pts = vec![
+            in_sitting(point("a", 1, 10.0, false, false), 1),
+            in_sitting(point("a", 16, 20.0, false, false), 1),
+            in_sitting(point("a", 1, 11.0, false, false), 1),
+            in_sitting(point("a", 1, 50.0, false, false), 2),
+            // Points without a sitting are a sitting each.
+            point("b", 1, 30.0, false, false),
+            point("b", 1, 31.0, false, true),
+        ];
+        let r = rows(&pts);
+        assert_eq!(
+            shown(&pts),
+            vec![
+                ("a".to_string(), vec![(50.0, 1), (20.0, 1)]),
+                ("b".to_string(), vec![(31.0, 1)])
+            ]
+        );
+        assert_eq!(r[0].1[0].min_events_per_s, 50.0);
+    }
+
+    #[test]
+    fn the_table_names_the_runs_and_their_range() {
+        let pts = vec![
+            in_sitting(point("a", 64, 61_000.0, false, false), 7),
+            in_sitting(point("a", 64, 72_500.0, false, false), 7),
+            in_sitting(point("a", 64, 66_000.0, false, false), 7),
+        ];
+        let t = table(&pts);
+        assert!(t.contains("| a | 64 | 66,000 | 3 (61,000-72,500) |"), "{t}");
     }
 
     #[test]
