@@ -562,6 +562,14 @@ impl RawConn {
         }
     }
 
+    /// Closes the sending side (a TCP half-close): the node reads the end
+    /// of the stream, answers can still be read.
+    pub fn finish_sending(&mut self) {
+        self.s
+            .shutdown(std::net::Shutdown::Write)
+            .expect("half-closing the connection");
+    }
+
     /// True once the node has closed its side (reads end) with nothing
     /// left unread; false if it sends more.
     pub fn closed_by_node(&mut self) -> bool {

@@ -330,6 +330,12 @@ fn a_request_not_received_in_full_in_time_is_answered_408_and_closed() {
             body.len(),
             &body[..body.len() / 2]
         ),
+        // A chunked body (left to hyper) whose last chunk never comes.
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{}\r\n",
+            body.len() / 2,
+            &body[..body.len() / 2]
+        ),
     ] {
         let mut conn = RawConn::open(c.addr);
         let t = Instant::now();
@@ -354,4 +360,29 @@ fn a_request_not_received_in_full_in_time_is_answered_408_and_closed() {
     assert_eq!(first_seq(&conn.read()), 3);
     // Nothing of the cut-off requests was written.
     assert_log(&c, &id, 3);
+}
+
+#[test]
+fn a_chunked_body_that_breaks_off_is_refused_naming_the_body() {
+    let _d = deadline("chunked_body_breaks_off", TEST_DEADLINE);
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(&dir);
+    let c = n.client;
+    let id = start(&c);
+    let body = step(1);
+    let half = &body[..body.len() / 2];
+    let mut conn = RawConn::open(c.addr);
+    conn.send(
+        format!(
+            "POST /api/executions/{id}/events HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{half}\r\n",
+            half.len()
+        )
+        .as_bytes(),
+    );
+    // The stream ends before the last chunk: not an oversize body (413),
+    // a body that could not be read.
+    conn.finish_sending();
+    let v = conn.read().expect_error(400, "invalid_request");
+    assert_eq!(v["field"], "body", "{v}");
+    assert_log(&c, &id, 1);
 }

@@ -146,15 +146,39 @@ pub(crate) fn stamp(app: &App, mut resp: Response) -> Response {
 // Request plumbing
 
 /// Reads the body up to the configured limit: over it is 413, nothing read.
+/// A body that does not arrive in full within `request_read_timeout_ms` is
+/// 408 (the connection loop reads a body before the request gets here; this
+/// bounds a body hyper streams, e.g. a chunked one), and one that breaks off
+/// is 400, never taken for an oversize one.
 async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
     let limit = app.cfg.limits.request_body_bytes_max;
-    axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::TooLarge {
+    let ms = app.cfg.limits.request_read_timeout_ms;
+    let read = axum::body::to_bytes(body, limit);
+    match tokio::time::timeout(std::time::Duration::from_millis(ms), read).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) if over_limit(&e) => Err(ApiError::TooLarge {
             what: "request body".into(),
             size: limit + 1,
             limit,
-        })
+        }),
+        Ok(Err(e)) => Err(ApiError::invalid(
+            "body",
+            format!("the request body could not be read: {e}"),
+        )),
+        Err(_) => Err(ApiError::RequestTimeout(ms)),
+    }
+}
+
+/// Whether reading a body failed because it is over the limit.
+fn over_limit(e: &axum::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cause {
+        if c.is::<http_body_util::LengthLimitError>() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 /// The hops a request has taken. Only a peer, proven by the cluster
