@@ -13,7 +13,8 @@ use clap::{Parser, Subcommand};
 // thread-local free lists cut that (see BENCHMARKS.md). Built with `no_thp`:
 // mimalloc otherwise asks for transparent huge pages, and every fresh 2 MiB
 // page is zeroed on first touch, often by the shard writer in the middle of
-// a commit (p99 at 64 clients 1.8-2.0 ms without, 2.6-3.9 ms with).
+// a commit (p99 at 64 clients lower in each of 11 interleaved pairs:
+// 1.8-3.1 ms without, 2.4-4.1 ms with; BENCHMARKS.md).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
