@@ -36,7 +36,9 @@ pub struct Limits {
     pub read_events_max: usize,
     /// A request whose first byte has arrived must be received in full
     /// (head and body) within this, milliseconds, or the connection is
-    /// answered 408 and closed. An idle kept-alive connection has no limit.
+    /// answered 408 and closed; on a connection handed to hyper, its head
+    /// and its body get this bound each. An idle kept-alive connection has
+    /// no limit.
     pub request_read_timeout_ms: u64,
 }
 
