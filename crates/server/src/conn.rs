@@ -198,7 +198,8 @@ impl Conn {
             service.map_request(|r: http::Request<hyper::body::Incoming>| r.map(Body::new)),
         );
         // hyper bounds the time to read a request head the same way (it
-        // closes without an answer); a body it reads (chunked) has no bound.
+        // closes without an answer); a body it streams (chunked) is bounded
+        // where the service reads it (`api::read_body`, 408).
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(Duration::from_millis(self_timeout_ms))
