@@ -65,6 +65,20 @@ impl ApiError {
         }
     }
 
+    /// The same refusal, naming `field` (a checker's error about a value
+    /// that is one field of something larger).
+    pub fn at(self, field: String) -> ApiError {
+        match self {
+            ApiError::Invalid { reason, .. } => ApiError::Invalid { field, reason },
+            ApiError::TooLarge { size, limit, .. } => ApiError::TooLarge {
+                what: field,
+                size,
+                limit,
+            },
+            other => other,
+        }
+    }
+
     pub fn code(&self) -> &'static str {
         match self {
             ApiError::Invalid { .. } => "invalid_request",

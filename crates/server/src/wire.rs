@@ -196,16 +196,19 @@ pub fn check_events(events: &[EventBody], limits: &Limits) -> Result<(), ApiErro
     }
     let mut keys = std::collections::HashSet::new();
     for (i, e) in events.iter().enumerate() {
-        check_name(&format!("events[{i}].type"), &e.event_type, NAME_BYTES_MAX)?;
+        // Field names are formatted only for an error: this runs for every
+        // event appended.
+        let field = |name: &str| format!("events[{i}].{name}");
+        check_name("type", &e.event_type, NAME_BYTES_MAX).map_err(|err| err.at(field("type")))?;
         if let Some((_, why)) = RESERVED_TYPES.iter().find(|(t, _)| *t == e.event_type) {
             return Err(ApiError::invalid(
-                format!("events[{i}].type"),
+                field("type"),
                 format!("{} is reserved: {why}", e.event_type),
             ));
         }
         if forkless_store::terminal_status(&e.event_type).is_some() && i + 1 != events.len() {
             return Err(ApiError::invalid(
-                format!("events[{i}].type"),
+                field("type"),
                 format!(
                     "{} ends the execution, so it must be the last event of the batch",
                     e.event_type
@@ -213,15 +216,16 @@ pub fn check_events(events: &[EventBody], limits: &Limits) -> Result<(), ApiErro
             ));
         }
         if let Some(k) = &e.idempotency_key {
-            check_name(&format!("events[{i}].idempotency_key"), k, NAME_BYTES_MAX)?;
+            check_name("idempotency_key", k, NAME_BYTES_MAX)
+                .map_err(|err| err.at(field("idempotency_key")))?;
             if !keys.insert(k.as_str()) {
                 return Err(ApiError::invalid(
-                    format!("events[{i}].idempotency_key"),
+                    field("idempotency_key"),
                     "repeats an earlier key in this batch",
                 ));
             }
         }
-        check_payload(&format!("events[{i}].payload"), &e.payload, limits)?;
+        check_payload("payload", &e.payload, limits).map_err(|err| err.at(field("payload")))?;
     }
     Ok(())
 }
@@ -304,6 +308,49 @@ mod tests {
             matches!(err, ApiError::Invalid { ref field, .. } if field == "workflow"),
             "{err:?}"
         );
+    }
+
+    #[test]
+    fn each_refused_event_field_is_named_with_its_index() {
+        let limits = Limits {
+            event_payload_bytes_max: 8,
+            ..Limits::default()
+        };
+        let body = |events: &str| {
+            parse::<AppendBody>(&Bytes::from(format!(r#"{{"events":{events}}}"#)))
+                .expect("a well-formed body")
+                .events
+        };
+        let ok = r#"{"type":"t","payload":1,"idempotency_key":"a"}"#;
+        let cases = [
+            (r#"{"type":""}"#, "events[1].type", "invalid_request"),
+            (r#"{"type":"t\u0007"}"#, "events[1].type", "invalid_request"),
+            (
+                r#"{"type":"t","idempotency_key":""}"#,
+                "events[1].idempotency_key",
+                "invalid_request",
+            ),
+            (
+                r#"{"type":"t","idempotency_key":"a"}"#,
+                "events[1].idempotency_key",
+                "invalid_request",
+            ),
+            (
+                r#"{"type":"t","payload":"123456789"}"#,
+                "events[1].payload",
+                "payload_too_large",
+            ),
+        ];
+        assert!(check_events(&body(&format!("[{ok}]")), &limits).is_ok());
+        for (bad, field, code) in cases {
+            let err = check_events(&body(&format!("[{ok},{bad}]")), &limits).unwrap_err();
+            let named = match &err {
+                ApiError::Invalid { field, .. } => field,
+                ApiError::TooLarge { what, .. } => what,
+                other => panic!("{bad}: {other:?}"),
+            };
+            assert_eq!((named.as_str(), err.code()), (field, code), "{bad}");
+        }
     }
 
     #[test]
