@@ -68,12 +68,12 @@ fn storage_background_threads_run_below_the_request_path() {
         background.iter().all(|(_, n)| *n == want),
         "expected nice {want}: {background:?}"
     );
-    // Everything else keeps the process's priority (the opening thread,
-    // which lowered itself, is gone).
+    // Everything else keeps the process's priority (the opening thread
+    // lowered itself; it has been joined, but its entry may linger).
     assert!(
         threads()
             .iter()
-            .filter(|(name, _)| !name.starts_with("fjall"))
+            .filter(|(name, _)| !name.starts_with("fjall") && name != "shard-open")
             .all(|(_, n)| *n == own),
         "{:?}",
         threads()
