@@ -159,13 +159,7 @@ fn shapes_left_to_hyper_are_answered_on_the_same_connection() {
     let mut conn = RawConn::open(c.addr);
     let body = step(2);
     let mut all = append(&id, &step(1));
-    all.extend(
-        format!(
-            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
-            body.len()
-        )
-        .into_bytes(),
-    );
+    all.extend(chunked(&path, &body, true).into_bytes());
     all.extend(append(&id, &step(3)));
     conn.send(&all);
     assert_eq!(first_seq(&conn.read()), 2);
@@ -331,11 +325,7 @@ fn a_request_not_received_in_full_in_time_is_answered_408_and_closed() {
             &body[..body.len() / 2]
         ),
         // A chunked body (left to hyper) whose last chunk never comes.
-        format!(
-            "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{}\r\n",
-            body.len() / 2,
-            &body[..body.len() / 2]
-        ),
+        chunked(&path, &body[..body.len() / 2], false),
     ] {
         let mut conn = RawConn::open(c.addr);
         let t = Instant::now();
@@ -372,17 +362,22 @@ fn a_chunked_body_that_breaks_off_is_refused_naming_the_body() {
     let body = step(1);
     let half = &body[..body.len() / 2];
     let mut conn = RawConn::open(c.addr);
-    conn.send(
-        format!(
-            "POST /api/executions/{id}/events HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{half}\r\n",
-            half.len()
-        )
-        .as_bytes(),
-    );
+    conn.send(chunked(&format!("/api/executions/{id}/events"), half, false).as_bytes());
     // The stream ends before the last chunk: not an oversize body (413),
     // a body that could not be read.
     conn.finish_sending();
     let v = conn.read().expect_error(400, "invalid_request");
     assert_eq!(v["field"], "body", "{v}");
     assert_log(&c, &id, 1);
+}
+
+/// An append to `path` with a chunked body of one data chunk, `chunk`;
+/// `last` adds the zero-length chunk that ends it (without, the body never
+/// ends).
+fn chunked(path: &str, chunk: &str, last: bool) -> String {
+    format!(
+        "POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n{}",
+        chunk.len(),
+        if last { "0\r\n\r\n" } else { "" }
+    )
 }
