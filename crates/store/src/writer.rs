@@ -415,7 +415,11 @@ impl MetaCache {
     fn extend(&mut self, metas: impl IntoIterator<Item = (ExecutionId, ExecutionMeta)>) {
         for (id, meta) in metas {
             if self.young.len() >= self.per_generation {
-                self.old = std::mem::take(&mut self.young);
+                // The old generation's table becomes the young one, emptied
+                // but keeping its capacity: no regrowing on the writer's
+                // path every generation.
+                std::mem::swap(&mut self.old, &mut self.young);
+                self.young.clear();
             }
             // A stale copy in the old generation is shadowed by this one
             // and dropped with the old generation at the next rotation.
