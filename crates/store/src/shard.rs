@@ -360,3 +360,46 @@ impl ShardStore {
         self.ks.db.disk_space().unwrap_or(0)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A ring can be taken by another park on the writer thread before the
+    /// writer's own (the hand-over's `recv`, when the first command arrives
+    /// while the thread is still waking from it): the writer must still
+    /// commit a command that was queued before it first parked. Here the
+    /// command is queued before the thread exists and never rung at all.
+    #[tokio::test]
+    async fn the_writer_commits_what_was_queued_before_it_first_parked() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let shard = ShardStore::open(dir.path(), ShardId(0), Epoch(1), &StoreConfig::default())
+            .expect("the shard opens");
+        // A second writer over the same keyspaces, fed by a queue of its
+        // own; the shard's own writer stays idle.
+        let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
+        let (reply, answer) = oneshot::channel();
+        tx.try_send(Command::AdvanceEpoch(Epoch(2), reply))
+            .unwrap_or_else(|_| panic!("the queue has room"));
+        let (commits_tx, _commits) = watch::channel(0u64);
+        let writer = writer::spawn(
+            ShardId(0),
+            shard.ks.clone(),
+            rx,
+            Arc::new(AtomicU64::new(1)),
+            commits_tx,
+            None,
+        )
+        .expect("the writer thread starts");
+        let moved = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .expect("a command queued before the writer started, never rung, is committed")
+            .expect("the writer answers")
+            .expect("the epoch moves");
+        assert_eq!(moved, Epoch(2));
+        // Lets the second writer thread stop.
+        drop(tx);
+        writer.ring();
+    }
+}

@@ -89,10 +89,11 @@ impl Reply {
 /// by a submitting task that finds the shard idle.
 ///
 /// Commits happen only under `core`'s lock, so the shard still has exactly
-/// one writer at a time. Whoever holds the lock drains the queue, so every
-/// queued command is committed by the holder that drains after it was
-/// queued, or by the writer thread, which a submitter rings ([`Shared::ring`])
-/// whenever it does not commit itself.
+/// one writer at a time. Whoever holds the lock takes the next group off
+/// the queue, commits it, and answers it after letting go of the lock.
+/// Every queued command is committed by a caller that found the shard
+/// idle, or by the writer thread, which a submitter rings ([`Shared::ring`])
+/// whenever it does not see its command committed itself.
 pub(crate) struct Shared {
     /// `None` after a commit panicked: the writer is gone and every queued
     /// and later command fails with `WriterGone`.
@@ -133,6 +134,9 @@ const SOLO_STREAK_FOR_INLINE: usize = 32;
 struct Core {
     writer: Writer,
     rx: mpsc::Receiver<Command>,
+    /// The group being committed (empty between groups; kept for its
+    /// capacity).
+    group: Vec<Command>,
 }
 
 /// A command counted in flight before it is queued (so that the count
@@ -174,15 +178,12 @@ enum Committer {
     Caller,
 }
 
-/// What a drain ended on.
-#[derive(PartialEq)]
-enum Drained {
+/// Why there was no group to commit.
+enum NoGroup {
     /// The queue is empty.
     Empty,
     /// Every handle was dropped and the queue is empty: the writer stops.
     Closed,
-    /// The group limit was reached with commands still queued.
-    More,
 }
 
 impl Shared {
@@ -212,11 +213,29 @@ impl Shared {
         {
             let _unwind = DropCoreOnPanic(self);
             match self.core.try_lock() {
-                Ok(mut core) => {
-                    if let Some(c) = core.as_mut() {
-                        if c.drain(self, 1, Committer::Caller) != Drained::More {
-                            return;
+                Ok(mut guard) => {
+                    let step = guard.as_mut().map(|core| {
+                        (
+                            core.commit_next(self, Committer::Caller),
+                            core.rx.is_empty(),
+                        )
+                    });
+                    // Answers go out once the lock is free (see thread_main).
+                    drop(guard);
+                    match step {
+                        Some((Ok(replies), empty)) => {
+                            answer(replies);
+                            // Ringing the writer thread for nothing costs
+                            // it a wake-up, and, woken, it would hold the
+                            // lock just when this caller's next command
+                            // tries for it.
+                            if empty {
+                                return;
+                            }
                         }
+                        // Another committer took this command's group.
+                        Some((Err(_), _)) => return,
+                        None => {}
                     }
                 }
                 Err(TryLockError::Poisoned(p)) => drop(p.into_inner().take()),
@@ -250,10 +269,24 @@ impl Shared {
         self.thread.unpark();
     }
 
+    /// Commits group after group until the queue is empty, then parks
+    /// until rung. It tries the queue before its first park: a ring is an
+    /// unpark, and a park anywhere else on this thread takes it (the
+    /// hand-over's `recv` in [`spawn`] did, when the first command was rung
+    /// while this thread was still waking from it, and a bounded channel
+    /// inside the storage engine could). Every ring follows its command's
+    /// queueing, so a look at the queue after a lost ring still finds the
+    /// command; only a ring after the last look must reach the park below,
+    /// and nothing else parks in between.
+    ///
+    /// Each group's answers go out after the lock is released: an answer
+    /// wakes its caller, and on a busy machine the wake-up can preempt this
+    /// thread on the spot. Holding the lock then would make a lone caller's
+    /// next command find it taken, ring, and be committed here, and so on
+    /// for every later one.
     fn thread_main(&self) {
         let _unwind = DropCoreOnPanic(self);
         loop {
-            std::thread::park();
             let mut guard = match self.core.lock() {
                 Ok(g) => g,
                 Err(p) => {
@@ -264,61 +297,73 @@ impl Shared {
                 }
             };
             let Some(core) = guard.as_mut() else { return };
-            if core.drain(self, usize::MAX, Committer::WriterThread) == Drained::Closed {
-                let shard = core.writer.shard;
-                guard.take();
-                tracing::debug!(shard = %shard, "writer stopped: every handle was dropped");
-                return;
+            match core.commit_next(self, Committer::WriterThread) {
+                Ok(replies) => {
+                    drop(guard);
+                    answer(replies);
+                }
+                Err(NoGroup::Closed) => {
+                    let shard = core.writer.shard;
+                    guard.take();
+                    tracing::debug!(shard = %shard, "writer stopped: every handle was dropped");
+                    return;
+                }
+                Err(NoGroup::Empty) => {
+                    drop(guard);
+                    std::thread::park();
+                }
             }
         }
     }
 }
 
+fn answer(replies: Vec<Reply>) {
+    for r in replies {
+        r.send();
+    }
+}
+
 impl Core {
-    /// Commits what is queued, one group at a time, at most `groups`
-    /// groups.
-    fn drain(&mut self, shared: &Shared, groups: usize, by: Committer) -> Drained {
-        let mut cmds = Vec::new();
-        for _ in 0..groups {
-            let first = match self.rx.try_recv() {
-                Ok(c) => c,
-                Err(mpsc::error::TryRecvError::Empty) => return Drained::Empty,
-                Err(mpsc::error::TryRecvError::Disconnected) => return Drained::Closed,
-            };
-            let mut bytes = first.payload_bytes();
-            cmds.push(first);
-            while cmds.len() < GROUP_COMMIT_COMMANDS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
-                match self.rx.try_recv() {
-                    Ok(c) => {
-                        bytes += c.payload_bytes();
-                        cmds.push(c);
-                    }
-                    Err(_) => break,
+    /// Takes the next group off the queue and commits it; the answers are
+    /// for the caller to send once it has released the lock. `Err` if the
+    /// queue is empty or closed.
+    fn commit_next(&mut self, shared: &Shared, by: Committer) -> Result<Vec<Reply>, NoGroup> {
+        let first = match self.rx.try_recv() {
+            Ok(c) => c,
+            Err(mpsc::error::TryRecvError::Empty) => return Err(NoGroup::Empty),
+            Err(mpsc::error::TryRecvError::Disconnected) => return Err(NoGroup::Closed),
+        };
+        let cmds = &mut self.group;
+        let mut bytes = first.payload_bytes();
+        cmds.push(first);
+        while cmds.len() < GROUP_COMMIT_COMMANDS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
+            match self.rx.try_recv() {
+                Ok(c) => {
+                    bytes += c.payload_bytes();
+                    cmds.push(c);
                 }
-            }
-            if cmds.len() == 1 {
-                shared.solo_streak.fetch_add(1, Ordering::AcqRel);
-            } else {
-                shared.solo_streak.store(0, Ordering::Release);
-            }
-            let group = cmds.len() as u64;
-            let (replies, wrote) = self.writer.commit_group(&mut cmds);
-            if wrote {
-                match by {
-                    Committer::WriterThread => &shared.groups_by_thread,
-                    Committer::Caller => &shared.groups_by_caller,
-                }
-                .fetch_add(1, Ordering::Relaxed);
-                shared.commands.fetch_add(group, Ordering::Relaxed);
-            }
-            // Counted down before the answers go out, so that a caller who
-            // submits again right after its answer can find the shard idle.
-            shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
-            for r in replies {
-                r.send();
+                Err(_) => break,
             }
         }
-        Drained::More
+        if cmds.len() == 1 {
+            shared.solo_streak.fetch_add(1, Ordering::AcqRel);
+        } else {
+            shared.solo_streak.store(0, Ordering::Release);
+        }
+        let group = cmds.len() as u64;
+        let (replies, wrote) = self.writer.commit_group(cmds);
+        if wrote {
+            match by {
+                Committer::WriterThread => &shared.groups_by_thread,
+                Committer::Caller => &shared.groups_by_caller,
+            }
+            .fetch_add(1, Ordering::Relaxed);
+            shared.commands.fetch_add(group, Ordering::Relaxed);
+        }
+        // Counted down before the answers go out, so that a caller who
+        // submits again right after its answer can find the shard idle.
+        shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
+        Ok(replies)
     }
 }
 
@@ -340,7 +385,11 @@ pub(crate) fn spawn(
         failed: None,
         cache: MetaCache::new(META_CACHE_GENERATION_ENTRIES),
     };
-    let core = Mutex::new(Some(Core { writer, rx }));
+    let core = Mutex::new(Some(Core {
+        writer,
+        rx,
+        group: Vec::new(),
+    }));
     // The thread needs the shared state and the shared state names the
     // thread: hand the state over once it exists.
     let (handover, received) = std::sync::mpsc::sync_channel::<Arc<Shared>>(1);

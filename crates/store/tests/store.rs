@@ -413,6 +413,12 @@ async fn every_shard_with_data_reopens_with_its_epoch() {
 /// lone commands for a while; concurrent callers go back to the writer
 /// thread's group commits; the two interleave with no lost or reordered
 /// event, and the shard reopens (the writer let go of the database).
+///
+/// The counts asserted are the ones the rule fixes, not the ones a quiet
+/// machine gives: the writer thread, still draining after an answer, may
+/// take the lone caller's next command if it is preempted in between (CI
+/// saw it take 25 of 68), and on an overloaded machine concurrent tasks may
+/// run one after another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lone_callers_commit_inline_and_concurrent_ones_through_the_writer_thread() {
     let dir = tempfile::tempdir().unwrap();
@@ -438,9 +444,15 @@ async fn lone_callers_commit_inline_and_concurrent_ones_through_the_writer_threa
     };
     last = lone(s.clone(), last).await;
     let after_lone = s.commit_stats();
+    // The start and the first appends build the streak on the writer
+    // thread; after it, lone commands go inline.
     assert!(
-        after_lone.groups_by_caller >= 50,
-        "a lone caller should commit inline after the streak: {after_lone:?}"
+        after_lone.groups_by_writer_thread >= 32 && after_lone.groups_by_caller >= 1,
+        "a lone caller should commit inline after the streak, not before: {after_lone:?}"
+    );
+    assert_eq!(
+        after_lone.groups_by_writer_thread + after_lone.groups_by_caller,
+        101
     );
 
     // 16 concurrent callers, each on its own execution.
@@ -467,8 +479,10 @@ async fn lone_callers_commit_inline_and_concurrent_ones_through_the_writer_threa
     let after = s.commit_stats();
     let by_thread = after.groups_by_writer_thread - before.groups_by_writer_thread;
     let by_caller = after.groups_by_caller - before.groups_by_caller;
+    // Overlapping callers end the streak and ring the writer thread, which
+    // puts commands that wait together into one group.
     assert!(
-        by_thread > by_caller,
+        by_thread >= 1 && by_thread + by_caller < 16 * 50,
         "concurrent callers should be batched by the writer thread: {before:?} -> {after:?}"
     );
     assert_eq!(after.commands - before.commands, 16 * 50);
