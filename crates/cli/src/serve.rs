@@ -35,6 +35,11 @@ pub struct ServeArgs {
     /// connection is closed.
     #[arg(long, env = "FORKLESS_REQUEST_READ_TIMEOUT_MS")]
     request_read_timeout_ms: Option<u64>,
+    /// How many nice steps below the request path the storage engine's
+    /// flush and compaction threads run, 0 to 19 [default: 10]; 0 keeps
+    /// them at the same priority. Linux only.
+    #[arg(long, env = "FORKLESS_BACKGROUND_NICE")]
+    background_nice: Option<i32>,
     /// How long a forward may wait for the owner, ms [default: 2000].
     #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
     forward_timeout_ms: Option<u64>,
@@ -62,6 +67,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         batch_events_max: a.batch_events_max,
         forward_timeout_ms: a.forward_timeout_ms,
         request_read_timeout_ms: a.request_read_timeout_ms,
+        background_nice: a.background_nice,
     };
     let cfg = config::resolve(file, a.node, overrides)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();

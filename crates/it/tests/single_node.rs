@@ -1004,3 +1004,96 @@ fn a_second_node_on_the_same_data_dir_refuses_to_start() {
         )
         .expect(200);
 }
+
+/// (thread name, nice) of every thread of process `pid`.
+#[cfg(target_os = "linux")]
+fn thread_nices(pid: u32) -> Vec<(String, i64)> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the node's /proc entry")
+        .flatten()
+        .filter_map(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            // After the parenthesised name, nice is the 17th field.
+            let rest = &stat[stat.rfind(')')? + 2..];
+            Some((
+                comm.trim().to_string(),
+                rest.split(' ').nth(16)?.parse().ok()?,
+            ))
+        })
+        .collect()
+}
+
+/// The storage engine's background threads run `--background-nice` (or
+/// `[store] background_nice`) steps below the rest of the node, which
+/// stays at the nice it was started with; a value outside 0-19 is refused
+/// at startup, naming the setting.
+#[cfg(target_os = "linux")]
+#[test]
+fn the_storage_engines_threads_run_at_the_configured_nice() {
+    let _d = deadline(
+        "the_storage_engines_threads_run_at_the_configured_nice",
+        TEST_DEADLINE,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    // SAFETY: getpriority only reads this process's nice.
+    let own = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) } as i64;
+    let check = |n: &Node, below: i64| {
+        let threads = thread_nices(n.proc.as_ref().expect("running").pid());
+        let (fjall, rest): (Vec<_>, Vec<_>) = threads
+            .iter()
+            .partition(|(name, _)| name.starts_with("fjall"));
+        assert!(
+            !fjall.is_empty(),
+            "no storage engine threads in {threads:?}"
+        );
+        assert!(
+            fjall.iter().all(|(_, nice)| *nice == (own + below).min(19)),
+            "storage threads should be at {own} + {below}: {threads:?}"
+        );
+        assert!(
+            rest.iter()
+                .filter(|(name, _)| name != "shard-open")
+                .all(|(_, nice)| *nice == own),
+            "every other thread should be at {own}: {threads:?}"
+        );
+    };
+    let n = Node::start_single(&dir.path().join("flag"), &["--background-nice", "3"]);
+    check(&n, 3);
+    drop(n);
+    let file = dir.path().join("store.toml");
+    std::fs::write(&file, "[store]\nbackground_nice = 0\n").unwrap();
+    let n = Node::start_single(
+        &dir.path().join("file"),
+        &["--config", &file.display().to_string()],
+    );
+    check(&n, 0);
+    drop(n);
+
+    let listen = format!("127.0.0.1:{}", free_ports(1)[0]);
+    let d = dir.path().join("bad").display().to_string();
+    let (code, _, err) = run_cli(
+        &[
+            "serve",
+            "--listen",
+            &listen,
+            "--data-dir",
+            &d,
+            "--background-nice",
+            "20",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(
+        code.is_some() && code != Some(0),
+        "started with nice 20: {err}"
+    );
+    assert!(
+        err.contains("store.background_nice must be 0 to 19"),
+        "stderr: {err}"
+    );
+    assert!(
+        !dir.path().join("bad").exists(),
+        "a refused start wrote its data dir"
+    );
+}

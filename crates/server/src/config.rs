@@ -90,6 +90,67 @@ impl PeerTiming {
     }
 }
 
+/// The lowest `store.journal_bytes_max` accepted (the storage engine's own
+/// minimum, 64 MiB).
+pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
+/// The lowest `store.cache_bytes_per_shard` accepted (1 MiB).
+pub const CACHE_BYTES_MIN: u64 = 1024 * 1024;
+/// The most nice steps `store.background_nice` may lower the storage
+/// engine's background threads by (Linux's range is 0 to 19).
+pub const BACKGROUND_NICE_MAX: i32 = 19;
+
+/// Each shard's embedded database (`docs/storage.md`). Defaults are the
+/// store's own.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreSettings {
+    /// Block cache per shard, bytes (reads of events no longer in the
+    /// memtable).
+    pub cache_bytes_per_shard: u64,
+    /// Journal bytes kept before memtables are flushed, bytes: bounds how
+    /// much a restart after a crash replays.
+    pub journal_bytes_max: u64,
+    /// How many nice steps below the request path the storage engine's
+    /// flush and compaction threads run (0: the same priority). Linux only.
+    pub background_nice: i32,
+}
+
+impl Default for StoreSettings {
+    fn default() -> Self {
+        let d = forkless_store::StoreConfig::default();
+        StoreSettings {
+            cache_bytes_per_shard: d.cache_bytes_per_shard,
+            journal_bytes_max: d.journal_bytes_max,
+            background_nice: d.background_nice,
+        }
+    }
+}
+
+impl StoreSettings {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if !(0..=BACKGROUND_NICE_MAX).contains(&self.background_nice) {
+            return bad(format!(
+                "store.background_nice must be 0 to {BACKGROUND_NICE_MAX} (nice steps below the request path; 0 keeps the same priority), not {}",
+                self.background_nice
+            ));
+        }
+        if self.journal_bytes_max < JOURNAL_BYTES_MIN {
+            return bad(format!(
+                "store.journal_bytes_max must be at least {JOURNAL_BYTES_MIN} (64 MiB, the storage engine's minimum), not {}",
+                self.journal_bytes_max
+            ));
+        }
+        if self.cache_bytes_per_shard < CACHE_BYTES_MIN {
+            return bad(format!(
+                "store.cache_bytes_per_shard must be at least {CACHE_BYTES_MIN} (1 MiB), not {}",
+                self.cache_bytes_per_shard
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// The file as written. Every field is optional; flags override it.
 #[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -104,6 +165,8 @@ pub struct FileConfig {
     pub limits: Option<Limits>,
     #[serde(default)]
     pub peer: Option<PeerTiming>,
+    #[serde(default)]
+    pub store: Option<StoreSettings>,
     #[serde(default)]
     pub nodes: Vec<FileNode>,
     #[serde(default)]
@@ -167,6 +230,7 @@ pub struct ServerConfig {
     pub shard_count: ShardCount,
     pub limits: Limits,
     pub peer: PeerTiming,
+    pub store: StoreSettings,
     pub cluster: Option<ClusterConfig>,
 }
 
@@ -182,6 +246,7 @@ impl ServerConfig {
             shard_count: ShardCount::ONE,
             limits: Limits::default(),
             peer: PeerTiming::default(),
+            store: StoreSettings::default(),
             cluster: None,
         }
     }
@@ -362,6 +427,13 @@ pub fn resolve(
     if let Some(p) = file.peer {
         cfg.peer = p;
     }
+    if let Some(st) = file.store {
+        cfg.store = st;
+    }
+    if let Some(n) = overrides.background_nice {
+        cfg.store.background_nice = n;
+    }
+    cfg.store.validate()?;
     overrides.apply_limits(&mut cfg.limits);
     if let Some(t) = overrides.forward_timeout_ms {
         cfg.peer.forward_timeout_ms = t;
@@ -435,6 +507,7 @@ pub struct Overrides {
     pub batch_events_max: Option<usize>,
     pub forward_timeout_ms: Option<u64>,
     pub request_read_timeout_ms: Option<u64>,
+    pub background_nice: Option<i32>,
 }
 
 impl Overrides {
@@ -599,6 +672,68 @@ peer_addr = "127.0.0.1:7172"
         assert_eq!(d.listen.to_string(), DEFAULT_LISTEN);
         assert_eq!(d.data_dir, PathBuf::from(DEFAULT_DATA_DIR));
         assert_eq!(d.limits.request_read_timeout_ms, 30_000);
+    }
+
+    #[test]
+    fn store_settings_come_from_the_file_or_the_flag_and_are_checked() {
+        let d = resolve(None, None, Overrides::default()).unwrap();
+        assert_eq!(d.store, StoreSettings::default());
+        assert_eq!(d.store.background_nice, 10);
+        let c = check(
+            "[store]\nbackground_nice = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\n",
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            c.store,
+            StoreSettings {
+                cache_bytes_per_shard: 1 << 20,
+                journal_bytes_max: 128 << 20,
+                background_nice: 0,
+            }
+        );
+        // The flag wins over the file, and is checked the same way.
+        let file = || parse_file("[store]\nbackground_nice = 3\n").unwrap();
+        let o = |n| Overrides {
+            background_nice: Some(n),
+            ..Default::default()
+        };
+        assert_eq!(
+            resolve(Some(file()), None, o(19))
+                .unwrap()
+                .store
+                .background_nice,
+            19
+        );
+        assert!(resolve(Some(file()), None, o(20))
+            .unwrap_err()
+            .to_string()
+            .contains("store.background_nice must be 0 to 19"));
+        for (bad, field) in [
+            (
+                "background_nice = -1",
+                "store.background_nice must be 0 to 19",
+            ),
+            (
+                "background_nice = 20",
+                "store.background_nice must be 0 to 19",
+            ),
+            (
+                "journal_bytes_max = 1000",
+                "store.journal_bytes_max must be at least 67108864",
+            ),
+            (
+                "cache_bytes_per_shard = 0",
+                "store.cache_bytes_per_shard must be at least 1048576",
+            ),
+        ] {
+            check(&format!("[store]\n{bad}\n"), None, Some(field));
+        }
+        // A misspelt setting is refused, not ignored.
+        assert!(parse_file("[store]\nbackground_niceness = 3\n")
+            .unwrap_err()
+            .contains("unknown field"));
     }
 
     #[test]

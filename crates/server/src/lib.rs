@@ -69,6 +69,9 @@ impl App {
             &cfg.data_dir,
             cfg.shard_count,
             StoreConfig {
+                cache_bytes_per_shard: cfg.store.cache_bytes_per_shard,
+                journal_bytes_max: cfg.store.journal_bytes_max,
+                background_nice: cfg.store.background_nice,
                 requests_in_progress: Some(in_progress.clone()),
                 ..StoreConfig::default()
             },
