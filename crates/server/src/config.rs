@@ -1,7 +1,7 @@
 //! Configuration: defaults, the optional TOML file, and its validation.
 //!
 //! A file may describe a single node (`data_dir`, `listen`, `shard_count`,
-//! limits) or a static cluster (`[[nodes]]`, optional `[[shards]]`, a
+//! `[limits]`, `[store]`) or a static cluster (`[[nodes]]`, optional `[[shards]]`, a
 //! `secret`). Every node validates a cluster file the same way and refuses to
 //! start on a bad one, saying what is wrong.
 
@@ -104,8 +104,8 @@ pub const BACKGROUND_NICE_MAX: i32 = 19;
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreSettings {
-    /// Block cache per shard, bytes (reads of events no longer in the
-    /// memtable).
+    /// Block cache per shard, bytes (for reads of tables already flushed
+    /// from memory).
     pub cache_bytes_per_shard: u64,
     /// Journal bytes kept before memtables are flushed, bytes: bounds how
     /// much a restart after a crash replays.

@@ -415,10 +415,11 @@ async fn every_shard_with_data_reopens_with_its_epoch() {
 /// event, and the shard reopens (the writer let go of the database).
 ///
 /// The counts asserted are the ones the rule fixes, not the ones a quiet
-/// machine gives: the writer thread, still draining after an answer, may
-/// take the lone caller's next command if it is preempted in between (CI
-/// saw it take 25 of 68), and on an overloaded machine concurrent tasks may
-/// run one after another.
+/// machine gives: the writer thread, looking at the queue again after an
+/// answer, may find the lone caller's next command there before the caller
+/// takes the lock (CI saw it take 25 of 68, when it still answered under
+/// the lock), and on an overloaded machine concurrent tasks may run one
+/// after another.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lone_callers_commit_inline_and_concurrent_ones_through_the_writer_thread() {
     let dir = tempfile::tempdir().unwrap();
