@@ -90,9 +90,9 @@ impl PeerTiming {
     }
 }
 
-/// The lowest `store.journal_bytes_max` accepted (the storage engine's own
-/// minimum, 64 MiB).
-pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
+/// The lowest `store.journal_bytes_max` accepted: the storage engine's own
+/// minimum (64 MiB), which it would otherwise raise the value to silently.
+pub use forkless_store::JOURNAL_BYTES_MIN;
 /// The lowest `store.cache_bytes_per_shard` accepted (1 MiB).
 pub const CACHE_BYTES_MIN: u64 = 1024 * 1024;
 /// The most nice steps `store.background_nice` may lower the storage

@@ -17,7 +17,7 @@ mod codec;
 mod shard;
 mod writer;
 
-pub use shard::{ShardStore, StoreConfig};
+pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use writer::CommitStats;
 
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};

@@ -14,6 +14,10 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot, watch};
 
+/// The smallest journal fjall keeps before flushing (its own minimum):
+/// `StoreConfig::journal_bytes_max` below it is raised to it.
+pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
+
 /// Tuning of each shard's database.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -48,7 +52,7 @@ impl Default for StoreConfig {
         StoreConfig {
             cache_bytes_per_shard: 32 * 1024 * 1024,
             worker_threads_per_shard: 1,
-            journal_bytes_max: 64 * 1024 * 1024,
+            journal_bytes_max: JOURNAL_BYTES_MIN,
             requests_in_progress: None,
             background_nice: 10,
         }
@@ -182,7 +186,7 @@ impl ShardStore {
         let builder = Database::builder(path)
             .cache_size(config.cache_bytes_per_shard)
             .worker_threads(config.worker_threads_per_shard.max(1))
-            .max_journaling_size(config.journal_bytes_max.max(64 * 1024 * 1024));
+            .max_journaling_size(config.journal_bytes_max.max(JOURNAL_BYTES_MIN));
         let db = open_below(builder, config.background_nice, path)?;
         let opts = KeyspaceCreateOptions::default;
         let ks = Keyspaces {
