@@ -1039,14 +1039,24 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
     // SAFETY: getpriority only reads this process's nice.
     let own = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) } as i64;
     let check = |n: &Node, below: i64| {
-        let threads = thread_nices(n.proc.as_ref().expect("running").pid());
+        let pid = n.proc.as_ref().expect("running").pid();
+        // A new thread names itself once it runs: wait (bounded) for the
+        // storage engine's worker to carry its name.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let threads = loop {
+            let threads = thread_nices(pid);
+            if threads.iter().any(|(name, _)| name.starts_with("fjall")) {
+                break threads;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no storage engine threads in {threads:?}"
+            );
+            std::thread::yield_now();
+        };
         let (fjall, rest): (Vec<_>, Vec<_>) = threads
             .iter()
             .partition(|(name, _)| name.starts_with("fjall"));
-        assert!(
-            !fjall.is_empty(),
-            "no storage engine threads in {threads:?}"
-        );
         assert!(
             fjall.iter().all(|(_, nice)| *nice == (own + below).min(19)),
             "storage threads should be at {own} + {below}: {threads:?}"
