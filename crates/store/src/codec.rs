@@ -188,19 +188,21 @@ pub fn last_event(key: &[u8], value: &[u8]) -> Result<(u64, u64), StoreError> {
     Ok((decode_u64(&key[12..], "event key")?, recorded_at_ms))
 }
 
-pub fn encode_event(
+/// An event's value, written into `out` (cleared first) so that the writer
+/// reuses one buffer for every event it encodes.
+pub fn encode_event_into(
+    out: &mut Vec<u8>,
     recorded_at_ms: u64,
     event_type: &str,
     idem: Option<&str>,
     payload: &[u8],
-) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 + event_type.len() + payload.len());
+) {
+    out.clear();
     out.push(VALUE_VERSION);
     out.extend_from_slice(&recorded_at_ms.to_be_bytes());
-    put_string(&mut out, event_type);
-    put_opt_string(&mut out, idem);
+    put_string(out, event_type);
+    put_opt_string(out, idem);
     out.extend_from_slice(payload);
-    out
 }
 
 pub fn decode_event(seq: u64, bytes: &[u8]) -> Result<StoredEvent, StoreError> {
@@ -258,7 +260,8 @@ mod tests {
             routing_key: Some("k/é".into()),
         };
         assert_eq!(decode_meta(id, &encode_meta(&m), (9, 2)).unwrap(), m);
-        let e = encode_event(5, "t", Some("i"), b"{\"a\":1}");
+        let mut e = Vec::new();
+        encode_event_into(&mut e, 5, "t", Some("i"), b"{\"a\":1}");
         let d = decode_event(3, &e).unwrap();
         assert_eq!(
             (

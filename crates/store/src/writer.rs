@@ -17,11 +17,16 @@ use crate::{
 };
 use fjall::{OwnedWriteBatch, PersistMode};
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::thread::Thread;
 use tokio::sync::{mpsc, oneshot, watch};
+
+/// The writer's hash maps. Their keys are chosen by clients (execution ids,
+/// idempotency keys), so the hasher is seeded per process, as std's is;
+/// foldhash costs a fraction of std's SipHash on the writer's path.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 pub(crate) enum Command {
     Start(
@@ -384,6 +389,8 @@ pub(crate) fn spawn(
         commits,
         failed: None,
         cache: MetaCache::new(META_CACHE_GENERATION_ENTRIES),
+        overlay: Overlay::default(),
+        value: Vec::new(),
     };
     let core = Mutex::new(Some(Core {
         writer,
@@ -429,6 +436,12 @@ struct Writer {
     /// succeeded, so it can never be ahead of or behind the disk. Saves a
     /// memtable/table lookup per append on the hot path.
     cache: MetaCache,
+    /// What the group being built wrote so far (empty between groups; kept
+    /// for its tables' capacity).
+    overlay: Overlay,
+    /// The event value being encoded (kept for its capacity; the batch
+    /// copies it).
+    value: Vec<u8>,
 }
 
 /// Entries in each of the metadata cache's two generations (about 200
@@ -450,8 +463,8 @@ struct MetaCache {
 impl MetaCache {
     fn new(per_generation: usize) -> Self {
         Self {
-            young: HashMap::new(),
-            old: HashMap::new(),
+            young: HashMap::default(),
+            old: HashMap::default(),
             per_generation: per_generation.max(1),
         }
     }
@@ -491,6 +504,15 @@ struct Overlay {
     epoch: Option<Epoch>,
 }
 
+impl Overlay {
+    fn clear(&mut self) {
+        self.metas.clear();
+        self.event_idem.clear();
+        self.start_idem.clear();
+        self.epoch = None;
+    }
+}
+
 impl Writer {
     /// Applies `cmds` as one atomic batch with one fsync and returns their
     /// answers, to be sent by the caller (after the commit, never before).
@@ -499,7 +521,8 @@ impl Writer {
     fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
         let now = now_ms();
         let mut batch = self.ks.db.batch().durability(Some(PersistMode::SyncData));
-        let mut overlay = Overlay::default();
+        let mut overlay = std::mem::take(&mut self.overlay);
+        overlay.clear();
         let mut replies = Vec::with_capacity(cmds.len());
         for cmd in cmds.drain(..) {
             replies.push(match cmd {
@@ -526,9 +549,10 @@ impl Writer {
             if let Some(e) = overlay.epoch {
                 self.epoch.store(e.get(), Ordering::Release);
             }
-            self.cache.extend(overlay.metas);
+            self.cache.extend(overlay.metas.drain());
             self.commits.send_modify(|c| *c += 1);
         }
+        self.overlay = overlay;
         (replies, wrote)
     }
 
@@ -566,7 +590,7 @@ impl Writer {
             });
         }
         if e > current {
-            batch.insert(&self.ks.meta, EPOCH_KEY, codec::u64_value(e.get()).to_vec());
+            batch.insert(&self.ks.meta, EPOCH_KEY, codec::u64_value(e.get()));
             overlay.epoch = Some(e);
         }
         Ok(e)
@@ -586,7 +610,7 @@ impl Writer {
     }
 
     fn start(
-        &self,
+        &mut self,
         batch: &mut OwnedWriteBatch,
         overlay: &mut Overlay,
         req: StartRequest,
@@ -643,14 +667,21 @@ impl Writer {
             workflow: req.workflow.clone(),
             routing_key: req.routing_key.clone(),
         };
+        codec::encode_event_into(
+            &mut self.value,
+            now,
+            STARTED_EVENT_TYPE,
+            None,
+            &req.started_payload,
+        );
         batch.insert(
             &self.ks.events,
-            codec::event_key(p, req.id, 1).to_vec(),
-            codec::encode_event(now, STARTED_EVENT_TYPE, None, &req.started_payload),
+            codec::event_key(p, req.id, 1),
+            &self.value[..],
         );
         batch.insert(
             &self.ks.executions,
-            codec::execution_key(p, req.id).to_vec(),
+            codec::execution_key(p, req.id),
             codec::encode_meta(&meta),
         );
         if let Some(rk) = &req.routing_key {
@@ -664,7 +695,7 @@ impl Writer {
             batch.insert(
                 &self.ks.start_idem,
                 k.clone(),
-                codec::u64_value(req.id.get() as u64).to_vec(),
+                codec::u64_value(req.id.get() as u64),
             );
             overlay.start_idem.insert(k, req.id);
         }
@@ -676,7 +707,7 @@ impl Writer {
     }
 
     fn append(
-        &self,
+        &mut self,
         batch: &mut OwnedWriteBatch,
         overlay: &mut Overlay,
         req: AppendRequest,
@@ -735,18 +766,21 @@ impl Writer {
         let first_seq = meta.last_seq + 1;
         for e in &req.events {
             let seq = meta.last_seq + 1;
+            codec::encode_event_into(
+                &mut self.value,
+                now,
+                &e.event_type,
+                e.idempotency_key.as_deref(),
+                &e.payload,
+            );
             batch.insert(
                 &self.ks.events,
-                codec::event_key(p, req.id, seq).to_vec(),
-                codec::encode_event(now, &e.event_type, e.idempotency_key.as_deref(), &e.payload),
+                codec::event_key(p, req.id, seq),
+                &self.value[..],
             );
             if let Some(idem) = &e.idempotency_key {
                 let k = codec::event_idem_key(p, req.id, idem);
-                batch.insert(
-                    &self.ks.event_idem,
-                    k.clone(),
-                    codec::u64_value(seq).to_vec(),
-                );
+                batch.insert(&self.ks.event_idem, k.clone(), codec::u64_value(seq));
                 overlay.event_idem.insert(k, seq);
             }
             if let Some(status) = terminal_status(&e.event_type) {
@@ -760,7 +794,7 @@ impl Writer {
         if meta.status.is_terminal() {
             batch.insert(
                 &self.ks.executions,
-                codec::execution_key(p, req.id).to_vec(),
+                codec::execution_key(p, req.id),
                 codec::encode_meta(&meta),
             );
         }
