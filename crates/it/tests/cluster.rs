@@ -410,6 +410,33 @@ fn forged_hop_header_is_refused_on_every_node_and_a_peer_hop_gets_421() {
         .client(2)
         .req("GET", &format!("/api/executions/{id}"), &peer_headers, None);
     r.expect(200);
+    // A peer's append whose hop count is not a number is refused by the
+    // owner with a 400 naming the header (never taken for zero hops), and
+    // nothing is written; the same append with a real count is written.
+    let append = json!({"events": [ev("t", 0)]}).to_string();
+    for hops in ["x", "-1", "256", ""] {
+        let r = cl.client(2).req(
+            "POST",
+            &format!("/api/executions/{id}/events"),
+            &[
+                ("x-forkless-hops", hops),
+                ("x-forkless-peer-token", cl.secret.as_str()),
+            ],
+            Some(append.as_bytes()),
+        );
+        let v = r.expect_error(400, "invalid_request");
+        assert_eq!(v["field"], "x-forkless-hops", "{hops:?}: {v}");
+    }
+    assert_eq!(cl.client(2).last_seq(id), 1);
+    let r = cl.client(2).req(
+        "POST",
+        &format!("/api/executions/{id}/events"),
+        &peer_headers,
+        Some(append.as_bytes()),
+    );
+    r.expect(200);
+    assert_eq!(r.header_u64("x-forkless-hops"), Some(1));
+    assert_eq!(cl.client(2).last_seq(id), 2);
 }
 
 /// Records writes sent to a dead or paused owner, to check none landed.

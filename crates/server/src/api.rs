@@ -202,12 +202,17 @@ fn hops_taken(app: &App, headers: &HeaderMap) -> Result<u8, ApiError> {
 }
 
 pub(crate) fn peer_authenticated(app: &App, headers: &HeaderMap) -> bool {
-    if app.secret.is_empty() {
-        return false;
-    }
-    headers
-        .get(PEER_TOKEN_HEADER)
-        .is_some_and(|t| bool::from(t.as_bytes().ct_eq(app.secret.as_bytes())))
+    peer_token_valid(
+        app,
+        headers.get(PEER_TOKEN_HEADER).map(HeaderValue::as_bytes),
+    )
+}
+
+/// Whether `token` (the peer token header's value, if any) is the
+/// cluster's secret (compared in constant time; a node with no secret
+/// has no peers and trusts none).
+pub(crate) fn peer_token_valid(app: &App, token: Option<&[u8]>) -> bool {
+    !app.secret.is_empty() && token.is_some_and(|t| bool::from(t.ct_eq(app.secret.as_bytes())))
 }
 
 /// A path segment, or a JSON 400 naming it (axum's own rejection is plain
@@ -816,12 +821,19 @@ pub(crate) enum Hot {
     Other(Response),
 }
 
-/// `POST /api/executions/{id}/events` (`path`) from a client (no hop
-/// header), answered exactly as [`service`] would answer it but without
-/// building a response for the common case.
-pub(crate) async fn hot_append(app: &Arc<App>, id: ExecutionId, path: &str, bytes: Bytes) -> Hot {
+/// `POST /api/executions/{id}/events` (`path`) from a client, or from a
+/// peer (proven by the cluster secret) after `hops` hops, answered exactly
+/// as [`service`] would answer it but without building a request, and
+/// without building a response for the common case.
+pub(crate) async fn hot_append(
+    app: &Arc<App>,
+    id: ExecutionId,
+    path: &str,
+    bytes: Bytes,
+    hops: u8,
+) -> Hot {
     let guard = InProgress::enter(&app.in_progress);
-    let r = hot_append_inner(app, id, path, bytes).await;
+    let r = hot_append_inner(app, id, path, bytes, hops).await;
     drop(guard);
     match r {
         Routed::Local(body, route) => {
@@ -837,6 +849,7 @@ async fn hot_append_inner(
     id: ExecutionId,
     path: &str,
     bytes: Bytes,
+    hops: u8,
 ) -> Routed<Vec<u8>> {
     let b: wire::AppendBody = match parse(&bytes)
         .and_then(|b: wire::AppendBody| wire::check_events(&b.events, &app.cfg.limits).map(|()| b))
@@ -851,7 +864,7 @@ async fn hot_append_inner(
         Method::POST,
         path,
         bytes,
-        id_route(id, app, 0),
+        id_route(id, app, hops),
         move |epoch, st| async move {
             let out = append_local(&app2, &st, epoch, id, events, expected_last_seq).await?;
             Ok(append_answer(id, &out))
@@ -860,12 +873,16 @@ async fn hot_append_inner(
     .await
 }
 
-/// Whether [`hot_append`] would serve a client's append to `id` here: this
-/// node owns its shard now. The answer may change before the body is read;
-/// [`hot_append`] decides again.
-pub(crate) fn owns_for_hot_append(app: &App, id: ExecutionId) -> bool {
+/// Whether [`hot_append`] serves an append to `id` that has taken `hops`
+/// hops: this node owns its shard now, or forwards it to the owner. (Any
+/// other answer is rare and goes the general way.) The decision may change
+/// before the body is read; [`hot_append`] decides again.
+pub(crate) fn hot_append_serves(app: &App, id: ExecutionId, hops: u8) -> bool {
     let shard = id.shard(app.dir.shard_count());
-    matches!(decision(app, shard, 0).1, Decision::Local { .. })
+    matches!(
+        decision(app, shard, hops).1,
+        Decision::Local { .. } | Decision::Forward { .. }
+    )
 }
 
 async fn append_local(

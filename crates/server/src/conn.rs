@@ -93,11 +93,12 @@ where
         let body = request.slice(head.len..);
         out.clear();
         match head.kind {
-            Kind::HotAppend { id, path } => match api::hot_append(
+            Kind::HotAppend { id, hops, path } => match api::hot_append(
                 &c.app,
                 id,
                 std::str::from_utf8(&request[path]).unwrap_or_default(),
                 body,
+                hops,
             )
             .await
             {
@@ -236,11 +237,14 @@ struct Head {
 }
 
 enum Kind {
-    /// A client's append to an execution on a shard this node owns.
+    /// An append to an execution on a shard this node owns, or forwards
+    /// to its owner.
     /// `path` is where the request target sits in the request's bytes (for
     /// a forward, should the map move before the append is routed).
     HotAppend {
         id: ExecutionId,
+        /// Hops taken to get here (a peer's forward: proven by the secret).
+        hops: u8,
         path: std::ops::Range<usize>,
     },
     /// Any other request this serves, for the service.
@@ -265,7 +269,9 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
         return Parsed::Other;
     }
     let mut body_len = None;
-    let mut from_peer = false;
+    let mut hops: Option<&[u8]> = None;
+    let mut peer_token: Option<&[u8]> = None;
+    let mut hops_repeated = false;
     for h in req.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
@@ -281,7 +287,9 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
         {
             return Parsed::Other;
         } else if name.eq_ignore_ascii_case(crate::HOPS_HEADER) {
-            from_peer = true;
+            hops_repeated |= hops.replace(h.value).is_some();
+        } else if name.eq_ignore_ascii_case(crate::PEER_TOKEN_HEADER) && peer_token.is_none() {
+            peer_token = Some(h.value);
         }
     }
     let body_len = body_len.unwrap_or(0);
@@ -289,14 +297,24 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
         // hyper reads what it must and the service answers 413.
         return Parsed::Other;
     }
-    if method == "POST" && !from_peer {
+    // Hops a peer says the request took; a hop header that is not a
+    // peer's, or not a number, is refused by the service (403 or 400).
+    let hops = match hops {
+        None => Some(0),
+        Some(_) if hops_repeated => None,
+        Some(v) => api::peer_token_valid(app, peer_token)
+            .then(|| std::str::from_utf8(v).ok()?.parse::<u8>().ok())
+            .flatten(),
+    };
+    if let (Some(hops), "POST") = (hops, method) {
         if let Some(id) = hot_append_id(path) {
-            if api::owns_for_hot_append(app, id) {
+            if api::hot_append_serves(app, id, hops) {
                 return Parsed::Head(Head {
                     len,
                     body_len,
                     kind: Kind::HotAppend {
                         id,
+                        hops,
                         // `path` is a slice of `buf`.
                         path: {
                             let at = path.as_ptr() as usize - buf.as_ptr() as usize;

@@ -1,28 +1,58 @@
-//! One-hop forwarding to a shard's owner over a pooled HTTP/1.1 client.
+//! One-hop forwarding to a shard's owner over pooled HTTP/1.1 connections.
 //!
 //! **Invariant:** a failed forward is never a local write. Every failure
 //! (refused, timed out, an answer that is not the owner's own, a body that
 //! does not decode) becomes `503 owner_unavailable`, and the caller returns
 //! it without touching its own store.
+//!
+//! Why not hyper's pooled client: it runs every connection as a task of its
+//! own, so a forward crossed two more task hand-offs (request in, answer
+//! out) and hyper's header maps both ways. At 64 clients through a
+//! non-owner node that made the forwarding node spend about twice the CPU
+//! per event of the owner (BENCHMARKS.md, issue 4). Here the forwarding
+//! task itself writes the request in one buffer and reads the answer with
+//! `httparse` (hyper's own parser) on a connection it takes from the pool
+//! for the length of the exchange. The peer is another forkless node, which
+//! answers every request with a `Content-Length` body; an answer framed any
+//! other way is not one this relays.
 
 use crate::error::{ApiError, Executed};
 use crate::{HOPS_HEADER, NODE_HEADER, PEER_TOKEN_HEADER};
 use axum::response::{IntoResponse, Response};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use forkless_routing::OwnerHint;
-use http::{HeaderValue, Method, Request};
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
-use std::time::Duration;
+use http::{HeaderName, HeaderValue, Method, StatusCode};
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
 
 /// Largest owner answer a forwarder relays (a full page of events plus room).
 const FORWARD_RESPONSE_BYTES_MAX: usize = 64 * 1024 * 1024;
+/// Largest answer a probe reads.
+const PROBE_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
+/// An answer's head longer than this is not an answer of a forkless node.
+const ANSWER_HEAD_BYTES_MAX: usize = 16 * 1024;
+/// Header lines an answer may have.
+const ANSWER_HEADERS_MAX: usize = 32;
+/// Idle connections kept per peer.
+const IDLE_PER_PEER_MAX: usize = 256;
+/// An idle connection older than this is closed rather than reused.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Room made in an answer's read buffer before each read.
+const READ_CHUNK: usize = 4 * 1024;
 
 pub struct Forwarder {
-    client: Client<HttpConnector, Full<Bytes>>,
     secret: HeaderValue,
+    connect_timeout: Duration,
+    /// Idle keep-alive connections by peer address, newest last.
+    idle: Mutex<HashMap<String, Vec<Idle>>>,
+}
+
+struct Idle {
+    tcp: TcpStream,
+    since: Instant,
 }
 
 pub struct ForwardRequest<'a> {
@@ -34,17 +64,63 @@ pub struct ForwardRequest<'a> {
     pub shard: u32,
 }
 
+/// A peer's answer, read in full.
+struct Answer {
+    status: StatusCode,
+    /// The headers a forwarder relays, and the node header.
+    headers: Vec<(HeaderName, HeaderValue)>,
+    body: Bytes,
+}
+
+/// Why an exchange with a peer failed.
+#[derive(Debug)]
+enum Failure {
+    /// The request did not leave this node in full: the peer cannot have
+    /// acted on it.
+    NotSent(String),
+    /// The request was sent; whether the peer acted on it is unknown.
+    Unknown(String),
+}
+
+/// Whether a header of the owner's answer is relayed to the client (the
+/// node header among them). Names are compared ignoring case.
+fn relayed(name: &str) -> bool {
+    const PREFIX: &str = "x-forkless-";
+    name.get(..PREFIX.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(PREFIX))
+        || name.eq_ignore_ascii_case("content-type")
+        || name.eq_ignore_ascii_case("retry-after")
+}
+
+/// `name` as a header name: the ones every answer carries come from a
+/// table of constants (no allocation per answer), any other is parsed.
+fn header_name(name: &str) -> Option<HeaderName> {
+    const KNOWN: [HeaderName; 9] = [
+        HeaderName::from_static("content-type"),
+        HeaderName::from_static(NODE_HEADER),
+        HeaderName::from_static(HOPS_HEADER),
+        HeaderName::from_static("x-forkless-partition"),
+        HeaderName::from_static("x-forkless-shard"),
+        HeaderName::from_static("x-forkless-owner"),
+        HeaderName::from_static("x-forkless-epoch"),
+        HeaderName::from_static("x-forkless-map-version"),
+        HeaderName::from_static("retry-after"),
+    ];
+    KNOWN
+        .iter()
+        .find(|k| k.as_str().eq_ignore_ascii_case(name))
+        .cloned()
+        .or_else(|| HeaderName::from_bytes(name.as_bytes()).ok())
+}
+
 impl Forwarder {
     pub fn new(connect_timeout: Duration, secret: &str) -> Forwarder {
-        let mut http = HttpConnector::new();
-        http.set_connect_timeout(Some(connect_timeout));
-        http.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(256)
-            .build(http);
         let secret = HeaderValue::from_str(secret).unwrap_or_else(|_| HeaderValue::from_static(""));
-        Forwarder { client, secret }
+        Forwarder {
+            secret,
+            connect_timeout,
+            idle: Mutex::new(HashMap::new()),
+        }
     }
 
     /// Sends the request to the owner's peer address and relays its own
@@ -60,50 +136,39 @@ impl Forwarder {
             reason,
             hint: Some(owner.clone()),
         };
-        let uri = format!("http://{}{}", owner.peer_addr, req.path_and_query);
-        let request = Request::builder()
-            .method(req.method.clone())
-            .uri(&uri)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .header(HOPS_HEADER, req.hops.to_string())
-            .header(PEER_TOKEN_HEADER, self.secret.clone())
-            .body(Full::new(req.body.clone()))
-            .map_err(|e| fail(Executed::No, format!("bad forward request: {e}")))?;
-
-        let answer = tokio::time::timeout(req.timeout, async {
-            let resp = self.client.request(request).await.map_err(|e| {
-                // A connect failure means the request never left this node.
-                if e.is_connect() {
-                    fail(
-                        Executed::No,
-                        format!(
-                            "connecting to node {} at {}: {e}",
-                            owner.node, owner.peer_addr
-                        ),
-                    )
-                } else {
-                    fail(
-                        Executed::Unknown,
-                        format!("node {} at {}: {e}", owner.node, owner.peer_addr),
-                    )
-                }
-            })?;
-            let (parts, body) = resp.into_parts();
-            let body = http_body_util::Limited::new(body, FORWARD_RESPONSE_BYTES_MAX)
-                .collect()
-                .await
-                .map_err(|e| {
-                    fail(
-                        Executed::Unknown,
-                        format!("reading the answer of node {}: {e}", owner.node),
-                    )
-                })?
-                .to_bytes();
-            Ok::<_, ApiError>((parts, body))
-        })
+        let mut hops = itoa::Buffer::new();
+        let head = [
+            ("content-type", b"application/json".as_slice()),
+            (HOPS_HEADER, hops.format(req.hops).as_bytes()),
+            (PEER_TOKEN_HEADER, self.secret.as_bytes()),
+        ];
+        let request = encode_request(
+            &req.method,
+            req.path_and_query,
+            &owner.peer_addr,
+            &head,
+            &req.body,
+        )
+        .map_err(|e| fail(Executed::No, e))?;
+        let answer = tokio::time::timeout(
+            req.timeout,
+            self.exchange(&owner.peer_addr, &request, FORWARD_RESPONSE_BYTES_MAX),
+        )
         .await;
-        let (parts, body) = match answer {
-            Ok(r) => r?,
+        let answer = match answer {
+            Ok(Ok(a)) => a,
+            Ok(Err(Failure::NotSent(e))) => {
+                return Err(fail(
+                    Executed::No,
+                    format!("node {} at {}: {e}", owner.node, owner.peer_addr),
+                ))
+            }
+            Ok(Err(Failure::Unknown(e))) => {
+                return Err(fail(
+                    Executed::Unknown,
+                    format!("node {} at {}: {e}", owner.node, owner.peer_addr),
+                ))
+            }
             Err(_) => {
                 return Err(fail(
                     Executed::Unknown,
@@ -118,35 +183,35 @@ impl Forwarder {
         // Only the owner's own answer is relayed: it says who it is, and its
         // body is JSON. Anything else (a proxy's error page, a truncated or
         // garbled body) is not an answer we can vouch for.
-        let from_owner = parts
+        let mut node = itoa::Buffer::new();
+        let node = node.format(owner.node.get());
+        let from_owner = answer
             .headers
-            .get(NODE_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v == owner.node.to_string());
+            .iter()
+            .any(|(n, v)| n == NODE_HEADER && v.as_bytes() == node.as_bytes());
         if !from_owner {
             return Err(fail(
                 Executed::Unknown,
                 format!(
                     "answer ({}) did not come from node {}",
-                    parts.status, owner.node
+                    answer.status, owner.node
                 ),
             ));
         }
-        if serde_json::from_slice::<serde::de::IgnoredAny>(&body).is_err() {
+        if serde_json::from_slice::<serde::de::IgnoredAny>(&answer.body).is_err() {
             return Err(fail(
                 Executed::Unknown,
                 format!(
                     "node {} answered {} with a body that is not JSON",
-                    owner.node, parts.status
+                    owner.node, answer.status
                 ),
             ));
         }
-        let mut resp = (parts.status, body).into_response();
-        for (name, value) in parts.headers.iter() {
-            let n = name.as_str();
-            if n.starts_with("x-forkless-") || n == "content-type" || n == "retry-after" {
-                resp.headers_mut().insert(name.clone(), value.clone());
-            }
+        let mut resp = (answer.status, answer.body).into_response();
+        let headers = resp.headers_mut();
+        headers.reserve(answer.headers.len());
+        for (name, value) in answer.headers {
+            headers.insert(name, value);
         }
         Ok(resp)
     }
@@ -158,29 +223,382 @@ impl Forwarder {
         path: &str,
         timeout: Duration,
     ) -> Result<Bytes, String> {
-        let request = Request::builder()
-            .method(Method::GET)
-            .uri(format!("http://{peer_addr}{path}"))
-            .header(PEER_TOKEN_HEADER, self.secret.clone())
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
-        let r = tokio::time::timeout(timeout, async {
-            let resp = self
-                .client
-                .request(request)
-                .await
-                .map_err(|e| e.to_string())?;
-            if !resp.status().is_success() {
-                return Err(format!("status {}", resp.status()));
-            }
-            let body = http_body_util::Limited::new(resp.into_body(), 1024 * 1024)
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            Ok(body)
-        })
+        let request = encode_request(
+            &Method::GET,
+            path,
+            peer_addr,
+            &[(PEER_TOKEN_HEADER, self.secret.as_bytes())],
+            &[],
+        )?;
+        let r = tokio::time::timeout(
+            timeout,
+            self.exchange(peer_addr, &request, PROBE_RESPONSE_BYTES_MAX),
+        )
         .await;
-        r.unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())))
+        match r {
+            Ok(Ok(a)) if a.status.is_success() => Ok(a.body),
+            Ok(Ok(a)) => Err(format!("status {}", a.status)),
+            Ok(Err(Failure::NotSent(e) | Failure::Unknown(e))) => Err(e),
+            Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+        }
+    }
+
+    /// Sends `request` to `addr` and reads the answer, on an idle
+    /// connection to `addr` if there is one, else a new one. A connection
+    /// goes back to the pool only after a complete answer with nothing
+    /// after it; one dropped mid-exchange (the caller's timeout) is closed.
+    async fn exchange(&self, addr: &str, request: &[u8], limit: usize) -> Result<Answer, Failure> {
+        let mut tcp = match self.take_idle(addr) {
+            Some(mut tcp) => {
+                if tcp.write_all(request).await.is_ok() {
+                    tcp
+                } else {
+                    // The peer closed it while it was idle; the request did
+                    // not leave in full, so another connection may carry it.
+                    let mut tcp = self.connect(addr).await?;
+                    send(&mut tcp, request).await?;
+                    tcp
+                }
+            }
+            None => {
+                let mut tcp = self.connect(addr).await?;
+                send(&mut tcp, request).await?;
+                tcp
+            }
+        };
+        let (answer, reusable) = read_answer(&mut tcp, limit).await?;
+        if reusable {
+            self.put_idle(addr, tcp);
+        }
+        Ok(answer)
+    }
+
+    async fn connect(&self, addr: &str) -> Result<TcpStream, Failure> {
+        let tcp = tokio::time::timeout(self.connect_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| {
+                Failure::NotSent(format!(
+                    "connecting: no connection within {} ms",
+                    self.connect_timeout.as_millis()
+                ))
+            })?
+            .map_err(|e| Failure::NotSent(format!("connecting: {e}")))?;
+        let _ = tcp.set_nodelay(true);
+        Ok(tcp)
+    }
+
+    /// The newest idle connection to `addr` that is still open and quiet.
+    fn take_idle(&self, addr: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let conns = idle.get_mut(addr)?;
+        while let Some(c) = conns.pop() {
+            if c.since.elapsed() >= IDLE_TIMEOUT {
+                // Every older one is older still.
+                conns.clear();
+                return None;
+            }
+            // An idle connection has nothing to read: end of stream (the
+            // peer closed it, or died) or stray bytes both retire it. Asked
+            // of the socket itself, not of the runtime's readiness, which
+            // learns of a close only when its reactor next turns.
+            let mut probe = [std::mem::MaybeUninit::<u8>::uninit()];
+            match socket2::SockRef::from(&c.tcp).peek(&mut probe) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Some(c.tcp),
+                _ => continue,
+            }
+        }
+        None
+    }
+
+    fn put_idle(&self, addr: &str, tcp: TcpStream) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let conns = match idle.get_mut(addr) {
+            Some(c) => c,
+            None => idle.entry(addr.to_string()).or_default(),
+        };
+        if conns.len() >= IDLE_PER_PEER_MAX {
+            // Keep the newest; the oldest is the first to time out anyway.
+            conns.remove(0);
+        }
+        conns.push(Idle {
+            tcp,
+            since: Instant::now(),
+        });
+    }
+}
+
+/// Writes the request on a connection just made for it.
+async fn send(tcp: &mut TcpStream, request: &[u8]) -> Result<(), Failure> {
+    // Not all of it was taken by the socket, so the peer cannot have all of
+    // it, and it acts only on a whole request.
+    tcp.write_all(request)
+        .await
+        .map_err(|e| Failure::NotSent(format!("sending: {e}")))
+}
+
+/// The request's bytes: request line, `host`, `headers`, a
+/// `content-length` when there is a body, then the body.
+fn encode_request(
+    method: &Method,
+    path_and_query: &str,
+    host: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Result<Vec<u8>, String> {
+    // The target and host come from a parsed URI and the cluster file;
+    // anything that could break the request line is refused, not sent.
+    let clean = |s: &str| s.bytes().all(|b| b.is_ascii_graphic());
+    if !path_and_query.starts_with('/') || !clean(path_and_query) || !clean(host) {
+        return Err(format!("cannot forward to {host} for {path_and_query:?}"));
+    }
+    let mut out = Vec::with_capacity(256 + body.len());
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(path_and_query.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(host.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    if !body.is_empty() || *method == Method::POST {
+        let mut n = itoa::Buffer::new();
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(n.format(body.len()).as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body);
+    Ok(out)
+}
+
+/// Reads one answer: a head, then exactly `Content-Length` bytes of body.
+/// Also says whether the connection may carry another request (keep-alive,
+/// and nothing arrived past the answer).
+async fn read_answer(tcp: &mut TcpStream, limit: usize) -> Result<(Answer, bool), Failure> {
+    let unknown = Failure::Unknown;
+    let mut buf = BytesMut::with_capacity(READ_CHUNK);
+    let (head_len, status, headers, body_len, keep_alive) = loop {
+        if let Some(head) = parse_head(&buf, limit)? {
+            break head;
+        }
+        if buf.len() >= ANSWER_HEAD_BYTES_MAX {
+            return Err(unknown(format!(
+                "answer head longer than {ANSWER_HEAD_BYTES_MAX} bytes"
+            )));
+        }
+        buf.reserve(READ_CHUNK);
+        match tcp.read_buf(&mut buf).await {
+            Ok(0) => {
+                return Err(unknown(if buf.is_empty() {
+                    "connection closed before an answer".into()
+                } else {
+                    "connection closed in the middle of the answer's head".into()
+                }))
+            }
+            Ok(_) => {}
+            Err(e) => return Err(unknown(format!("reading the answer: {e}"))),
+        }
+    };
+    let total = head_len + body_len;
+    while buf.len() < total {
+        buf.reserve(total - buf.len());
+        match tcp.read_buf(&mut buf).await {
+            Ok(0) => {
+                return Err(unknown(format!(
+                    "connection closed after {} of the answer's {body_len} body bytes",
+                    buf.len() - head_len
+                )))
+            }
+            Ok(_) => {}
+            Err(e) => return Err(unknown(format!("reading the answer: {e}"))),
+        }
+    }
+    let reusable = keep_alive && buf.len() == total;
+    let body = buf.freeze().slice(head_len..total);
+    Ok((
+        Answer {
+            status,
+            headers,
+            body,
+        },
+        reusable,
+    ))
+}
+
+type Head = (
+    usize,
+    StatusCode,
+    Vec<(HeaderName, HeaderValue)>,
+    usize,
+    bool,
+);
+
+/// The answer's head at the start of `buf`, if it is all there: its
+/// length, status, relayed headers, body length, and whether the
+/// connection stays open after it.
+fn parse_head(buf: &[u8], limit: usize) -> Result<Option<Head>, Failure> {
+    let unknown = Failure::Unknown;
+    let mut raw = [httparse::EMPTY_HEADER; ANSWER_HEADERS_MAX];
+    let mut resp = httparse::Response::new(&mut raw);
+    let head_len = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(unknown(format!("the answer is not HTTP: {e}"))),
+    };
+    let status = resp
+        .code
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .filter(|s| !s.is_informational())
+        .ok_or_else(|| unknown("the answer has no final status".into()))?;
+    let mut body_len = None;
+    let mut keep_alive = resp.version == Some(1);
+    let mut headers = Vec::with_capacity(8);
+    for h in resp.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<usize>().ok());
+            match (body_len, n) {
+                (None, Some(n)) => body_len = Some(n),
+                _ => {
+                    return Err(unknown(
+                        "the answer's content-length is not one number".into(),
+                    ))
+                }
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            return Err(unknown(
+                "the answer is framed by transfer-encoding, not content-length".into(),
+            ));
+        } else if name.eq_ignore_ascii_case("connection") {
+            keep_alive &= !h.value.eq_ignore_ascii_case(b"close");
+        } else if relayed(name) {
+            if let (Some(n), Ok(v)) = (header_name(name), HeaderValue::from_bytes(h.value)) {
+                headers.push((n, v));
+            }
+        }
+    }
+    let bodiless = status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    let body_len = match body_len {
+        Some(n) if n > limit => {
+            return Err(unknown(format!(
+                "the answer's body of {n} bytes is over the {limit} relayed"
+            )))
+        }
+        Some(n) => n,
+        None if bodiless => 0,
+        None => return Err(unknown("the answer has no content-length".into())),
+    };
+    Ok(Some((head_len, status, headers, body_len, keep_alive)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_bytes() {
+        let r = encode_request(
+            &Method::POST,
+            "/api/executions/7/events?x=1",
+            "127.0.0.1:7700",
+            &[("x-forkless-hops", b"1")],
+            b"{}",
+        )
+        .unwrap();
+        assert_eq!(
+            r,
+            b"POST /api/executions/7/events?x=1 HTTP/1.1\r\nhost: 127.0.0.1:7700\r\nx-forkless-hops: 1\r\ncontent-length: 2\r\n\r\n{}"
+        );
+        let g = encode_request(&Method::GET, "/readyz", "h:1", &[], &[]).unwrap();
+        assert_eq!(g, b"GET /readyz HTTP/1.1\r\nhost: h:1\r\n\r\n");
+        for bad in ["/a b", "/a\r\nx: y", "noslash"] {
+            assert!(
+                encode_request(&Method::GET, bad, "h:1", &[], &[]).is_err(),
+                "{bad:?}"
+            );
+        }
+        assert!(encode_request(&Method::GET, "/", "h:1\r\n", &[], &[]).is_err());
+    }
+
+    #[test]
+    fn answer_heads() {
+        let ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-forkless-node: 3\r\ndate: x\r\ncontent-length: 2\r\n\r\n{}";
+        let (len, status, headers, body, keep) = parse_head(ok, 100).unwrap().unwrap();
+        assert_eq!(
+            (len, status, body, keep),
+            (ok.len() - 2, StatusCode::OK, 2, true)
+        );
+        let names: Vec<_> = headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["content-type", "x-forkless-node"]);
+        let other = b"HTTP/1.1 503 x\r\nX-Forkless-Something-New: 1\r\nRetry-After: 1\r\nx-other: 2\r\ncontent-length: 0\r\n\r\n";
+        let (_, _, headers, _, _) = parse_head(other, 100).unwrap().unwrap();
+        let names: Vec<_> = headers.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["x-forkless-something-new", "retry-after"]);
+
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-len", 100)
+            .unwrap()
+            .is_none());
+        let close = b"HTTP/1.1 503 x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n";
+        assert!(!parse_head(close, 100).unwrap().unwrap().4);
+        let old = b"HTTP/1.0 200 OK\r\ncontent-length: 0\r\n\r\n";
+        assert!(!parse_head(old, 100).unwrap().unwrap().4);
+
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: +2\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 101\r\n\r\n",
+            b"HTTP/1.1 100 Continue\r\n\r\n",
+            b"garbage\r\n\r\n",
+        ] {
+            assert!(
+                matches!(parse_head(bad, 100), Err(Failure::Unknown(_))),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    /// A peer that closed an idle connection is not reused, and the pool
+    /// hands back a live one.
+    #[tokio::test]
+    async fn idle_connections_closed_by_the_peer_are_not_reused() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        let a = TcpStream::connect(&addr).await.unwrap();
+        let (server_a, _) = listener.accept().await.unwrap();
+        let b = TcpStream::connect(&addr).await.unwrap();
+        let b_at = b.local_addr().unwrap();
+        let (_server_b, _) = listener.accept().await.unwrap();
+        f.put_idle(&addr, b);
+        f.put_idle(&addr, a);
+        drop(server_a);
+        // Wait until the close has reached a (newest in the pool, so taken
+        // first): then the pool must skip it and hand back b.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got = f.take_idle(&addr).expect("a live connection");
+            let skipped_a = f.idle.lock().unwrap().get(&addr).is_none_or(Vec::is_empty);
+            if skipped_a {
+                assert_eq!(got.local_addr().unwrap(), b_at);
+                break;
+            }
+            // a was still taken as live: the FIN had not arrived yet.
+            f.put_idle(&addr, got);
+            assert!(
+                Instant::now() < deadline,
+                "the close never reached the pool"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }
