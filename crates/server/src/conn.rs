@@ -335,8 +335,9 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
     }
 }
 
-/// A `Content-Length` value: decimal digits only.
-fn content_length(v: &[u8]) -> Option<usize> {
+/// A `Content-Length` value: decimal digits only (requests here, and the
+/// answers a forwarder reads).
+pub(crate) fn content_length(v: &[u8]) -> Option<usize> {
     if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
         return None;
     }

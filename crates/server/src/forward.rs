@@ -460,11 +460,7 @@ fn parse_head(buf: &[u8], limit: usize) -> Result<Option<Head>, Failure> {
     for h in resp.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
-            let n = std::str::from_utf8(h.value)
-                .ok()
-                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<usize>().ok());
-            match (body_len, n) {
+            match (body_len, crate::conn::content_length(h.value)) {
                 (None, Some(n)) => body_len = Some(n),
                 _ => {
                     return Err(unknown(
