@@ -132,6 +132,31 @@ fn live_pids() -> &'static Mutex<Vec<u32>> {
     PIDS.get_or_init(|| Mutex::new(Vec::new()))
 }
 
+/// Whether every thread of `pid` is stopped (state `T` in its
+/// `/proc/<pid>/task/<tid>/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    let mut any = false;
+    for t in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            // A thread that ended between the listing and the read.
+            continue;
+        };
+        // The state follows the command name, which is in parentheses and
+        // may itself contain them.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next());
+        if state != Some("T") {
+            return false;
+        }
+        any = true;
+    }
+    any
+}
+
 fn signal(pid: u32, sig: libc::c_int) {
     // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
     unsafe {
@@ -199,8 +224,18 @@ impl Proc {
         s
     }
 
+    /// SIGSTOP, and waits until every thread of the process has stopped:
+    /// kill(2) returns once the signal is pending, and until the thread
+    /// the kernel picks to take it runs (late on a busy machine), the
+    /// process's other threads keep serving.
     pub fn sigstop(&self) {
-        signal(self.pid(), libc::SIGSTOP);
+        let pid = self.pid();
+        signal(pid, libc::SIGSTOP);
+        wait_until(
+            &format!("process {pid} to stop after SIGSTOP"),
+            Duration::from_secs(10),
+            || all_threads_stopped(pid).then_some(()),
+        );
     }
 
     pub fn sigterm(&self) {
