@@ -22,7 +22,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::{Bytes, BytesMut};
 use forkless_routing::OwnerHint;
 use http::{HeaderName, HeaderValue, Method, StatusCode};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,8 +46,9 @@ const READ_CHUNK: usize = 4 * 1024;
 pub struct Forwarder {
     secret: HeaderValue,
     connect_timeout: Duration,
-    /// Idle keep-alive connections by peer address, newest last.
-    idle: Mutex<HashMap<String, Vec<Idle>>>,
+    /// Idle keep-alive connections by peer address, oldest first (each
+    /// goes in at the back when it is put back, so the ages are in order).
+    idle: Mutex<HashMap<String, VecDeque<Idle>>>,
 }
 
 struct Idle {
@@ -291,7 +292,7 @@ impl Forwarder {
     fn take_idle(&self, addr: &str) -> Option<TcpStream> {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let conns = idle.get_mut(addr)?;
-        while let Some(c) = conns.pop() {
+        while let Some(c) = conns.pop_back() {
             if c.since.elapsed() >= IDLE_TIMEOUT {
                 // Every older one is older still.
                 conns.clear();
@@ -316,11 +317,21 @@ impl Forwarder {
             Some(c) => c,
             None => idle.entry(addr.to_string()).or_default(),
         };
+        // Connections idle too long are closed here, from the oldest: the
+        // pool is taken from the newest end, so under steady traffic (the
+        // probes alone put one back every interval) the old end would
+        // never be looked at otherwise.
+        while conns
+            .front()
+            .is_some_and(|c| c.since.elapsed() >= IDLE_TIMEOUT)
+        {
+            conns.pop_front();
+        }
         if conns.len() >= IDLE_PER_PEER_MAX {
             // Keep the newest; the oldest is the first to time out anyway.
-            conns.remove(0);
+            conns.pop_front();
         }
-        conns.push(Idle {
+        conns.push_back(Idle {
             tcp,
             since: Instant::now(),
         });
@@ -563,6 +574,44 @@ mod tests {
         }
     }
 
+    /// Connections idle past the timeout are closed when another is put
+    /// back, even though taking always finds a fresh one first; and the
+    /// pool holds at most its bound, keeping the newest.
+    #[tokio::test]
+    async fn idle_connections_past_the_timeout_are_closed_and_the_pool_is_bounded() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        let Some(long_ago) = Instant::now().checked_sub(IDLE_TIMEOUT + Duration::from_secs(1))
+        else {
+            return; // a machine up for under half a minute cannot age one
+        };
+        let old = TcpStream::connect(&addr).await.unwrap();
+        let (mut old_peer, _) = listener.accept().await.unwrap();
+        f.idle
+            .lock()
+            .unwrap()
+            .entry(addr.clone())
+            .or_default()
+            .push_back(Idle {
+                tcp: old,
+                since: long_ago,
+            });
+        for _ in 0..IDLE_PER_PEER_MAX + 1 {
+            let c = TcpStream::connect(&addr).await.unwrap();
+            let _ = listener.accept().await.unwrap();
+            f.put_idle(&addr, c);
+        }
+        assert_eq!(f.idle.lock().unwrap()[&addr].len(), IDLE_PER_PEER_MAX);
+        // The aged connection was closed: its peer reads the end.
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(5), old_peer.read(&mut b))
+            .await
+            .expect("the aged connection was not closed")
+            .unwrap();
+        assert_eq!(n, 0);
+    }
+
     /// A peer that closed an idle connection is not reused, and the pool
     /// hands back a live one.
     #[tokio::test]
@@ -583,7 +632,12 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let got = f.take_idle(&addr).expect("a live connection");
-            let skipped_a = f.idle.lock().unwrap().get(&addr).is_none_or(Vec::is_empty);
+            let skipped_a = f
+                .idle
+                .lock()
+                .unwrap()
+                .get(&addr)
+                .is_none_or(VecDeque::is_empty);
             if skipped_a {
                 assert_eq!(got.local_addr().unwrap(), b_at);
                 break;
