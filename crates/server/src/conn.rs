@@ -239,8 +239,8 @@ struct Head {
 enum Kind {
     /// An append to an execution on a shard this node owns, or forwards
     /// to its owner.
-    /// `path` is where the request target sits in the request's bytes (for
-    /// a forward, should the map move before the append is routed).
+    /// `path` is where the request target sits in the request's bytes (a
+    /// forward sends it on as it came).
     HotAppend {
         id: ExecutionId,
         /// Hops taken to get here (a peer's forward: proven by the secret).
