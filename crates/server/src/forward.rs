@@ -46,6 +46,8 @@ const READ_CHUNK: usize = 4 * 1024;
 pub struct Forwarder {
     secret: HeaderValue,
     connect_timeout: Duration,
+    /// [`IDLE_TIMEOUT`] (a field so that tests can age connections).
+    idle_timeout: Duration,
     /// Idle keep-alive connections by peer address, oldest first (each
     /// goes in at the back when it is put back, so the ages are in order).
     idle: Mutex<HashMap<String, VecDeque<Idle>>>,
@@ -120,6 +122,7 @@ impl Forwarder {
         Forwarder {
             secret,
             connect_timeout,
+            idle_timeout: IDLE_TIMEOUT,
             idle: Mutex::new(HashMap::new()),
         }
     }
@@ -293,7 +296,7 @@ impl Forwarder {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         let conns = idle.get_mut(addr)?;
         while let Some(c) = conns.pop_back() {
-            if c.since.elapsed() >= IDLE_TIMEOUT {
+            if c.since.elapsed() >= self.idle_timeout {
                 // Every older one is older still.
                 conns.clear();
                 return None;
@@ -323,7 +326,7 @@ impl Forwarder {
         // never be looked at otherwise.
         while conns
             .front()
-            .is_some_and(|c| c.since.elapsed() >= IDLE_TIMEOUT)
+            .is_some_and(|c| c.since.elapsed() >= self.idle_timeout)
         {
             conns.pop_front();
         }
@@ -581,33 +584,36 @@ mod tests {
     async fn idle_connections_past_the_timeout_are_closed_and_the_pool_is_bounded() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
-        let Some(long_ago) = Instant::now().checked_sub(IDLE_TIMEOUT + Duration::from_secs(1))
-        else {
-            return; // a machine up for under half a minute cannot age one
-        };
+        let mut f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        // Every connection is past a zero timeout as soon as it is idle.
+        f.idle_timeout = Duration::ZERO;
         let old = TcpStream::connect(&addr).await.unwrap();
         let (mut old_peer, _) = listener.accept().await.unwrap();
-        f.idle
-            .lock()
-            .unwrap()
-            .entry(addr.clone())
-            .or_default()
-            .push_back(Idle {
-                tcp: old,
-                since: long_ago,
-            });
-        for _ in 0..IDLE_PER_PEER_MAX + 1 {
-            let c = TcpStream::connect(&addr).await.unwrap();
-            let _ = listener.accept().await.unwrap();
-            f.put_idle(&addr, c);
-        }
-        assert_eq!(f.idle.lock().unwrap()[&addr].len(), IDLE_PER_PEER_MAX);
+        f.put_idle(&addr, old);
+        let fresh = TcpStream::connect(&addr).await.unwrap();
+        let _fresh_peer = listener.accept().await.unwrap();
+        f.put_idle(&addr, fresh);
+        assert_eq!(f.idle.lock().unwrap()[&addr].len(), 1);
         // The aged connection was closed: its peer reads the end.
         let mut b = [0u8; 1];
         let n = tokio::time::timeout(Duration::from_secs(5), old_peer.read(&mut b))
             .await
             .expect("the aged connection was not closed")
+            .unwrap();
+        assert_eq!(n, 0);
+
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        let mut peers = Vec::new();
+        for _ in 0..IDLE_PER_PEER_MAX + 1 {
+            let c = TcpStream::connect(&addr).await.unwrap();
+            peers.push(listener.accept().await.unwrap().0);
+            f.put_idle(&addr, c);
+        }
+        assert_eq!(f.idle.lock().unwrap()[&addr].len(), IDLE_PER_PEER_MAX);
+        // The first one put back, the oldest, was the one let go.
+        let n = tokio::time::timeout(Duration::from_secs(5), peers[0].read(&mut b))
+            .await
+            .expect("the oldest connection was not closed")
             .unwrap();
         assert_eq!(n, 0);
     }
