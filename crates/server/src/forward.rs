@@ -8,8 +8,9 @@
 //! Why not hyper's pooled client: it runs every connection as a task of its
 //! own, so a forward crossed two more task hand-offs (request in, answer
 //! out) and hyper's header maps both ways. At 64 clients through a
-//! non-owner node that made the forwarding node spend about twice the CPU
-//! per event of the owner (BENCHMARKS.md, issue 4). Here the forwarding
+//! non-owner node that made the forwarding node spend about 40 us of CPU
+//! per event, twice what an append sent straight to its owner costs there
+//! (BENCHMARKS.md, "The forwarding path, rebuilt"). Here the forwarding
 //! task itself writes the request in one buffer and reads the answer with
 //! `httparse` (hyper's own parser) on a connection it takes from the pool
 //! for the length of the exchange. The peer is another forkless node, which
