@@ -195,10 +195,14 @@ fn hops_taken(app: &App, headers: &HeaderMap) -> Result<u8, ApiError> {
             "{HOPS_HEADER} may only be set by cluster peers, and this request carries no valid peer credentials"
         )));
     }
-    h.to_str()
-        .ok()
-        .and_then(|s| s.parse::<u8>().ok())
+    hop_count(h.as_bytes())
         .ok_or_else(|| ApiError::invalid(HOPS_HEADER, "must be a small non-negative integer"))
+}
+
+/// A hop header's value as a count, if it is one (the connection loop's
+/// hot path and [`hops_taken`] read it the same way).
+pub(crate) fn hop_count(v: &[u8]) -> Option<u8> {
+    std::str::from_utf8(v).ok()?.parse().ok()
 }
 
 pub(crate) fn peer_authenticated(app: &App, headers: &HeaderMap) -> bool {
@@ -316,8 +320,9 @@ fn number_header(n: u64) -> HeaderValue {
     }
 }
 
-/// The route headers on every routed answer, named once.
-mod route_header {
+/// The route headers on every routed answer, named once (the forwarder
+/// relays them by these names).
+pub(crate) mod route_header {
     use axum::http::HeaderName;
     pub const PARTITION: HeaderName = HeaderName::from_static("x-forkless-partition");
     pub const SHARD: HeaderName = HeaderName::from_static("x-forkless-shard");

@@ -303,7 +303,7 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
         None => Some(0),
         Some(_) if hops_repeated => None,
         Some(v) => api::peer_token_valid(app, peer_token)
-            .then(|| std::str::from_utf8(v).ok()?.parse::<u8>().ok())
+            .then(|| api::hop_count(v))
             .flatten(),
     };
     if let (Some(hops), "POST") = (hops, method) {

@@ -99,16 +99,17 @@ fn relayed(name: &str) -> bool {
 /// `name` as a header name: the ones every answer carries come from a
 /// table of constants (no allocation per answer), any other is parsed.
 fn header_name(name: &str) -> Option<HeaderName> {
+    use crate::api::route_header as route;
     const KNOWN: [HeaderName; 9] = [
-        HeaderName::from_static("content-type"),
+        http::header::CONTENT_TYPE,
         HeaderName::from_static(NODE_HEADER),
-        HeaderName::from_static(HOPS_HEADER),
-        HeaderName::from_static("x-forkless-partition"),
-        HeaderName::from_static("x-forkless-shard"),
-        HeaderName::from_static("x-forkless-owner"),
-        HeaderName::from_static("x-forkless-epoch"),
-        HeaderName::from_static("x-forkless-map-version"),
-        HeaderName::from_static("retry-after"),
+        route::HOPS,
+        route::PARTITION,
+        route::SHARD,
+        route::OWNER,
+        route::EPOCH,
+        route::MAP_VERSION,
+        http::header::RETRY_AFTER,
     ];
     KNOWN
         .iter()
@@ -253,18 +254,15 @@ impl Forwarder {
     /// goes back to the pool only after a complete answer with nothing
     /// after it; one dropped mid-exchange (the caller's timeout) is closed.
     async fn exchange(&self, addr: &str, request: &[u8], limit: usize) -> Result<Answer, Failure> {
-        let mut tcp = match self.take_idle(addr) {
-            Some(mut tcp) => {
-                if tcp.write_all(request).await.is_ok() {
-                    tcp
-                } else {
-                    // The peer closed it while it was idle; the request did
-                    // not leave in full, so another connection may carry it.
-                    let mut tcp = self.connect(addr).await?;
-                    send(&mut tcp, request).await?;
-                    tcp
-                }
-            }
+        let sent_on_idle = match self.take_idle(addr) {
+            // A failed write means the peer closed it while it was idle;
+            // the request did not leave in full, so a new connection may
+            // carry it.
+            Some(mut tcp) => tcp.write_all(request).await.is_ok().then_some(tcp),
+            None => None,
+        };
+        let mut tcp = match sent_on_idle {
+            Some(tcp) => tcp,
             None => {
                 let mut tcp = self.connect(addr).await?;
                 send(&mut tcp, request).await?;
