@@ -146,7 +146,7 @@ fn put_opt_string(out: &mut Vec<u8>, s: Option<&str>) {
 
 /// The metadata record: what does not change with every append. `last_seq`
 /// and `updated_at_ms` are not stored here; they are the last event's
-/// (see [`last_event`]), so an append writes one event row and nothing else.
+/// (from the events index), so an append writes its events and nothing else.
 pub fn encode_meta(m: &ExecutionMeta) -> Vec<u8> {
     let mut out = Vec::with_capacity(32 + m.workflow.len());
     out.push(VALUE_VERSION);
@@ -178,14 +178,9 @@ pub fn decode_meta(
     })
 }
 
-/// The `(seq, recorded_at_ms)` of an execution's last event, from a key
-/// and value found by a reverse scan of its event prefix.
-pub fn last_event(key: &[u8], value: &[u8]) -> Result<(u64, u64), StoreError> {
-    if key.len() != 20 {
-        return Err(StoreError::Corrupt("last event: malformed key".into()));
-    }
-    let recorded_at_ms = Reader::versioned(value, "last event")?.u64()?;
-    Ok((decode_u64(&key[12..], "event key")?, recorded_at_ms))
+/// The `recorded_at_ms` of an event value.
+pub fn recorded_at(value: &[u8]) -> Result<u64, StoreError> {
+    Reader::versioned(value, "event")?.u64()
 }
 
 /// An event's value, written into `out` (cleared first) so that the writer

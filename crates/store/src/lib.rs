@@ -14,6 +14,8 @@
 //! are opaque bytes; the caller validated them.
 
 mod codec;
+mod index;
+mod log;
 mod shard;
 mod writer;
 

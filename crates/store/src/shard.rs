@@ -1,7 +1,11 @@
-//! One shard's database: reads straight from fjall, writes through the
-//! shard's single writer thread (see `writer.rs`).
+//! One shard's database: its log (`log.rs`, the events and the write-ahead
+//! record of every change) and its fjall keyspaces (execution records and
+//! indexes). Reads go straight to both; writes go through the shard's
+//! single writer thread (see `writer.rs`).
 
 use crate::codec;
+use crate::index::{self, Tail, TailView, CHECKPOINT_KEY};
+use crate::log::{self, Position, Record, Segments};
 use crate::writer::{self, Command};
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
@@ -11,7 +15,7 @@ use fjall::{Database, Keyspace, KeyspaceCreateOptions, Readable};
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// The smallest journal fjall keeps before flushing (its own minimum):
@@ -45,6 +49,12 @@ pub struct StoreConfig {
     /// (BENCHMARKS.md): at 64 clients p99 lower and events/s higher.
     /// Linux only; elsewhere nothing is changed.
     pub background_nice: i32,
+    /// Size at which a log segment is closed and the next one started.
+    pub log_segment_bytes: u64,
+    /// Log bytes written between checkpoints of the events index: the most
+    /// a reopen replays (plus one group), and what the in-memory part of
+    /// the index covers (about 16 bytes an event).
+    pub log_checkpoint_bytes: u64,
 }
 
 impl Default for StoreConfig {
@@ -55,6 +65,8 @@ impl Default for StoreConfig {
             journal_bytes_max: JOURNAL_BYTES_MIN,
             requests_in_progress: None,
             background_nice: 10,
+            log_segment_bytes: log::SEGMENT_BYTES,
+            log_checkpoint_bytes: 32 * 1024 * 1024,
         }
     }
 }
@@ -67,8 +79,9 @@ pub(crate) struct Keyspaces {
     pub meta: Keyspace,
     /// `partition | execution` -> execution metadata.
     pub executions: Keyspace,
-    /// `partition | execution | seq` -> event.
-    pub events: Keyspace,
+    /// `partition | execution | first seq` -> where a run of the
+    /// execution's events lies in the log (see `index.rs`).
+    pub event_index: Keyspace,
     /// `partition | execution | idempotency key` -> seq.
     pub event_idem: Keyspace,
     /// `key partition | len | routing key | execution` -> ().
@@ -79,29 +92,218 @@ pub(crate) struct Keyspaces {
 
 pub(crate) const EPOCH_KEY: &[u8] = b"epoch";
 
-/// An execution's metadata as of `snap`: its record plus its last event.
+/// The keyspaces the log's puts name, by their number in the log.
+pub(crate) mod keyspace_id {
+    pub const META: u8 = 0;
+    pub const EXECUTIONS: u8 = 1;
+    pub const EVENT_IDEM: u8 = 2;
+    pub const ROUTING_KEYS: u8 = 3;
+    pub const START_IDEM: u8 = 4;
+}
+
+impl Keyspaces {
+    /// The keyspace a put in the log names.
+    pub(crate) fn by_id(&self, id: u8) -> Option<&Keyspace> {
+        use keyspace_id::*;
+        Some(match id {
+            META => &self.meta,
+            EXECUTIONS => &self.executions,
+            EVENT_IDEM => &self.event_idem,
+            ROUTING_KEYS => &self.routing_keys,
+            START_IDEM => &self.start_idem,
+            _ => return None,
+        })
+    }
+}
+
+/// An execution's metadata as of `snap` and the tail view taken with it:
+/// its record plus its last event.
 pub(crate) fn read_meta(
     ks: &Keyspaces,
     snap: &impl Readable,
     id: ExecutionId,
+    tail: Option<&TailView>,
 ) -> Result<Option<ExecutionMeta>, StoreError> {
     let key = codec::execution_key(id.partition(), id);
     let Some(record) = snap.get(&ks.executions, key)? else {
         return Ok(None);
     };
     // Every execution has at least its `execution.started` event, written
-    // in the same batch as the record.
-    let Some(last) = snap.prefix(&ks.events, key).next_back() else {
+    // in the same group as the record.
+    let Some(last) = index::last_event(ks, snap, id, tail)? else {
         return Err(StoreError::Corrupt(format!(
             "execution {id} has a record but no events"
         )));
     };
-    let (k, v) = last.into_inner()?;
-    Ok(Some(codec::decode_meta(
-        id,
-        &record,
-        codec::last_event(&k, &v)?,
-    )?))
+    Ok(Some(codec::decode_meta(id, &record, last)?))
+}
+
+/// The log's folder inside the shard's. fjall leaves it alone: it reads
+/// only its own journal files (`*.jnl`) and its `keyspaces` folder there.
+const LOG_DIR: &str = "eventlog";
+
+/// Where a shard written before the log kept its events, keyed
+/// `partition | execution | seq`, with the same event values.
+const LEGACY_EVENTS: &str = "events";
+
+/// Events moved from the legacy keyspace per log group while converting.
+const CONVERT_GROUP_BYTES: usize = 4 * 1024 * 1024;
+
+/// Opens the shard's log. With a checkpoint, replays the log from it:
+/// puts go back into the keyspaces (fjall may have lost the last ones,
+/// which were never synced there), events into the tail; then checkpoints
+/// again. Without one, the log was never used (the first checkpoint is
+/// written before the writer starts, so no group in a log without one was
+/// acknowledged): it is started afresh, and the events of a shard written
+/// before the log existed are moved into it first.
+fn recover(
+    ks: &Keyspaces,
+    dir: &Path,
+    segment_bytes: u64,
+) -> Result<(log::LogWriter, Tail), StoreError> {
+    let mut tail = Tail::default();
+    let checkpoint = ks
+        .meta
+        .get(CHECKPOINT_KEY)?
+        .map(|v| Position::decode(&v))
+        .transpose()?;
+    let log = match checkpoint {
+        Some(from) => {
+            let mut batch = ks.db.batch().durability(None);
+            let mut replayed = 0u64;
+            let log = log::open(dir, from, segment_bytes, |record| {
+                replayed += 1;
+                match record {
+                    Record::Event {
+                        partition,
+                        id,
+                        seq,
+                        value,
+                        loc,
+                    } => tail.push(partition, id, seq, loc, codec::recorded_at(value)?),
+                    Record::Put {
+                        keyspace,
+                        key,
+                        value,
+                    } => {
+                        let target = ks.by_id(keyspace).ok_or_else(|| {
+                            StoreError::Corrupt(format!(
+                                "log: a put to unknown keyspace {keyspace}"
+                            ))
+                        })?;
+                        batch.insert(target, key, value);
+                        Ok(())
+                    }
+                }
+            })?;
+            if replayed > 0 {
+                if !batch.is_empty() {
+                    batch.commit()?;
+                }
+                tail.checkpoint(ks, log.position())?;
+                tracing::info!(path = %dir.display(), records = replayed, "replayed the log since its last checkpoint");
+            }
+            log
+        }
+        None => {
+            // Index entries can only be left by a conversion that crashed.
+            let mut stale = ks.db.batch().durability(None);
+            for item in ks.event_index.iter() {
+                stale.remove(&ks.event_index, item.key()?);
+            }
+            if !stale.is_empty() {
+                stale.commit()?;
+            }
+            log::remove_all(dir)?;
+            let mut log = log::open(dir, Position::default(), segment_bytes, |_| Ok(()))?;
+            if ks.db.keyspace_exists(LEGACY_EVENTS) {
+                convert_legacy(ks, &mut log, &mut tail)?;
+            }
+            tail.checkpoint(ks, log.position())?;
+            log
+        }
+    };
+    if ks.db.keyspace_exists(LEGACY_EVENTS) {
+        // Every legacy event is in the log and indexed, durably (the
+        // checkpoint above, or the one a crashed earlier open wrote).
+        let legacy = ks
+            .db
+            .keyspace(LEGACY_EVENTS, KeyspaceCreateOptions::default)?;
+        ks.db.delete_keyspace(legacy)?;
+    }
+    Ok((log, tail))
+}
+
+/// Moves the events of a shard written before the log into it, in key
+/// order (so each execution's events come in sequence).
+fn convert_legacy(
+    ks: &Keyspaces,
+    log: &mut log::LogWriter,
+    tail: &mut Tail,
+) -> Result<(), StoreError> {
+    let legacy = ks
+        .db
+        .keyspace(LEGACY_EVENTS, KeyspaceCreateOptions::default)?;
+    let mut pending = Vec::new();
+    let mut bytes = 0usize;
+    let mut moved = 0u64;
+    let flush = |log: &mut log::LogWriter,
+                 tail: &mut Tail,
+                 pending: &mut Vec<(PartitionId, ExecutionId, u64, log::Loc, u64)>|
+     -> Result<(), StoreError> {
+        if !log.is_empty() {
+            log.commit()?;
+        }
+        for (p, id, seq, loc, at) in pending.drain(..) {
+            tail.push(p, id, seq, loc, at)?;
+        }
+        log.begin()
+    };
+    log.begin()?;
+    for item in legacy.iter() {
+        let (k, v) = item.into_inner()?;
+        if k.len() != 20 {
+            return Err(StoreError::Corrupt("legacy event: malformed key".into()));
+        }
+        let id = codec::decode_execution_id(&k[4..12], "legacy event key")?;
+        let partition = id.partition();
+        if k[..4] != partition.get().to_be_bytes() {
+            return Err(StoreError::Corrupt(format!(
+                "legacy event of execution {id}: the key's partition is not the execution's"
+            )));
+        }
+        let seq = codec::decode_u64(&k[12..], "legacy event key")?;
+        let loc = log.event(partition, id, seq, &v);
+        pending.push((partition, id, seq, loc, codec::recorded_at(&v)?));
+        bytes += v.len();
+        moved += 1;
+        if bytes >= CONVERT_GROUP_BYTES {
+            flush(log, tail, &mut pending)?;
+            bytes = 0;
+        }
+    }
+    flush(log, tail, &mut pending)?;
+    tracing::info!(
+        events = moved,
+        "moved the events of a shard written by an older version into its log"
+    );
+    Ok(())
+}
+
+/// The shard's in-memory index, shared by its writer and its readers.
+pub(crate) type SharedTail = Arc<RwLock<Tail>>;
+
+/// A consistent view for a reader: a snapshot of the keyspaces and what
+/// the tail has for `id`, taken together under the tail's lock.
+pub(crate) fn view(
+    ks: &Keyspaces,
+    tail: &SharedTail,
+    id: ExecutionId,
+    after: u64,
+    limit: usize,
+) -> (fjall::Snapshot, Option<TailView>) {
+    let t = tail.read().unwrap_or_else(|e| e.into_inner());
+    (ks.db.snapshot(), t.view(id, after, limit))
 }
 
 /// Opens the database on a short-lived thread `by` nice steps below the
@@ -155,12 +357,23 @@ fn lower_own_priority(by: i32) {
 #[cfg(not(target_os = "linux"))]
 fn lower_own_priority(_by: i32) {}
 
-/// The writer's shared state; rings the writer thread when dropped.
-struct WriterRef(Arc<writer::Shared>);
+/// The writer's shared state and thread. Dropped (after the command
+/// queue's sender, so the thread finds every handle gone), it rings the
+/// thread and waits for it to stop, so that once a shard's last handle is
+/// gone its log is checkpointed and its database released (a reopen right
+/// after would otherwise find it still locked).
+struct WriterRef {
+    shared: Arc<writer::Shared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
 
 impl Drop for WriterRef {
     fn drop(&mut self) {
-        self.0.ring();
+        self.shared.ring();
+        if let Some(t) = self.thread.take() {
+            // A writer that panicked has already failed its callers.
+            let _ = t.join();
+        }
     }
 }
 
@@ -168,6 +381,8 @@ impl Drop for WriterRef {
 pub struct ShardStore {
     shard: ShardId,
     ks: Keyspaces,
+    tail: SharedTail,
+    segments: Arc<Segments>,
     tx: mpsc::Sender<Command>,
     /// Declared after `tx`, so dropped after it: its drop rings the writer
     /// thread, which then finds every handle gone and stops.
@@ -192,10 +407,10 @@ impl ShardStore {
         let ks = Keyspaces {
             meta: db.keyspace("meta", opts)?,
             executions: db.keyspace("executions", opts)?,
-            // Events are only ever read by range (an execution's log, its
-            // last event), never by point lookup, so a bloom filter would
-            // be built at every flush and never consulted.
-            events: db.keyspace("events", || {
+            // Index entries are only ever read by range (an execution's
+            // runs, its last run), never by point lookup, so a bloom
+            // filter would be built at every flush and never consulted.
+            event_index: db.keyspace("event_index", || {
                 opts().filter_policy(fjall::config::FilterPolicy::disabled())
             })?,
             event_idem: db.keyspace("event_idem", opts)?,
@@ -203,6 +418,7 @@ impl ShardStore {
             start_idem: db.keyspace("start_idem", opts)?,
             db,
         };
+        let (log, tail) = recover(&ks, &path.join(LOG_DIR), config.log_segment_bytes)?;
         let epoch = match ks.meta.get(EPOCH_KEY)? {
             Some(v) => Epoch(codec::decode_u64(&v, "shard epoch")?),
             None => {
@@ -219,17 +435,28 @@ impl ShardStore {
         let epoch = Arc::new(AtomicU64::new(epoch.get()));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0u64);
-        let writer = WriterRef(writer::spawn(
+        let segments = log.segments().clone();
+        let tail = Arc::new(RwLock::new(tail));
+        let (shared, thread) = writer::spawn(
             shard,
             ks.clone(),
+            log,
+            tail.clone(),
+            config.log_checkpoint_bytes,
             rx,
             epoch.clone(),
             commits_tx,
             config.requests_in_progress.clone(),
-        )?);
+        )?;
+        let writer = WriterRef {
+            shared,
+            thread: Some(thread),
+        };
         Ok(ShardStore {
             shard,
             ks,
+            tail,
+            segments,
             tx,
             writer,
             epoch,
@@ -271,18 +498,18 @@ impl ShardStore {
     }
 
     async fn send(&self, cmd: Command) -> Result<(), StoreError> {
-        let ticket = self.writer.0.ticket();
+        let ticket = self.writer.shared.ticket();
         self.tx
             .send(cmd)
             .await
             .map_err(|_| StoreError::WriterGone)?;
-        self.writer.0.submitted(ticket);
+        self.writer.shared.submitted(ticket);
         Ok(())
     }
 
     /// How this shard's commits were made since it was opened.
     pub fn commit_stats(&self) -> crate::CommitStats {
-        self.writer.0.stats()
+        self.writer.shared.stats()
     }
 
     /// A counter bumped after every durable commit; long-polls wait on it.
@@ -291,7 +518,8 @@ impl ShardStore {
     }
 
     pub fn execution(&self, id: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
-        read_meta(&self.ks, &self.ks.db.snapshot(), id)
+        let (snap, tail) = view(&self.ks, &self.tail, id, u64::MAX, 0);
+        read_meta(&self.ks, &snap, id, tail.as_ref())
     }
 
     /// The execution and up to `limit` of its events with seq > `after`, in
@@ -302,35 +530,20 @@ impl ShardStore {
         after: u64,
         limit: usize,
     ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
-        let snap = self.ks.db.snapshot();
-        let p = id.partition();
-        let Some(meta) = read_meta(&self.ks, &snap, id)? else {
+        let (snap, tail) = view(&self.ks, &self.tail, id, after, limit);
+        let Some(meta) = read_meta(&self.ks, &snap, id, tail.as_ref())? else {
             return Ok(None);
         };
         let mut events = Vec::new();
         if after < meta.last_seq && limit > 0 {
-            let from = codec::event_key(p, id, after.saturating_add(1));
-            let to = codec::event_key(p, id, meta.last_seq);
-            let range = snap.range(&self.ks.events, from..=to).take(limit);
-            for (expect, item) in (after + 1..).zip(range) {
-                let (k, v) = item.into_inner()?;
-                let seq = codec::decode_u64(&k[12..], "event key")?;
-                // Logs are gap-free by construction; a gap here is corruption
-                // and must not be papered over.
-                if seq != expect {
-                    return Err(StoreError::Corrupt(format!(
-                        "execution {id}: expected seq {expect}, found {seq}"
-                    )));
-                }
-                events.push(codec::decode_event(seq, &v)?);
-            }
-            let want = (meta.last_seq - after).min(limit as u64);
-            if events.len() as u64 != want {
-                return Err(StoreError::Corrupt(format!(
-                    "execution {id}: metadata says last seq {} but {} of {want} events were found after {after}",
-                    meta.last_seq,
-                    events.len()
-                )));
+            let through = meta.last_seq.min(after.saturating_add(limit as u64));
+            // Logs are gap-free by construction; a gap in the index is
+            // corruption and must not be papered over.
+            let locs = index::locations(&self.ks, &snap, id, after, through, tail.as_ref())?;
+            events.reserve(locs.len());
+            for (seq, loc) in locs {
+                let value = self.segments.read_event(loc, id, seq)?;
+                events.push(codec::decode_event(seq, &value)?);
             }
         }
         Ok(Some((meta, events)))
@@ -361,7 +574,7 @@ impl ShardStore {
 
     /// Bytes this shard takes on disk.
     pub fn disk_bytes(&self) -> u64 {
-        self.ks.db.disk_space().unwrap_or(0)
+        self.ks.db.disk_space().unwrap_or(0) + self.segments.disk_bytes()
     }
 }
 
@@ -380,16 +593,26 @@ mod tests {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let shard = ShardStore::open(dir.path(), ShardId(0), Epoch(1), &StoreConfig::default())
             .expect("the shard opens");
-        // A second writer over the same keyspaces, fed by a queue of its
-        // own; the shard's own writer stays idle.
+        // A second writer over the same keyspaces, with a log and a queue
+        // of its own; the shard's own writer stays idle.
+        let second_log = log::open(
+            &dir.path().join("second-log"),
+            Position::default(),
+            log::SEGMENT_BYTES,
+            |_| Ok(()),
+        )
+        .expect("a second log opens");
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
         let (reply, answer) = oneshot::channel();
         tx.try_send(Command::AdvanceEpoch(Epoch(2), reply))
             .unwrap_or_else(|_| panic!("the queue has room"));
         let (commits_tx, _commits) = watch::channel(0u64);
-        let writer = writer::spawn(
+        let (writer, thread) = writer::spawn(
             ShardId(0),
             shard.ks.clone(),
+            second_log,
+            Arc::new(RwLock::new(Tail::default())),
+            StoreConfig::default().log_checkpoint_bytes,
             rx,
             Arc::new(AtomicU64::new(1)),
             commits_tx,
@@ -405,5 +628,6 @@ mod tests {
         // Lets the second writer thread stop.
         drop(tx);
         writer.ring();
+        thread.join().expect("the second writer stops");
     }
 }

@@ -9,13 +9,14 @@
 //! in an unknown state after a failed fsync, so it fails stop).
 
 use crate::codec;
-use crate::shard::{Keyspaces, EPOCH_KEY};
+use crate::log::{Loc, LogWriter};
+use crate::shard::{keyspace_id, Keyspaces, SharedTail, EPOCH_KEY};
 use crate::{
     terminal_status, AppendOutcome, AppendRequest, ExecutionMeta, ExecutionStatus, StartOutcome,
     StartRequest, StoreError, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX,
     STARTED_EVENT_TYPE, STRING_BYTES_MAX,
 };
-use fjall::{OwnedWriteBatch, PersistMode};
+use fjall::OwnedWriteBatch;
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -310,6 +311,7 @@ impl Shared {
                     answer(replies);
                 }
                 Err(NoGroup::Closed) => {
+                    core.writer.close();
                     let shard = core.writer.shard;
                     guard.take();
                     tracing::debug!(shard = %shard, "writer stopped: every handle was dropped");
@@ -375,18 +377,28 @@ impl Core {
 }
 
 /// Starts the shard's writer thread; submit commands on `tx`'s channel and
-/// then call [`Shared::submitted`].
+/// then call [`Shared::submitted`]. The thread stops (after a checkpoint)
+/// once every sender is dropped and it is rung.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn(
     shard: ShardId,
     ks: Keyspaces,
+    log: LogWriter,
+    tail: SharedTail,
+    checkpoint_bytes: u64,
     rx: mpsc::Receiver<Command>,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
     requests_in_progress: Option<Arc<AtomicUsize>>,
-) -> Result<Arc<Shared>, StoreError> {
+) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
     let writer = Writer {
         shard,
         ks,
+        log,
+        tail,
+        pending: Vec::new(),
+        since_checkpoint: 0,
+        checkpoint_bytes: checkpoint_bytes.max(1),
         epoch,
         commits,
         failed: None,
@@ -423,12 +435,22 @@ pub(crate) fn spawn(
     handover
         .send(shared.clone())
         .map_err(|_| StoreError::Io("writer thread ended at start".into()))?;
-    Ok(shared)
+    Ok((shared, handle))
 }
 
 struct Writer {
     shard: ShardId,
     ks: Keyspaces,
+    /// The shard's log: every group is written and synced here first.
+    log: LogWriter,
+    /// The in-memory part of the events index, shared with readers.
+    tail: SharedTail,
+    /// Events of the group being built, indexed once it is durable.
+    pending: Vec<PendingEvent>,
+    /// Log bytes written since the last checkpoint.
+    since_checkpoint: u64,
+    /// See [`crate::StoreConfig::log_checkpoint_bytes`].
+    checkpoint_bytes: u64,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
     /// Set after a failed commit: every later write is refused with it.
@@ -444,6 +466,15 @@ struct Writer {
     /// The event value being encoded (kept for its capacity; the batch
     /// copies it).
     value: Vec<u8>,
+}
+
+/// An event of the group being built.
+struct PendingEvent {
+    partition: PartitionId,
+    id: ExecutionId,
+    seq: u64,
+    loc: Loc,
+    recorded_at: u64,
 }
 
 /// Entries in each of the metadata cache's two generations (about 200
@@ -522,7 +553,15 @@ impl Writer {
     /// commands commits nothing and costs no fsync).
     fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
         let now = now_ms();
-        let mut batch = self.ks.db.batch().durability(Some(PersistMode::SyncData));
+        if self.failed.is_none() {
+            if let Err(e) = self.log.begin() {
+                self.fail_stop(e);
+            }
+        }
+        self.pending.clear();
+        // Applied to the keyspaces only once the group is durable in the
+        // log, which is what makes them durable: no sync of fjall's own.
+        let mut batch = self.ks.db.batch().durability(None);
         let mut overlay = std::mem::take(&mut self.overlay);
         overlay.clear();
         let mut replies = Vec::with_capacity(cmds.len());
@@ -539,12 +578,14 @@ impl Writer {
                 }
             });
         }
-        let wrote = !batch.is_empty();
+        let wrote = !self.log.is_empty();
         if wrote {
-            if let Err(e) = batch.commit() {
-                let err = StoreError::Io(format!("shard {} commit failed: {e}", self.shard));
-                tracing::error!(shard = %self.shard, error = %e, "commit failed; the shard refuses writes from now on");
-                self.failed = Some(err.clone());
+            let made = self.log.commit().and_then(|bytes| {
+                self.since_checkpoint += bytes;
+                self.publish(batch)
+            });
+            if let Err(err) = made {
+                self.fail_stop(err.clone());
                 let failed = replies.into_iter().map(|r| r.fail(err.clone())).collect();
                 return (failed, false);
             }
@@ -553,9 +594,78 @@ impl Writer {
             }
             self.cache.extend(overlay.metas.drain());
             self.commits.send_modify(|c| *c += 1);
+            if self.since_checkpoint >= self.checkpoint_bytes {
+                if let Err(e) = self.checkpoint() {
+                    // This group is durable and visible; later ones are
+                    // refused, since the keyspaces' state is unknown.
+                    self.fail_stop(e);
+                }
+            }
         }
         self.overlay = overlay;
         (replies, wrote)
+    }
+
+    /// Makes a durable group visible: its events in the tail and its puts
+    /// in the keyspaces, together (readers take the tail's lock with their
+    /// snapshot).
+    fn publish(&mut self, batch: OwnedWriteBatch) -> Result<(), StoreError> {
+        let mut tail = self.tail.write().unwrap_or_else(|e| e.into_inner());
+        for e in self.pending.drain(..) {
+            tail.push(e.partition, e.id, e.seq, e.loc, e.recorded_at)?;
+        }
+        if !batch.is_empty() {
+            batch.commit()?;
+        }
+        Ok(())
+    }
+
+    /// Moves the tail into the sorted index (see
+    /// [`crate::index::Tail::checkpoint`]).
+    fn checkpoint(&mut self) -> Result<(), StoreError> {
+        let mut tail = self.tail.write().unwrap_or_else(|e| e.into_inner());
+        tail.checkpoint(&self.ks, self.log.position())?;
+        self.since_checkpoint = 0;
+        Ok(())
+    }
+
+    /// Refuses every later write: after a failed write or sync the state
+    /// of the log's end (and of the keyspaces) is unknown until reopened.
+    fn fail_stop(&mut self, e: StoreError) {
+        let err = StoreError::Io(format!("shard {} commit failed: {e}", self.shard));
+        tracing::error!(shard = %self.shard, error = %e, "commit failed; the shard refuses writes from now on");
+        self.failed = Some(err);
+    }
+
+    /// Checkpoints on the way out, so that the next open replays nothing.
+    fn close(&mut self) {
+        if self.failed.is_none() && self.since_checkpoint > 0 {
+            if let Err(e) = self.checkpoint() {
+                tracing::warn!(shard = %self.shard, error = %e, "checkpoint at close failed; the next open replays the log");
+            }
+        }
+    }
+
+    /// Adds a put to the group: to the log now, to the keyspaces once the
+    /// group is durable.
+    fn put(&mut self, batch: &mut OwnedWriteBatch, keyspace: u8, key: &[u8], value: &[u8]) {
+        self.log.put(keyspace, key, value);
+        if let Some(ks) = self.ks.by_id(keyspace) {
+            batch.insert(ks, key, value);
+        }
+    }
+
+    /// Adds the event in `self.value` to the group.
+    fn event(&mut self, id: ExecutionId, seq: u64, now: u64) {
+        let partition = id.partition();
+        let loc = self.log.event(partition, id, seq, &self.value);
+        self.pending.push(PendingEvent {
+            partition,
+            id,
+            seq,
+            loc,
+            recorded_at: now,
+        });
     }
 
     fn current_epoch(&self, overlay: &Overlay) -> Epoch {
@@ -576,7 +686,7 @@ impl Writer {
     }
 
     fn advance_epoch(
-        &self,
+        &mut self,
         batch: &mut OwnedWriteBatch,
         overlay: &mut Overlay,
         e: Epoch,
@@ -592,7 +702,12 @@ impl Writer {
             });
         }
         if e > current {
-            batch.insert(&self.ks.meta, EPOCH_KEY, codec::u64_value(e.get()));
+            self.put(
+                batch,
+                keyspace_id::META,
+                EPOCH_KEY,
+                &codec::u64_value(e.get()),
+            );
             overlay.epoch = Some(e);
         }
         Ok(e)
@@ -607,8 +722,9 @@ impl Writer {
             return Ok(Some(m.clone()));
         }
         // Only this thread writes the shard, so the latest committed state
-        // is the state: no snapshot needed beyond the database's own.
-        crate::shard::read_meta(&self.ks, &self.ks.db.snapshot(), id)
+        // is the state.
+        let (snap, tail) = crate::shard::view(&self.ks, &self.tail, id, u64::MAX, 0);
+        crate::shard::read_meta(&self.ks, &snap, id, tail.as_ref())
     }
 
     fn start(
@@ -676,28 +792,27 @@ impl Writer {
             None,
             &req.started_payload,
         );
-        batch.insert(
-            &self.ks.events,
-            codec::event_key(p, req.id, 1),
-            &self.value[..],
-        );
-        batch.insert(
-            &self.ks.executions,
-            codec::execution_key(p, req.id),
-            codec::encode_meta(&meta),
+        self.event(req.id, 1, now);
+        self.put(
+            batch,
+            keyspace_id::EXECUTIONS,
+            &codec::execution_key(p, req.id),
+            &codec::encode_meta(&meta),
         );
         if let Some(rk) = &req.routing_key {
-            batch.insert(
-                &self.ks.routing_keys,
-                codec::routing_key_entry(PartitionId::for_key(rk), rk, req.id),
-                Vec::new(),
+            self.put(
+                batch,
+                keyspace_id::ROUTING_KEYS,
+                &codec::routing_key_entry(PartitionId::for_key(rk), rk, req.id),
+                &[],
             );
         }
         if let Some(k) = idem_key {
-            batch.insert(
-                &self.ks.start_idem,
-                k.clone(),
-                codec::u64_value(req.id.get() as u64),
+            self.put(
+                batch,
+                keyspace_id::START_IDEM,
+                &k,
+                &codec::u64_value(req.id.get() as u64),
             );
             overlay.start_idem.insert(k, req.id);
         }
@@ -775,14 +890,10 @@ impl Writer {
                 e.idempotency_key.as_deref(),
                 &e.payload,
             );
-            batch.insert(
-                &self.ks.events,
-                codec::event_key(p, req.id, seq),
-                &self.value[..],
-            );
+            self.event(req.id, seq, now);
             if let Some(idem) = &e.idempotency_key {
                 let k = codec::event_idem_key(p, req.id, idem);
-                batch.insert(&self.ks.event_idem, k.clone(), codec::u64_value(seq));
+                self.put(batch, keyspace_id::EVENT_IDEM, &k, &codec::u64_value(seq));
                 overlay.event_idem.insert(k, seq);
             }
             if let Some(status) = terminal_status(&e.event_type) {
@@ -794,10 +905,11 @@ impl Writer {
         // The record changes only when the status does (a terminal event):
         // last_seq and updated_at are read off the last event.
         if meta.status.is_terminal() {
-            batch.insert(
-                &self.ks.executions,
-                codec::execution_key(p, req.id),
-                codec::encode_meta(&meta),
+            self.put(
+                batch,
+                keyspace_id::EXECUTIONS,
+                &codec::execution_key(p, req.id),
+                &codec::encode_meta(&meta),
             );
         }
         let (last_seq, status) = (meta.last_seq, meta.status);

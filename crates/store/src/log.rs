@@ -1,0 +1,608 @@
+//! The shard's log: append-only segment files that are at once the
+//! write-ahead log of every change to the shard and the home of its events.
+//!
+//! Each group commit is one record group, written with one `pwrite` and made
+//! durable with one `fdatasync`:
+//!
+//! ```text
+//! group   = payload_len u32 | crc32(payload) u32 | payload
+//! payload = record*
+//! record  = 1 | partition u32 | execution u64 | seq u64 | len u32 | crc32(value) u32 | value
+//!                                                                        (an event)
+//!         | 2 | keyspace u8 | key_len u32 | key | value_len u32 | value  (an index put)
+//! ```
+//!
+//! An event carries a checksum of its own because it is read back alone,
+//! long after the group's checksum was last checked (at replay).
+//!
+//! All integers are big-endian. An event stays where it was written: the
+//! events index (see [`crate::index`]) maps an execution's sequence numbers
+//! to `(segment, offset, len)` locations, and a read is a `pread` of the
+//! record. Puts are the changes to the shard's fjall keyspaces (execution
+//! records, idempotency and routing-key indexes, the epoch); the writer
+//! applies them to fjall only after the group is durable here, without
+//! asking fjall to sync, so fjall never holds a change the log does not.
+//! Opening the shard replays the log from the last checkpoint, which
+//! re-applies those puts (each put is a whole value, so applying one twice
+//! is the same as once) and rebuilds the index of events written since.
+//!
+//! Segments are `<shard>/eventlog/<id>.seg`, numbered from 0 without gaps,
+//! and never deleted (they hold the events). A new one is started once the
+//! current one reaches [`crate::StoreConfig::log_segment_bytes`]; its directory entry is synced
+//! before anything is written to it.
+//!
+//! A crash can leave the last group of the last segment torn (short, or
+//! failing its checksum): it was never acknowledged, since its fsync did
+//! not return, so opening cuts it off. A bad group anywhere else is
+//! corruption and the shard refuses to open.
+
+use crate::StoreError;
+use forkless_types::{ExecutionId, PartitionId};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+/// By default a segment is closed once it holds this many bytes (the group
+/// that crosses the mark is the last one written to it).
+pub(crate) const SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
+const GROUP_HEADER: usize = 8;
+const EVENT: u8 = 1;
+const PUT: u8 = 2;
+/// kind, partition, execution, seq, len, crc.
+const EVENT_HEADER: usize = 1 + 4 + 8 + 8 + 4 + 4;
+/// Largest group payload opening will believe (a group is at most
+/// [`crate::GROUP_COMMIT_BYTES_MAX`] plus one command of any size the API
+/// lets through; this only guards against reading a garbage length).
+const GROUP_PAYLOAD_MAX: u64 = 1 << 31;
+
+/// Where one event record lies in the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Loc {
+    pub segment: u32,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// A position in the log: the end of a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub(crate) struct Position {
+    pub segment: u32,
+    pub offset: u64,
+}
+
+impl Position {
+    pub(crate) fn encode(self) -> [u8; 12] {
+        let mut out = [0u8; 12];
+        out[..4].copy_from_slice(&self.segment.to_be_bytes());
+        out[4..].copy_from_slice(&self.offset.to_be_bytes());
+        out
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Position, StoreError> {
+        let arr: [u8; 12] = bytes.try_into().map_err(|_| {
+            StoreError::Corrupt(format!(
+                "log checkpoint: expected 12 bytes, found {}",
+                bytes.len()
+            ))
+        })?;
+        let mut seg = [0u8; 4];
+        seg.copy_from_slice(&arr[..4]);
+        let mut off = [0u8; 8];
+        off.copy_from_slice(&arr[4..]);
+        Ok(Position {
+            segment: u32::from_be_bytes(seg),
+            offset: u64::from_be_bytes(off),
+        })
+    }
+}
+
+/// A record read back from the log.
+pub(crate) enum Record<'a> {
+    Event {
+        partition: PartitionId,
+        id: ExecutionId,
+        seq: u64,
+        value: &'a [u8],
+        loc: Loc,
+    },
+    Put {
+        keyspace: u8,
+        key: &'a [u8],
+        value: &'a [u8],
+    },
+}
+
+/// The open segment files, shared by the writer and every reader.
+pub(crate) struct Segments {
+    dir: PathBuf,
+    files: RwLock<Vec<Arc<File>>>,
+}
+
+impl Segments {
+    fn file(&self, segment: u32) -> Option<Arc<File>> {
+        self.files
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(segment as usize)
+            .cloned()
+    }
+
+    /// Reads the event at `loc`, checking that it is the event the index
+    /// says it is; returns its value.
+    pub(crate) fn read_event(
+        &self,
+        loc: Loc,
+        id: ExecutionId,
+        seq: u64,
+    ) -> Result<Vec<u8>, StoreError> {
+        let file = self.file(loc.segment).ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "execution {id} seq {seq}: index names segment {} which does not exist",
+                loc.segment
+            ))
+        })?;
+        let mut buf = vec![0u8; loc.len as usize];
+        file.read_exact_at(&mut buf, loc.offset).map_err(|e| {
+            StoreError::Io(format!(
+                "{}: reading {} bytes at {}: {e}",
+                segment_path(&self.dir, loc.segment).display(),
+                loc.len,
+                loc.offset
+            ))
+        })?;
+        match parse_record(&buf, 0, loc.segment, loc.offset)? {
+            (
+                Record::Event {
+                    id: found,
+                    seq: at,
+                    value,
+                    ..
+                },
+                used,
+            ) if found == id && at == seq && used == buf.len() => Ok(value.to_vec()),
+            _ => Err(StoreError::Corrupt(format!(
+                "execution {id} seq {seq}: the index points at another record ({}:{})",
+                loc.segment, loc.offset
+            ))),
+        }
+    }
+
+    /// Bytes the segments take.
+    pub(crate) fn disk_bytes(&self) -> u64 {
+        self.files
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(|f| f.metadata().ok())
+            .map(|m| m.len())
+            .sum()
+    }
+}
+
+/// The writer's end of the log: builds a group, writes it, syncs it.
+pub(crate) struct LogWriter {
+    segments: Arc<Segments>,
+    file: Arc<File>,
+    segment: u32,
+    /// Bytes of the current segment that hold durable groups.
+    len: u64,
+    /// A segment is closed once it holds this many bytes.
+    segment_bytes: u64,
+    /// The group being built: header space, then records.
+    buf: Vec<u8>,
+}
+
+impl LogWriter {
+    pub(crate) fn segments(&self) -> &Arc<Segments> {
+        &self.segments
+    }
+
+    /// The end of the last durable group.
+    pub(crate) fn position(&self) -> Position {
+        Position {
+            segment: self.segment,
+            offset: self.len,
+        }
+    }
+
+    /// Starts a group (dropping whatever an unfinished one held), first
+    /// moving to a new segment if the current one is full.
+    pub(crate) fn begin(&mut self) -> Result<(), StoreError> {
+        if self.len >= self.segment_bytes {
+            self.rotate()?;
+        }
+        self.buf.clear();
+        self.buf.resize(GROUP_HEADER, 0);
+        Ok(())
+    }
+
+    /// Whether the group holds no record.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.buf.len() <= GROUP_HEADER
+    }
+
+    /// Adds an event to the group; returns where it will lie once written.
+    pub(crate) fn event(
+        &mut self,
+        partition: PartitionId,
+        id: ExecutionId,
+        seq: u64,
+        value: &[u8],
+    ) -> Loc {
+        let start = self.buf.len();
+        self.buf.push(EVENT);
+        self.buf.extend_from_slice(&partition.get().to_be_bytes());
+        self.buf.extend_from_slice(&(id.get() as u64).to_be_bytes());
+        self.buf.extend_from_slice(&seq.to_be_bytes());
+        self.buf
+            .extend_from_slice(&(value.len() as u32).to_be_bytes());
+        self.buf
+            .extend_from_slice(&crc32fast::hash(value).to_be_bytes());
+        self.buf.extend_from_slice(value);
+        Loc {
+            segment: self.segment,
+            offset: self.len + start as u64,
+            len: (self.buf.len() - start) as u32,
+        }
+    }
+
+    /// Adds a put to one of the shard's keyspaces to the group.
+    pub(crate) fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
+        self.buf.push(PUT);
+        self.buf.push(keyspace);
+        self.buf
+            .extend_from_slice(&(key.len() as u32).to_be_bytes());
+        self.buf.extend_from_slice(key);
+        self.buf
+            .extend_from_slice(&(value.len() as u32).to_be_bytes());
+        self.buf.extend_from_slice(value);
+    }
+
+    /// Writes the group and waits until it is durable. On error nothing
+    /// more may be written (the segment's end is unknown): the caller
+    /// fails stop, and the next open cuts off whatever part of the group
+    /// reached the disk.
+    pub(crate) fn commit(&mut self) -> Result<u64, StoreError> {
+        let payload = u32::try_from(self.buf.len() - GROUP_HEADER).map_err(|_| {
+            StoreError::Invalid(format!(
+                "a group of {} bytes is larger than the log takes",
+                self.buf.len()
+            ))
+        })?;
+        let crc = crc32fast::hash(&self.buf[GROUP_HEADER..]);
+        self.buf[..4].copy_from_slice(&payload.to_be_bytes());
+        self.buf[4..8].copy_from_slice(&crc.to_be_bytes());
+        let path = || segment_path(&self.segments.dir, self.segment);
+        self.file
+            .write_all_at(&self.buf, self.len)
+            .map_err(|e| StoreError::Io(format!("{}: write: {e}", path().display())))?;
+        self.file
+            .sync_data()
+            .map_err(|e| StoreError::Io(format!("{}: fdatasync: {e}", path().display())))?;
+        let written = self.buf.len() as u64;
+        self.len += written;
+        self.buf.truncate(GROUP_HEADER);
+        Ok(written)
+    }
+
+    fn rotate(&mut self) -> Result<(), StoreError> {
+        let next = self.segment + 1;
+        let file = Arc::new(create_segment(&self.segments.dir, next)?);
+        self.segments
+            .files
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(file.clone());
+        self.file = file;
+        self.segment = next;
+        self.len = 0;
+        Ok(())
+    }
+}
+
+fn segment_path(dir: &Path, segment: u32) -> PathBuf {
+    dir.join(format!("{segment:010}.seg"))
+}
+
+fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
+    StoreError::Io(format!("{}: {what}: {e}", path.display()))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| io(dir, "syncing the directory", e))
+}
+
+fn create_segment(dir: &Path, segment: u32) -> Result<File, StoreError> {
+    let path = segment_path(dir, segment);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .map_err(|e| io(&path, "creating", e))?;
+    // The new file's name must survive a crash before any group in it is
+    // acknowledged.
+    sync_dir(dir)?;
+    Ok(file)
+}
+
+/// The segment ids in `dir`, in order; they must run from 0 without gaps.
+fn list_segments(dir: &Path) -> Result<Vec<u32>, StoreError> {
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, "listing", e))? {
+        let entry = entry.map_err(|e| io(dir, "listing", e))?;
+        let name = entry.file_name();
+        let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(".seg")) else {
+            continue;
+        };
+        let id = stem.parse::<u32>().map_err(|_| {
+            StoreError::Corrupt(format!(
+                "{}: unexpected segment file {stem}.seg",
+                dir.display()
+            ))
+        })?;
+        ids.push(id);
+    }
+    ids.sort_unstable();
+    if let Some((i, id)) = ids.iter().enumerate().find(|(i, id)| **id as usize != *i) {
+        return Err(StoreError::Corrupt(format!(
+            "{}: segment {i} is missing (found {id})",
+            dir.display()
+        )));
+    }
+    Ok(ids)
+}
+
+/// Removes every segment (used only before the log's first checkpoint,
+/// when nothing in it was acknowledged; see [`crate::shard`]).
+pub(crate) fn remove_all(dir: &Path) -> Result<(), StoreError> {
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io(dir, "removing", e)),
+    }
+}
+
+/// Opens the log in `dir` (creating it if absent), calls `apply` on every
+/// record after `from` in order, cuts off a torn last group, and returns
+/// the writer positioned at the end.
+pub(crate) fn open(
+    dir: &Path,
+    from: Position,
+    segment_bytes: u64,
+    mut apply: impl FnMut(Record<'_>) -> Result<(), StoreError>,
+) -> Result<LogWriter, StoreError> {
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, "creating", e))?;
+        if let Some(parent) = dir.parent() {
+            sync_dir(parent)?;
+        }
+    }
+    let ids = list_segments(dir)?;
+    let mut files = Vec::with_capacity(ids.len().max(1));
+    for &id in &ids {
+        let path = segment_path(dir, id);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io(&path, "opening", e))?;
+        files.push(Arc::new(file));
+    }
+    if files.is_empty() {
+        if from != Position::default() {
+            return Err(StoreError::Corrupt(format!(
+                "{}: the checkpoint is at {}:{} but there are no segments",
+                dir.display(),
+                from.segment,
+                from.offset
+            )));
+        }
+        files.push(Arc::new(create_segment(dir, 0)?));
+    }
+    let last = (files.len() - 1) as u32;
+    if from.segment > last {
+        return Err(StoreError::Corrupt(format!(
+            "{}: the checkpoint is in segment {} but the last is {last}",
+            dir.display(),
+            from.segment
+        )));
+    }
+    let mut end = 0;
+    let mut payload = Vec::new();
+    for segment in from.segment..=last {
+        let path = segment_path(dir, segment);
+        let file = &files[segment as usize];
+        let size = file
+            .metadata()
+            .map_err(|e| io(&path, "reading metadata", e))?
+            .len();
+        let mut at = if segment == from.segment {
+            from.offset
+        } else {
+            0
+        };
+        if at > size {
+            return Err(StoreError::Corrupt(format!(
+                "{}: the checkpoint is at offset {at} but the segment has {size} bytes",
+                path.display()
+            )));
+        }
+        while at < size {
+            match read_group(file, at, size, &mut payload, &path)? {
+                Some(len) => {
+                    let mut pos = 0;
+                    while pos < payload.len() {
+                        let (record, used) =
+                            parse_record(&payload, pos, segment, at + GROUP_HEADER as u64)?;
+                        apply(record)?;
+                        pos += used;
+                    }
+                    at += len;
+                }
+                None if segment == last => {
+                    tracing::warn!(
+                        segment = %path.display(),
+                        offset = at,
+                        dropped_bytes = size - at,
+                        "cutting off a torn group at the end of the log (it was never acknowledged)"
+                    );
+                    file.set_len(at)
+                        .and_then(|()| file.sync_all())
+                        .map_err(|e| io(&path, "cutting off a torn group", e))?;
+                    break;
+                }
+                None => {
+                    return Err(StoreError::Corrupt(format!(
+                        "{}: a bad group at offset {at} of {size}, and later segments follow",
+                        path.display()
+                    )));
+                }
+            }
+        }
+        end = at;
+    }
+    let file = files[last as usize].clone();
+    Ok(LogWriter {
+        segments: Arc::new(Segments {
+            dir: dir.to_path_buf(),
+            files: RwLock::new(files),
+        }),
+        file,
+        segment: last,
+        len: end,
+        segment_bytes: segment_bytes.max(1),
+        buf: Vec::new(),
+    })
+}
+
+/// Reads the group at `at` into `payload`; returns its whole length, or
+/// `None` if it is short or fails its checksum.
+fn read_group(
+    file: &File,
+    at: u64,
+    size: u64,
+    payload: &mut Vec<u8>,
+    path: &Path,
+) -> Result<Option<u64>, StoreError> {
+    if size - at < GROUP_HEADER as u64 {
+        return Ok(None);
+    }
+    let mut header = [0u8; GROUP_HEADER];
+    file.read_exact_at(&mut header, at)
+        .map_err(|e| io(path, "reading", e))?;
+    let len = u64::from(u32::from_be_bytes([
+        header[0], header[1], header[2], header[3],
+    ]));
+    let crc = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
+    if len > GROUP_PAYLOAD_MAX || size - at - (GROUP_HEADER as u64) < len {
+        return Ok(None);
+    }
+    payload.clear();
+    payload.resize(len as usize, 0);
+    file.read_exact_at(payload, at + GROUP_HEADER as u64)
+        .map_err(|e| io(path, "reading", e))?;
+    if crc32fast::hash(payload) != crc {
+        return Ok(None);
+    }
+    Ok(Some(GROUP_HEADER as u64 + len))
+}
+
+/// Parses the record at `buf[pos..]`; `base` is the file offset of
+/// `buf[0]`. Returns the record and its length. A record that does not
+/// parse inside a group whose checksum held is corruption.
+fn parse_record(
+    buf: &[u8],
+    pos: usize,
+    segment: u32,
+    base: u64,
+) -> Result<(Record<'_>, usize), StoreError> {
+    let bad = |what: &str| {
+        StoreError::Corrupt(format!(
+            "log segment {segment}, offset {}: {what}",
+            base + pos as u64
+        ))
+    };
+    let rest = &buf[pos..];
+    let mut r = Cursor { buf: rest, at: 0 };
+    let kind = r.u8().ok_or_else(|| bad("truncated record"))?;
+    match kind {
+        EVENT => {
+            let partition = r.u32().ok_or_else(|| bad("truncated event"))?;
+            let id = r.u64().ok_or_else(|| bad("truncated event"))?;
+            let seq = r.u64().ok_or_else(|| bad("truncated event"))?;
+            let len = r.u32().ok_or_else(|| bad("truncated event"))? as usize;
+            let crc = r.u32().ok_or_else(|| bad("truncated event"))?;
+            debug_assert_eq!(r.at, EVENT_HEADER);
+            let value = r.take(len).ok_or_else(|| bad("truncated event value"))?;
+            if crc32fast::hash(value) != crc {
+                return Err(bad(&format!("event {id} seq {seq} fails its checksum")));
+            }
+            let id = ExecutionId::new(id as i64).map_err(|e| bad(&format!("event id: {e}")))?;
+            let partition = PartitionId::new(partition)
+                .filter(|p| *p == id.partition())
+                .ok_or_else(|| bad("event partition does not match its execution"))?;
+            let used = r.at;
+            Ok((
+                Record::Event {
+                    partition,
+                    id,
+                    seq,
+                    value,
+                    loc: Loc {
+                        segment,
+                        offset: base + pos as u64,
+                        len: used as u32,
+                    },
+                },
+                used,
+            ))
+        }
+        PUT => {
+            let keyspace = r.u8().ok_or_else(|| bad("truncated put"))?;
+            let klen = r.u32().ok_or_else(|| bad("truncated put"))? as usize;
+            let key = r.take(klen).ok_or_else(|| bad("truncated put key"))?;
+            let vlen = r.u32().ok_or_else(|| bad("truncated put"))? as usize;
+            let value = r.take(vlen).ok_or_else(|| bad("truncated put value"))?;
+            Ok((
+                Record::Put {
+                    keyspace,
+                    key,
+                    value,
+                },
+                r.at,
+            ))
+        }
+        k => Err(bad(&format!("unknown record kind {k}"))),
+    }
+}
+
+struct Cursor<'a> {
+    buf: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n)?;
+        let s = self.buf.get(self.at..end)?;
+        self.at = end;
+        Some(s)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Some(u64::from_be_bytes(a))
+    }
+}

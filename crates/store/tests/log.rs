@@ -1,0 +1,505 @@
+//! The shard's log on a real disk: crash images, torn and corrupt groups,
+//! checkpoints and segment rotation at small sizes, and moving a shard
+//! written before the log into it.
+
+use forkless_store::*;
+use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn id(n: i64) -> ExecutionId {
+    ExecutionId::new(n).expect("a valid execution id")
+}
+
+/// Small segments and checkpoints, so a few hundred appends cross many of
+/// each and an execution's log spans several index entries and segments.
+fn small() -> StoreConfig {
+    StoreConfig {
+        log_segment_bytes: 16 * 1024,
+        log_checkpoint_bytes: 6 * 1024,
+        ..StoreConfig::default()
+    }
+}
+
+fn open(dir: &Path, config: StoreConfig) -> (Store, Arc<ShardStore>) {
+    let store = Store::open(dir, ShardCount::ONE, config).expect("the store opens");
+    let shard = store
+        .open_shard(ShardId(0), Epoch(1))
+        .expect("the shard opens");
+    (store, shard)
+}
+
+/// A copy of a live data directory: what a crash at this moment could
+/// leave, at best (everything the processes wrote, synced or not, reached
+/// the page cache; what fjall still buffers in the process did not).
+fn crash_image(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("readdir") {
+        let entry = entry.expect("dirent");
+        let target = to.join(entry.file_name());
+        if entry.file_type().expect("file type").is_dir() {
+            crash_image(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), &target).expect("copy");
+        }
+    }
+}
+
+fn segments(data: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(data.join("shards/0/eventlog"))
+        .expect("the log's folder")
+        .map(|e| e.expect("dirent").path())
+        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+        .collect();
+    out.sort();
+    out
+}
+
+/// An acknowledged event: type, idempotency key, payload.
+type Acked = (String, Option<String>, Vec<u8>);
+
+/// What was acknowledged, per execution: its events (type, idempotency
+/// key, payload) from seq 1, and whether it is closed.
+#[derive(Default, Clone)]
+struct Model {
+    logs: BTreeMap<i64, Vec<Acked>>,
+    closed: BTreeMap<i64, ExecutionStatus>,
+}
+
+/// A small deterministic generator (the test must not depend on luck).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+async fn start(s: &ShardStore, model: &mut Model, n: i64) {
+    let out = s
+        .start(StartRequest {
+            epoch: Epoch(1),
+            id: id(n),
+            workflow: format!("wf-{n}"),
+            started_payload: format!("{{\"n\":{n}}}").into_bytes(),
+            routing_key: (n % 3 == 0).then(|| format!("tenant/{n}")),
+            idempotency_key: (n % 2 == 0).then(|| format!("start-{n}")),
+        })
+        .await
+        .expect("start");
+    assert!(!out.existing);
+    model.logs.insert(
+        n,
+        vec![(
+            "execution.started".into(),
+            None,
+            format!("{{\"n\":{n}}}").into_bytes(),
+        )],
+    );
+}
+
+async fn append_some(s: &ShardStore, model: &mut Model, rng: &mut Rng, step: u64) {
+    let open: Vec<i64> = model
+        .logs
+        .keys()
+        .copied()
+        .filter(|n| !model.closed.contains_key(n))
+        .collect();
+    let n = open[rng.below(open.len() as u64) as usize];
+    let count = 1 + rng.below(3);
+    let mut events = Vec::new();
+    for i in 0..count {
+        let size = rng.below(700) as usize;
+        let payload = format!(
+            "{{\"s\":{step},\"i\":{i},\"pad\":\"{}\"}}",
+            "x".repeat(size)
+        );
+        let idem = (rng.below(4) == 0).then(|| format!("k-{step}-{i}"));
+        events.push(NewEvent {
+            event_type: format!("t{}", rng.below(5)),
+            payload: payload.into_bytes(),
+            idempotency_key: idem,
+        });
+    }
+    let last = model.logs[&n].len() as u64;
+    let out = s
+        .append(AppendRequest {
+            epoch: Epoch(1),
+            id: id(n),
+            events: events.clone(),
+            expected_last_seq: Some(last),
+        })
+        .await
+        .expect("append");
+    assert_eq!((out.first_seq, out.last_seq), (last + 1, last + count));
+    let log = model.logs.get_mut(&n).expect("in the model");
+    for e in events {
+        log.push((e.event_type, e.idempotency_key, e.payload));
+    }
+}
+
+async fn close(s: &ShardStore, model: &mut Model, n: i64) {
+    let last = model.logs[&n].len() as u64;
+    s.append(AppendRequest {
+        epoch: Epoch(1),
+        id: id(n),
+        events: vec![NewEvent {
+            event_type: "execution.completed".into(),
+            payload: b"{}".to_vec(),
+            idempotency_key: None,
+        }],
+        expected_last_seq: Some(last),
+    })
+    .await
+    .expect("close");
+    model.logs.get_mut(&n).expect("in the model").push((
+        "execution.completed".into(),
+        None,
+        b"{}".to_vec(),
+    ));
+    model.closed.insert(n, ExecutionStatus::Completed);
+}
+
+/// Everything in the model reads back, whole and in windows, with the
+/// right metadata; an idempotent retry gets its original seq; a closed
+/// execution refuses appends.
+async fn verify(s: &ShardStore, model: &Model, what: &str) {
+    for (&n, log) in &model.logs {
+        let meta = s
+            .execution(id(n))
+            .expect("read")
+            .unwrap_or_else(|| panic!("{what}: execution {n} is gone"));
+        assert_eq!(meta.last_seq, log.len() as u64, "{what}: execution {n}");
+        assert_eq!(meta.workflow, format!("wf-{n}"), "{what}: execution {n}");
+        let status = model
+            .closed
+            .get(&n)
+            .copied()
+            .unwrap_or(ExecutionStatus::Running);
+        assert_eq!(meta.status, status, "{what}: execution {n}");
+        let (_, all) = s
+            .read_events(id(n), 0, 100_000)
+            .expect("read")
+            .expect("exists");
+        assert_eq!(all.len(), log.len(), "{what}: execution {n}");
+        for (e, (seq, (t, idem, payload))) in all.iter().zip((1u64..).zip(log)) {
+            assert_eq!(e.seq, seq, "{what}: execution {n}");
+            assert_eq!(&e.event_type, t, "{what}: execution {n} seq {seq}");
+            assert_eq!(&e.idempotency_key, idem, "{what}: execution {n} seq {seq}");
+            assert_eq!(&e.payload, payload, "{what}: execution {n} seq {seq}");
+        }
+        for after in [1u64, 2, 7, 30, log.len() as u64 - 1] {
+            let (_, window) = s
+                .read_events(id(n), after, 5)
+                .expect("read")
+                .expect("exists");
+            let want: Vec<u64> = (after + 1..=log.len() as u64).take(5).collect();
+            let got: Vec<u64> = window.iter().map(|e| e.seq).collect();
+            assert_eq!(got, want, "{what}: execution {n} after {after}");
+        }
+        // The first and the last idempotency key of the log (the last one
+        // is the likeliest to exist only in the log's tail).
+        let keyed: Vec<_> = log
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, k, _))| k.is_some())
+            .collect();
+        for (i, (t, k, payload)) in keyed.first().into_iter().chain(keyed.last()) {
+            let Some(k) = k else { continue };
+            let out = s
+                .append(AppendRequest {
+                    epoch: Epoch(1),
+                    id: id(n),
+                    events: vec![NewEvent {
+                        event_type: t.clone(),
+                        payload: payload.clone(),
+                        idempotency_key: Some(k.clone()),
+                    }],
+                    expected_last_seq: None,
+                })
+                .await
+                .expect("a retry");
+            assert!(out.deduplicated, "{what}: execution {n} key {k}");
+            assert_eq!(
+                out.first_seq,
+                *i as u64 + 1,
+                "{what}: execution {n} key {k}"
+            );
+        }
+    }
+    for &n in model.closed.keys() {
+        let refused = s
+            .append(AppendRequest {
+                epoch: Epoch(1),
+                id: id(n),
+                events: vec![NewEvent {
+                    event_type: "late".into(),
+                    payload: b"{}".to_vec(),
+                    idempotency_key: None,
+                }],
+                expected_last_seq: None,
+            })
+            .await;
+        assert!(
+            matches!(refused, Err(StoreError::ExecutionClosed { .. })),
+            "{what}: execution {n}: {refused:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_images_reopen_with_every_acknowledged_write() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let live = dir.path().join("live");
+    let (store, s) = open(&live, small());
+    let mut model = Model::default();
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    for n in 1..=12 {
+        start(&s, &mut model, n).await;
+    }
+    for step in 0..600u64 {
+        append_some(&s, &mut model, &mut rng, step).await;
+        // Right before an image: a new execution (its record, routing key
+        // and start idempotency key), a closed one (its record changes).
+        if step == 299 {
+            start(&s, &mut model, 14).await;
+        }
+        if step == 399 {
+            close(&s, &mut model, 4).await;
+        }
+        if step == 499 {
+            close(&s, &mut model, 9).await;
+        }
+        if step % 100 == 99 {
+            let image = dir.path().join(format!("crash-{step}"));
+            crash_image(&live, &image);
+            let (copy_store, copy) = open(&image, small());
+            verify(&copy, &model, &format!("crash image at step {step}")).await;
+            drop(copy);
+            drop(copy_store);
+            // Reopened a second time (after the first reopen's replay and
+            // checkpoint), it still holds the same.
+            let (copy_store, copy) = open(&image, small());
+            verify(
+                &copy,
+                &model,
+                &format!("crash image at step {step}, reopened"),
+            )
+            .await;
+            drop(copy);
+            drop(copy_store);
+        }
+    }
+    assert!(
+        segments(&live).len() > 10,
+        "the test should cross many segments"
+    );
+    verify(&s, &model, "live").await;
+    drop(s);
+    drop(store);
+    let (store, s) = open(&live, small());
+    verify(&s, &model, "reopened after a clean close").await;
+    for step in 600..700u64 {
+        append_some(&s, &mut model, &mut rng, step).await;
+    }
+    verify(&s, &model, "written after the reopen").await;
+    drop(s);
+    drop(store);
+    // The default sizes read what the small ones wrote.
+    let (_store, s) = open(&live, StoreConfig::default());
+    verify(&s, &model, "reopened with the default sizes").await;
+}
+
+#[tokio::test]
+async fn a_torn_group_at_the_end_is_cut_off_and_the_rest_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let live = dir.path().join("live");
+    let (_store, s) = open(&live, StoreConfig::default());
+    let mut model = Model::default();
+    let mut rng = Rng(7);
+    for n in 1..=3 {
+        start(&s, &mut model, n).await;
+    }
+    for step in 0..40 {
+        append_some(&s, &mut model, &mut rng, step).await;
+    }
+    let image = dir.path().join("torn");
+    crash_image(&live, &image);
+    let last = segments(&image).pop().expect("a segment");
+    let durable = std::fs::metadata(&last).expect("stat").len();
+    // A group whose header promises more than reached the disk, and one
+    // whose bytes are all there but fail the checksum: a write torn by the
+    // crash, never acknowledged.
+    for torn in [
+        [&0x100u32.to_be_bytes()[..], &[0u8; 4], b"partial"].concat(),
+        [&4u32.to_be_bytes()[..], &[1, 2, 3, 4], b"abcd"].concat(),
+    ] {
+        let mut bytes = std::fs::read(&last).expect("read");
+        bytes.truncate(durable as usize);
+        bytes.extend_from_slice(&torn);
+        std::fs::write(&last, &bytes).expect("write");
+        let (copy_store, copy) = open(&image, StoreConfig::default());
+        assert_eq!(
+            std::fs::metadata(&last).expect("stat").len(),
+            durable,
+            "the torn group is cut off"
+        );
+        verify(&copy, &model, "after a torn group").await;
+        drop(copy);
+        drop(copy_store);
+    }
+    // Writing goes on after the cut.
+    let (_copy_store, copy) = open(&image, StoreConfig::default());
+    let mut model2 = model.clone();
+    append_some(&copy, &mut model2, &mut rng, 99).await;
+    verify(&copy, &model2, "written after the cut").await;
+}
+
+#[tokio::test]
+async fn a_bad_group_before_the_end_refuses_to_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let live = dir.path().join("live");
+    let (store, s) = open(&live, small());
+    let mut model = Model::default();
+    let mut rng = Rng(11);
+    start(&s, &mut model, 1).await;
+    for step in 0..200 {
+        append_some(&s, &mut model, &mut rng, step).await;
+    }
+    drop(s);
+    drop(store);
+    let segs = segments(&live);
+    assert!(segs.len() >= 3, "{} segments", segs.len());
+    // One flipped bit in the middle of a closed segment: acknowledged data
+    // is damaged, and cutting the log there would drop later groups.
+    let mut bytes = std::fs::read(&segs[1]).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&segs[1], &bytes).expect("write");
+    let store = Store::open(&live, ShardCount::ONE, small()).expect("the store opens");
+    // The checkpoint after the clean close means nothing is replayed, and
+    // the bad group is found when read.
+    let s = store
+        .open_shard(ShardId(0), Epoch(1))
+        .expect("the shard opens");
+    let read = s.read_events(id(1), 0, 100_000);
+    assert!(
+        matches!(read, Err(StoreError::Corrupt(_))),
+        "a read through the damaged record: {:?}",
+        read.map(|r| r.map(|(m, e)| (m.last_seq, e.len())))
+    );
+    drop(s);
+    drop(store);
+    // Without that checkpoint (a crash image taken before it) the replay
+    // meets the bad group and refuses to open.
+    let dir2 = tempfile::tempdir().expect("tempdir");
+    let live2 = dir2.path().join("live");
+    let (store2, s2) = open(
+        &live2,
+        StoreConfig {
+            log_checkpoint_bytes: u64::MAX,
+            ..small()
+        },
+    );
+    let mut model2 = Model::default();
+    start(&s2, &mut model2, 1).await;
+    for step in 0..200 {
+        append_some(&s2, &mut model2, &mut rng, step).await;
+    }
+    let image = dir2.path().join("image");
+    crash_image(&live2, &image);
+    drop(s2);
+    drop(store2);
+    let segs = segments(&image);
+    let mut bytes = std::fs::read(&segs[1]).expect("read");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x10;
+    std::fs::write(&segs[1], &bytes).expect("write");
+    let store = Store::open(&image, ShardCount::ONE, small());
+    assert!(
+        matches!(&store, Err(StoreError::Corrupt(m)) if m.contains("bad group")),
+        "{:?}",
+        store.err()
+    );
+}
+
+/// A shard written before the log kept its events in fjall's `events`
+/// keyspace; opening it moves them into the log, once.
+#[tokio::test]
+async fn a_shard_written_before_the_log_is_moved_into_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path();
+    std::fs::create_dir_all(data.join("shards")).expect("mkdir");
+    std::fs::write(data.join("layout"), "format = 1\nshard_count = 1\n").expect("layout");
+    let mut model = Model::default();
+    {
+        let db = fjall::Database::builder(data.join("shards/0"))
+            .open()
+            .expect("fjall opens");
+        let opts = fjall::KeyspaceCreateOptions::default;
+        let meta = db.keyspace("meta", opts).expect("keyspace");
+        let executions = db.keyspace("executions", opts).expect("keyspace");
+        let events = db.keyspace("events", opts).expect("keyspace");
+        meta.insert("epoch", 1u64.to_be_bytes()).expect("insert");
+        for n in 1..=3i64 {
+            let x = id(n);
+            let mut key = x.partition().get().to_be_bytes().to_vec();
+            key.extend_from_slice(&(n as u64).to_be_bytes());
+            // version, status running, created_at, workflow, no routing key
+            let mut record = vec![1u8, 0];
+            record.extend_from_slice(&5u64.to_be_bytes());
+            let wf = format!("wf-{n}");
+            record.extend_from_slice(&(wf.len() as u16).to_be_bytes());
+            record.extend_from_slice(wf.as_bytes());
+            record.push(0);
+            executions.insert(&key, record).expect("insert");
+            let mut log = Vec::new();
+            for seq in 1..=(n as u64 * 3) {
+                let t = if seq == 1 {
+                    "execution.started".to_string()
+                } else {
+                    format!("t{seq}")
+                };
+                let payload = format!("{{\"n\":{n},\"seq\":{seq}}}").into_bytes();
+                let mut k = key.clone();
+                k.extend_from_slice(&seq.to_be_bytes());
+                let mut v = vec![1u8];
+                v.extend_from_slice(&(1000 + seq).to_be_bytes());
+                v.extend_from_slice(&(t.len() as u16).to_be_bytes());
+                v.extend_from_slice(t.as_bytes());
+                v.push(0);
+                v.extend_from_slice(&payload);
+                events.insert(&k, v).expect("insert");
+                log.push((t, None, payload));
+            }
+            model.logs.insert(n, log);
+        }
+        db.persist(fjall::PersistMode::SyncAll).expect("persist");
+    }
+    let (store, s) = open(data, small());
+    verify(&s, &model, "moved into the log").await;
+    let meta = s.execution(id(3)).expect("read").expect("exists");
+    assert_eq!(meta.updated_at_ms, 1009, "updated_at is the last event's");
+    let mut rng = Rng(3);
+    for step in 0..50 {
+        append_some(&s, &mut model, &mut rng, step).await;
+    }
+    verify(&s, &model, "appended after the move").await;
+    drop(s);
+    drop(store);
+    let (store, s) = open(data, small());
+    verify(&s, &model, "reopened after the move").await;
+    drop(s);
+    drop(store);
+    let db = fjall::Database::builder(data.join("shards/0"))
+        .open()
+        .expect("fjall opens");
+    assert!(!db.keyspace_exists("events"), "the old keyspace is gone");
+}
