@@ -83,6 +83,11 @@ impl Tail {
         loc: Loc,
         recorded_at: u64,
     ) -> Result<(), StoreError> {
+        if seq == 0 {
+            return Err(StoreError::Corrupt(format!(
+                "execution {id}: an event with seq 0 in the log"
+            )));
+        }
         let run = self.runs.entry(id).or_insert_with(|| Run {
             partition,
             first_seq: seq,
