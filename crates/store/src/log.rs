@@ -38,10 +38,12 @@
 
 use crate::StoreError;
 use forkless_types::{ExecutionId, PartitionId};
+use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// By default a segment is closed once it holds this many bytes (the group
 /// that crosses the mark is the last one written to it).
@@ -113,19 +115,38 @@ pub(crate) enum Record<'a> {
     },
 }
 
-/// The open segment files, shared by the writer and every reader.
+/// Closed segments kept open for reading at most, per shard (a shard of
+/// 100 GiB has 1,600 segments, and a process's default limit on open files
+/// is often 1,024).
+const OPEN_SEGMENTS_MAX: usize = 32;
+
+/// The log's segments as readers see them, shared by the writer and every
+/// reader.
 pub(crate) struct Segments {
     dir: PathBuf,
-    files: RwLock<Vec<Arc<File>>>,
+    /// Segments that exist: ids `0..count`.
+    count: AtomicU32,
+    /// Bytes the segments hold (durable groups only).
+    bytes: AtomicU64,
+    /// Open handles: the segment being written (always), and up to
+    /// [`OPEN_SEGMENTS_MAX`] others, opened on first read.
+    open: Mutex<HashMap<u32, Arc<File>>>,
 }
 
 impl Segments {
-    fn file(&self, segment: u32) -> Option<Arc<File>> {
-        self.files
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(segment as usize)
-            .cloned()
+    fn file(&self, segment: u32) -> Result<Option<Arc<File>>, StoreError> {
+        let count = self.count.load(Ordering::Acquire);
+        if segment >= count {
+            return Ok(None);
+        }
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = open.get(&segment) {
+            return Ok(Some(f.clone()));
+        }
+        let path = segment_path(&self.dir, segment);
+        let file = Arc::new(File::open(&path).map_err(|e| io(&path, "opening", e))?);
+        keep_open(&mut open, segment, file.clone(), count - 1);
+        Ok(Some(file))
     }
 
     /// Reads the event at `loc`, checking that it is the event the index
@@ -136,7 +157,7 @@ impl Segments {
         id: ExecutionId,
         seq: u64,
     ) -> Result<Vec<u8>, StoreError> {
-        let file = self.file(loc.segment).ok_or_else(|| {
+        let file = self.file(loc.segment)?.ok_or_else(|| {
             StoreError::Corrupt(format!(
                 "execution {id} seq {seq}: index names segment {} which does not exist",
                 loc.segment
@@ -170,14 +191,20 @@ impl Segments {
 
     /// Bytes the segments take.
     pub(crate) fn disk_bytes(&self) -> u64 {
-        self.files
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .filter_map(|f| f.metadata().ok())
-            .map(|m| m.len())
-            .sum()
+        self.bytes.load(Ordering::Relaxed)
     }
+}
+
+/// Adds a handle, first closing closed segments' handles beyond the bound
+/// (any will do: a read in flight keeps its own).
+fn keep_open(open: &mut HashMap<u32, Arc<File>>, segment: u32, file: Arc<File>, current: u32) {
+    while open.len() > OPEN_SEGMENTS_MAX {
+        let Some(old) = open.keys().copied().find(|s| *s != current) else {
+            break;
+        };
+        open.remove(&old);
+    }
+    open.insert(segment, file);
 }
 
 /// The writer's end of the log: builds a group, writes it, syncs it.
@@ -282,6 +309,7 @@ impl LogWriter {
             .map_err(|e| StoreError::Io(format!("{}: fdatasync: {e}", path().display())))?;
         let written = self.buf.len() as u64;
         self.len += written;
+        self.segments.bytes.fetch_add(written, Ordering::Relaxed);
         self.buf.truncate(GROUP_HEADER);
         Ok(written)
     }
@@ -289,11 +317,15 @@ impl LogWriter {
     fn rotate(&mut self) -> Result<(), StoreError> {
         let next = self.segment + 1;
         let file = Arc::new(create_segment(&self.segments.dir, next)?);
-        self.segments
-            .files
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(file.clone());
+        keep_open(
+            &mut self.segments.open.lock().unwrap_or_else(|e| e.into_inner()),
+            next,
+            file.clone(),
+            next,
+        );
+        // Published after the handle, so a reader that sees the segment
+        // finds it open.
+        self.segments.count.store(next + 1, Ordering::Release);
         self.file = file;
         self.segment = next;
         self.len = 0;
@@ -382,17 +414,7 @@ pub(crate) fn open(
         }
     }
     let ids = list_segments(dir)?;
-    let mut files = Vec::with_capacity(ids.len().max(1));
-    for &id in &ids {
-        let path = segment_path(dir, id);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&path)
-            .map_err(|e| io(&path, "opening", e))?;
-        files.push(Arc::new(file));
-    }
-    if files.is_empty() {
+    if ids.is_empty() {
         if from != Position::default() {
             return Err(StoreError::Corrupt(format!(
                 "{}: the checkpoint is at {}:{} but there are no segments",
@@ -401,9 +423,9 @@ pub(crate) fn open(
                 from.offset
             )));
         }
-        files.push(Arc::new(create_segment(dir, 0)?));
+        drop(create_segment(dir, 0)?);
     }
-    let last = (files.len() - 1) as u32;
+    let last = ids.len().saturating_sub(1) as u32;
     if from.segment > last {
         return Err(StoreError::Corrupt(format!(
             "{}: the checkpoint is in segment {} but the last is {last}",
@@ -411,12 +433,24 @@ pub(crate) fn open(
             from.segment
         )));
     }
+    let mut bytes = 0;
+    for id in 0..from.segment {
+        let path = segment_path(dir, id);
+        bytes += std::fs::metadata(&path)
+            .map_err(|e| io(&path, "reading metadata", e))?
+            .len();
+    }
     let mut end = 0;
     let mut payload = Vec::new();
+    let mut file = None;
     for segment in from.segment..=last {
         let path = segment_path(dir, segment);
-        let file = &files[segment as usize];
-        let size = file
+        let f = OpenOptions::new()
+            .read(true)
+            .write(segment == last)
+            .open(&path)
+            .map_err(|e| io(&path, "opening", e))?;
+        let size = f
             .metadata()
             .map_err(|e| io(&path, "reading metadata", e))?
             .len();
@@ -432,7 +466,7 @@ pub(crate) fn open(
             )));
         }
         while at < size {
-            match read_group(file, at, size, &mut payload, &path)? {
+            match read_group(&f, at, size, &mut payload, &path)? {
                 Some(len) => {
                     let mut pos = 0;
                     while pos < payload.len() {
@@ -450,8 +484,8 @@ pub(crate) fn open(
                         dropped_bytes = size - at,
                         "cutting off a torn group at the end of the log (it was never acknowledged)"
                     );
-                    file.set_len(at)
-                        .and_then(|()| file.sync_all())
+                    f.set_len(at)
+                        .and_then(|()| f.sync_all())
                         .map_err(|e| io(&path, "cutting off a torn group", e))?;
                     break;
                 }
@@ -463,13 +497,19 @@ pub(crate) fn open(
                 }
             }
         }
+        bytes += at;
         end = at;
+        if segment == last {
+            file = Some(Arc::new(f));
+        }
     }
-    let file = files[last as usize].clone();
+    let file = file.ok_or_else(|| io(dir, "opening", std::io::ErrorKind::NotFound.into()))?;
     Ok(LogWriter {
         segments: Arc::new(Segments {
             dir: dir.to_path_buf(),
-            files: RwLock::new(files),
+            count: AtomicU32::new(last + 1),
+            bytes: AtomicU64::new(bytes),
+            open: Mutex::new(HashMap::from([(last, file.clone())])),
         }),
         file,
         segment: last,

@@ -16,7 +16,7 @@ fn id(n: i64) -> ExecutionId {
 /// each and an execution's log spans several index entries and segments.
 fn small() -> StoreConfig {
     StoreConfig {
-        log_segment_bytes: 16 * 1024,
+        log_segment_bytes: 8 * 1024,
         log_checkpoint_bytes: 6 * 1024,
         ..StoreConfig::default()
     }
@@ -298,10 +298,22 @@ async fn crash_images_reopen_with_every_acknowledged_write() {
         }
     }
     assert!(
-        segments(&live).len() > 10,
-        "the test should cross many segments"
+        segments(&live).len() > 40,
+        "the test should cross many segments: {}",
+        segments(&live).len()
     );
     verify(&s, &model, "live").await;
+    // Reading every segment did not leave every segment open.
+    let open_segments = std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|target| target.starts_with(live.join("shards/0/eventlog")))
+        .count();
+    assert!(
+        (1..=34).contains(&open_segments),
+        "{open_segments} segment files open of {}",
+        segments(&live).len()
+    );
     drop(s);
     drop(store);
     let (store, s) = open(&live, small());
