@@ -49,7 +49,8 @@ pub struct StoreConfig {
     /// (BENCHMARKS.md): at 64 clients p99 lower and events/s higher.
     /// Linux only; elsewhere nothing is changed.
     pub background_nice: i32,
-    /// Size at which a log segment is closed and the next one started.
+    /// Size of a log segment: the next one is zero-filled to this size
+    /// ahead of use, and a segment is closed once it holds this much.
     pub log_segment_bytes: u64,
     /// Log bytes written between checkpoints of the events index: the most
     /// a reopen replays (plus one group), and what the in-memory part of
@@ -334,7 +335,7 @@ fn open_below(
 }
 
 #[cfg(target_os = "linux")]
-fn lower_own_priority(by: i32) {
+pub(crate) fn lower_own_priority(by: i32) {
     if by <= 0 {
         return;
     }
@@ -355,7 +356,7 @@ fn lower_own_priority(by: i32) {
 }
 
 #[cfg(not(target_os = "linux"))]
-fn lower_own_priority(_by: i32) {}
+pub(crate) fn lower_own_priority(_by: i32) {}
 
 /// The writer's shared state and thread. Dropped (after the command
 /// queue's sender, so the thread finds every handle gone), it rings the

@@ -331,9 +331,18 @@ async fn crash_images_reopen_with_every_acknowledged_write() {
 
 #[tokio::test]
 async fn a_torn_group_at_the_end_is_cut_off_and_the_rest_kept() {
+    // With the default sizes the last segment is one that grows with
+    // every group; with the small ones, after this many appends, it is
+    // (most likely) one that was zero-filled before use.
+    for config in [StoreConfig::default(), small()] {
+        torn_group_is_cut_off(config).await;
+    }
+}
+
+async fn torn_group_is_cut_off(config: StoreConfig) {
     let dir = tempfile::tempdir().expect("tempdir");
     let live = dir.path().join("live");
-    let (_store, s) = open(&live, StoreConfig::default());
+    let (_store, s) = open(&live, config.clone());
     let mut model = Model::default();
     let mut rng = Rng(7);
     for n in 1..=3 {
@@ -342,25 +351,40 @@ async fn a_torn_group_at_the_end_is_cut_off_and_the_rest_kept() {
     for step in 0..40 {
         append_some(&s, &mut model, &mut rng, step).await;
     }
-    let image = dir.path().join("torn");
-    crash_image(&live, &image);
-    let last = segments(&image).pop().expect("a segment");
-    let durable = std::fs::metadata(&last).expect("stat").len();
-    // A group whose header promises more than reached the disk, and one
-    // whose bytes are all there but fail the checksum: a write torn by the
-    // crash, never acknowledged.
-    for torn in [
+    // A group whose header promises more than reached the disk, one whose
+    // bytes are all there but fail the checksum, and stray bytes after a
+    // zero header: writes torn by the crash, never acknowledged.
+    for (i, torn) in [
         [&0x100u32.to_be_bytes()[..], &[0u8; 4], b"partial"].concat(),
         [&4u32.to_be_bytes()[..], &[1, 2, 3, 4], b"abcd"].concat(),
-    ] {
-        let mut bytes = std::fs::read(&last).expect("read");
-        bytes.truncate(durable as usize);
-        bytes.extend_from_slice(&torn);
+        [&[0u8; 8][..], b"stray"].concat(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let image = dir.path().join(format!("torn-{i}"));
+        crash_image(&live, &image);
+        let last = segments(&image).pop().expect("a segment");
+        // A segment ends with its last group, or with zeros (one that was
+        // zero-filled before use); the last write ended with a payload's
+        // closing brace.
+        let original = std::fs::read(&last).expect("read");
+        let durable = original.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+        assert!(durable > 0, "an empty last segment");
+        let mut bytes = original.clone();
+        bytes.resize(bytes.len().max(durable + torn.len()), 0);
+        bytes[durable..durable + torn.len()].copy_from_slice(&torn);
         std::fs::write(&last, &bytes).expect("write");
-        let (copy_store, copy) = open(&image, StoreConfig::default());
+        let (copy_store, copy) = open(&image, config.clone());
+        let after = std::fs::read(&last).expect("read");
+        assert_eq!(after.len(), bytes.len(), "the segment keeps its length");
         assert_eq!(
-            std::fs::metadata(&last).expect("stat").len(),
-            durable,
+            after[..durable],
+            original[..durable],
+            "the groups before are kept"
+        );
+        assert!(
+            after[durable..].iter().all(|b| *b == 0),
             "the torn group is cut off"
         );
         verify(&copy, &model, "after a torn group").await;
@@ -368,7 +392,7 @@ async fn a_torn_group_at_the_end_is_cut_off_and_the_rest_kept() {
         drop(copy_store);
     }
     // Writing goes on after the cut.
-    let (_copy_store, copy) = open(&image, StoreConfig::default());
+    let (_copy_store, copy) = open(&dir.path().join("torn-2"), config.clone());
     let mut model2 = model.clone();
     append_some(&copy, &mut model2, &mut rng, 99).await;
     verify(&copy, &model2, "written after the cut").await;
