@@ -400,15 +400,20 @@ fn sync_dir(dir: &Path) -> Result<(), StoreError> {
         .map_err(|e| io(dir, "syncing the directory", e))
 }
 
-/// Creates an empty segment (it grows with every group).
-fn create_segment(dir: &Path, segment: u32) -> Result<File, StoreError> {
-    let path = segment_path(dir, segment);
-    let file = OpenOptions::new()
+/// Creates a new file for reading and writing; an existing one is an
+/// error (names are never reused).
+fn create_new(path: &Path) -> Result<File, StoreError> {
+    OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
-        .open(&path)
-        .map_err(|e| io(&path, "creating", e))?;
+        .open(path)
+        .map_err(|e| io(path, "creating", e))
+}
+
+/// Creates an empty segment (it grows with every group).
+fn create_segment(dir: &Path, segment: u32) -> Result<File, StoreError> {
+    let file = create_new(&segment_path(dir, segment))?;
     // The new file's name must survive a crash before any group in it is
     // acknowledged.
     sync_dir(dir)?;
@@ -436,12 +441,7 @@ fn prepare_segment(dir: &Path, bytes: u64) -> Result<(PathBuf, File), StoreError
         NEXT.fetch_add(1, Ordering::Relaxed)
     );
     let path = dir.join(unique);
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .open(&path)
-        .map_err(|e| io(&path, "creating", e))?;
+    let file = create_new(&path)?;
     // Synced a quarter MiB at a time: one flush of 64 MiB would hold the
     // disk for a fifth of a second, and the appends' fsyncs with it.
     let zeros = vec![0u8; 256 * 1024];

@@ -207,7 +207,9 @@ fn recover(
             log
         }
         None => {
-            // Index entries can only be left by a conversion that crashed.
+            // Index entries are only ever written together with the
+            // checkpoint, so there should be none; any there would name
+            // segments about to be removed.
             let mut stale = ks.db.batch().durability(None);
             for item in ks.event_index.iter() {
                 stale.remove(&ks.event_index, item.key()?);
