@@ -2,10 +2,11 @@
 //!
 //! Events written since the last checkpoint are indexed in memory (the
 //! [`Tail`]: one run of consecutive locations per execution). A checkpoint
-//! writes each run to the `event_index` keyspace as one entry,
-//! `partition | execution | first seq` -> `version | last recorded_at |
-//! count | (segment u32, offset u64, len u32) * count`, together with the
-//! log position it covers, and empties the tail. Opening the shard replays
+//! writes each run to the `event_index` keyspace, one entry per (at most)
+//! [`ENTRY_LOCS_MAX`] events, `partition | execution | first seq` ->
+//! `version | last recorded_at | count | (segment u32, offset u64, len
+//! u32) * count`, together with the log position it covers, and empties
+//! the tail. Opening the shard replays
 //! the log from that position, which rebuilds the tail. So an append costs
 //! a push onto a vector, and the sorted index gets one entry per execution
 //! per checkpoint instead of one per event.
