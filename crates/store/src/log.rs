@@ -429,7 +429,7 @@ const PREPARED_SUFFIX: &str = ".prepared";
 /// own (`<n>.prepared`, never a segment's); [`LogWriter::rotate`] renames
 /// it into place. A group written over zeros changes neither the file's
 /// size nor its block map, so its `fdatasync` writes the data alone: at
-/// one client that made appends ~20% faster than on a file growing with
+/// one client that made appends 10-20% faster than on a file growing with
 /// every group (a sparse or `fallocate`d file cost more CPU per write on
 /// this kernel than either; BENCHMARKS.md).
 fn prepare_segment(dir: &Path, bytes: u64) -> Result<(PathBuf, File), StoreError> {
