@@ -458,11 +458,17 @@ fn prepare_segment(dir: &Path, bytes: u64) -> Result<(PathBuf, File), StoreError
 }
 
 /// The segment ids in `dir`, in order; they must run from 0 without gaps.
+/// Removes the zero-filled files a stopped process left unused.
 fn list_segments(dir: &Path) -> Result<Vec<u32>, StoreError> {
     let mut ids = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io(dir, "listing", e))? {
         let entry = entry.map_err(|e| io(dir, "listing", e))?;
         let name = entry.file_name();
+        if name.to_str().is_some_and(|n| n.ends_with(PREPARED_SUFFIX)) {
+            // Being zero-filled when the process stopped.
+            std::fs::remove_file(entry.path()).map_err(|e| io(&entry.path(), "removing", e))?;
+            continue;
+        }
         let Some(stem) = name.to_str().and_then(|n| n.strip_suffix(".seg")) else {
             continue;
         };
@@ -507,17 +513,6 @@ pub(crate) fn open(
         std::fs::create_dir_all(dir).map_err(|e| io(dir, "creating", e))?;
         if let Some(parent) = dir.parent() {
             sync_dir(parent)?;
-        }
-    }
-    // Segments being zero-filled when the process stopped.
-    for entry in std::fs::read_dir(dir).map_err(|e| io(dir, "listing", e))? {
-        let entry = entry.map_err(|e| io(dir, "listing", e))?;
-        if entry
-            .file_name()
-            .to_str()
-            .is_some_and(|n| n.ends_with(PREPARED_SUFFIX))
-        {
-            std::fs::remove_file(entry.path()).map_err(|e| io(&entry.path(), "removing", e))?;
         }
     }
     let ids = list_segments(dir)?;
