@@ -75,12 +75,24 @@ pub fn decode_execution_id(bytes: &[u8], what: &str) -> Result<ExecutionId, Stor
     ExecutionId::new(raw as i64).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
 }
 
-struct Reader<'a> {
+/// Reads big-endian fields off the front of a byte string; running short
+/// is corruption, named by `what`. Used for the values here and for the
+/// log's records and the events index's entries.
+pub(crate) struct Reader<'a> {
     buf: &'a [u8],
     what: &'static str,
 }
 
 impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8], what: &'static str) -> Reader<'a> {
+        Reader { buf, what }
+    }
+
+    /// Bytes not read yet.
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
     /// A reader past the value's version byte, which must be ours.
     fn versioned(buf: &'a [u8], what: &'static str) -> Result<Reader<'a>, StoreError> {
         let mut r = Reader { buf, what };
@@ -93,7 +105,7 @@ impl<'a> Reader<'a> {
         Ok(r)
     }
 
-    fn take(&mut self, n: usize) -> Result<&'a [u8], StoreError> {
+    pub(crate) fn take(&mut self, n: usize) -> Result<&'a [u8], StoreError> {
         if self.buf.len() < n {
             return Err(StoreError::Corrupt(format!(
                 "{}: truncated value",
@@ -104,10 +116,14 @@ impl<'a> Reader<'a> {
         self.buf = b;
         Ok(a)
     }
-    fn u8(&mut self) -> Result<u8, StoreError> {
+    pub(crate) fn u8(&mut self) -> Result<u8, StoreError> {
         Ok(self.take(1)?[0])
     }
-    fn u64(&mut self) -> Result<u64, StoreError> {
+    pub(crate) fn u32(&mut self) -> Result<u32, StoreError> {
+        let b = self.take(4)?;
+        Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, StoreError> {
         decode_u64(self.take(8)?, self.what)
     }
     fn string(&mut self) -> Result<String, StoreError> {

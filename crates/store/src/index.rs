@@ -201,11 +201,13 @@ fn entry_header(key: &[u8], value: &[u8]) -> Result<(u64, u64, usize), StoreErro
     if value.len() < ENTRY_HEADER {
         return Err(bad("truncated"));
     }
-    if value[0] != INDEX_VERSION {
-        return Err(bad(&format!("unknown version {}", value[0])));
+    let mut r = codec::Reader::new(value, "events index entry");
+    let version = r.u8()?;
+    if version != INDEX_VERSION {
+        return Err(bad(&format!("unknown version {version}")));
     }
-    let last_recorded_at = codec::decode_u64(&value[1..9], "events index entry")?;
-    let n = u32::from_be_bytes([value[9], value[10], value[11], value[12]]) as usize;
+    let last_recorded_at = r.u64()?;
+    let n = r.u32()? as usize;
     if n == 0 || value.len() != ENTRY_HEADER + n * LOC_BYTES || first_seq == 0 {
         return Err(bad("wrong length"));
     }
@@ -213,19 +215,17 @@ fn entry_header(key: &[u8], value: &[u8]) -> Result<(u64, u64, usize), StoreErro
 }
 
 fn decode_entry(key: &[u8], value: &[u8]) -> Result<Entry, StoreError> {
-    let (first_seq, _, _) = entry_header(key, value)?;
-    let locs = value[ENTRY_HEADER..]
-        .chunks_exact(LOC_BYTES)
-        .map(|c| {
-            let mut off = [0u8; 8];
-            off.copy_from_slice(&c[4..12]);
-            Loc {
-                segment: u32::from_be_bytes([c[0], c[1], c[2], c[3]]),
-                offset: u64::from_be_bytes(off),
-                len: u32::from_be_bytes([c[12], c[13], c[14], c[15]]),
-            }
+    let (first_seq, _, n) = entry_header(key, value)?;
+    let mut r = codec::Reader::new(&value[ENTRY_HEADER..], "events index entry");
+    let locs = (0..n)
+        .map(|_| {
+            Ok(Loc {
+                segment: r.u32()?,
+                offset: r.u64()?,
+                len: r.u32()?,
+            })
         })
-        .collect();
+        .collect::<Result<_, StoreError>>()?;
     Ok(Entry { first_seq, locs })
 }
 

@@ -43,6 +43,7 @@
 //! (zeroes it). A bad group anywhere else is corruption and the shard
 //! refuses to open.
 
+use crate::codec;
 use crate::StoreError;
 use forkless_types::{ExecutionId, PartitionId};
 use std::collections::HashMap;
@@ -89,19 +90,16 @@ impl Position {
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<Position, StoreError> {
-        let arr: [u8; 12] = bytes.try_into().map_err(|_| {
-            StoreError::Corrupt(format!(
+        if bytes.len() != 12 {
+            return Err(StoreError::Corrupt(format!(
                 "log checkpoint: expected 12 bytes, found {}",
                 bytes.len()
-            ))
-        })?;
-        let mut seg = [0u8; 4];
-        seg.copy_from_slice(&arr[..4]);
-        let mut off = [0u8; 8];
-        off.copy_from_slice(&arr[4..]);
+            )));
+        }
+        let mut r = codec::Reader::new(bytes, "log checkpoint");
         Ok(Position {
-            segment: u32::from_be_bytes(seg),
-            offset: u64::from_be_bytes(off),
+            segment: r.u32()?,
+            offset: r.u64()?,
         })
     }
 }
@@ -714,17 +712,17 @@ fn parse_record(
         ))
     };
     let rest = &buf[pos..];
-    let mut r = Cursor { buf: rest, at: 0 };
-    let kind = r.u8().ok_or_else(|| bad("truncated record"))?;
+    let mut r = codec::Reader::new(rest, "log record");
+    let kind = r.u8().map_err(|_| bad("truncated record"))?;
     match kind {
         EVENT => {
-            let partition = r.u32().ok_or_else(|| bad("truncated event"))?;
-            let id = r.u64().ok_or_else(|| bad("truncated event"))?;
-            let seq = r.u64().ok_or_else(|| bad("truncated event"))?;
-            let len = r.u32().ok_or_else(|| bad("truncated event"))? as usize;
-            let crc = r.u32().ok_or_else(|| bad("truncated event"))?;
-            debug_assert_eq!(r.at, EVENT_HEADER);
-            let value = r.take(len).ok_or_else(|| bad("truncated event value"))?;
+            let partition = r.u32().map_err(|_| bad("truncated event"))?;
+            let id = r.u64().map_err(|_| bad("truncated event"))?;
+            let seq = r.u64().map_err(|_| bad("truncated event"))?;
+            let len = r.u32().map_err(|_| bad("truncated event"))? as usize;
+            let crc = r.u32().map_err(|_| bad("truncated event"))?;
+            debug_assert_eq!(rest.len() - r.remaining(), EVENT_HEADER);
+            let value = r.take(len).map_err(|_| bad("truncated event value"))?;
             if crc32fast::hash(value) != crc {
                 return Err(bad(&format!("event {id} seq {seq} fails its checksum")));
             }
@@ -732,7 +730,7 @@ fn parse_record(
             let partition = PartitionId::new(partition)
                 .filter(|p| *p == id.partition())
                 .ok_or_else(|| bad("event partition does not match its execution"))?;
-            let used = r.at;
+            let used = rest.len() - r.remaining();
             Ok((
                 Record::Event {
                     partition,
@@ -749,47 +747,20 @@ fn parse_record(
             ))
         }
         PUT => {
-            let keyspace = r.u8().ok_or_else(|| bad("truncated put"))?;
-            let klen = r.u32().ok_or_else(|| bad("truncated put"))? as usize;
-            let key = r.take(klen).ok_or_else(|| bad("truncated put key"))?;
-            let vlen = r.u32().ok_or_else(|| bad("truncated put"))? as usize;
-            let value = r.take(vlen).ok_or_else(|| bad("truncated put value"))?;
+            let keyspace = r.u8().map_err(|_| bad("truncated put"))?;
+            let klen = r.u32().map_err(|_| bad("truncated put"))? as usize;
+            let key = r.take(klen).map_err(|_| bad("truncated put key"))?;
+            let vlen = r.u32().map_err(|_| bad("truncated put"))? as usize;
+            let value = r.take(vlen).map_err(|_| bad("truncated put value"))?;
             Ok((
                 Record::Put {
                     keyspace,
                     key,
                     value,
                 },
-                r.at,
+                rest.len() - r.remaining(),
             ))
         }
         k => Err(bad(&format!("unknown record kind {k}"))),
-    }
-}
-
-struct Cursor<'a> {
-    buf: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        let end = self.at.checked_add(n)?;
-        let s = self.buf.get(self.at..end)?;
-        self.at = end;
-        Some(s)
-    }
-    fn u8(&mut self) -> Option<u8> {
-        self.take(1).map(|b| b[0])
-    }
-    fn u32(&mut self) -> Option<u32> {
-        self.take(4)
-            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        let b = self.take(8)?;
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        Some(u64::from_be_bytes(a))
     }
 }
