@@ -221,6 +221,21 @@ fn happy_paths_of_every_endpoint() {
     }
     assert!(groups >= 1.0, "{text}");
     assert!(commands >= groups, "{text}");
+    // Checkpoints are counted per shard, their time by phase (these few
+    // writes made none since the shards opened).
+    for shard in 0..4 {
+        for series in [
+            format!("forkless_store_checkpoints_total{{shard=\"{shard}\"}} 0"),
+            format!(
+                "forkless_store_checkpoint_seconds_total{{shard=\"{shard}\",phase=\"index\"}} 0.0"
+            ),
+            format!(
+                "forkless_store_checkpoint_seconds_total{{shard=\"{shard}\",phase=\"sync\"}} 0.0"
+            ),
+        ] {
+            assert!(text.lines().any(|l| l == series), "{series} in {text}");
+        }
+    }
     assert!(
         commands >= parse_metric(&text, "forkless_executions_started_total"),
         "{text}"

@@ -8,7 +8,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Registry, Unit};
 use std::sync::OnceLock;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -163,6 +163,12 @@ struct CommitLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    shard: u32,
+    phase: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ShardLabel {
     shard: u32,
 }
@@ -203,6 +209,34 @@ impl Collector for StoreCollector {
         for (shard, st) in &shards {
             ConstCounter::new(st.commands)
                 .encode(commands.encode_family(&ShardLabel { shard: *shard })?)?;
+        }
+        let mut checkpoints = encoder.encode_descriptor(
+            "store_checkpoints",
+            "Checkpoints of the shard's log: the events written since the last one moved from memory into the events index",
+            None,
+            MetricType::Counter,
+        )?;
+        for (shard, st) in &shards {
+            ConstCounter::new(st.checkpoints)
+                .encode(checkpoints.encode_family(&ShardLabel { shard: *shard })?)?;
+        }
+        let mut spent = encoder.encode_descriptor(
+            "store_checkpoint",
+            "Time checkpoints took, by phase: index (writing the events index; readers wait for its commit only) and sync (making it durable); the shard's next commit waits for both",
+            Some(&Unit::Seconds),
+            MetricType::Counter,
+        )?;
+        for (shard, st) in &shards {
+            for (phase, micros) in [
+                ("index", st.checkpoint_index_micros),
+                ("sync", st.checkpoint_sync_micros),
+            ] {
+                let label = PhaseLabel {
+                    shard: *shard,
+                    phase,
+                };
+                ConstCounter::new(micros as f64 / 1e6).encode(spent.encode_family(&label)?)?;
+            }
         }
         Ok(())
     }

@@ -21,7 +21,7 @@ use crate::codec;
 use crate::log::{Loc, Position};
 use crate::shard::Keyspaces;
 use crate::StoreError;
-use fjall::{PersistMode, Readable};
+use fjall::{OwnedWriteBatch, Readable};
 use forkless_types::{ExecutionId, PartitionId};
 
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -129,14 +129,33 @@ impl Tail {
         })
     }
 
-    /// Writes every run to the index and `at` as the checkpoint, durably
-    /// (with everything written to the keyspaces before), then empties the
-    /// tail. The caller holds the tail's write lock, so no reader sees the
-    /// entries twice or not at all.
-    pub(crate) fn checkpoint(&mut self, ks: &Keyspaces, at: Position) -> Result<(), StoreError> {
-        let mut batch = ks.db.batch().durability(Some(PersistMode::SyncAll));
+    /// Writes every run to the index and `at` as the checkpoint, in one
+    /// batch, then empties the tail. The caller holds the tail's write
+    /// lock, so no reader sees the entries twice or not at all, and makes
+    /// the batch durable afterwards (a sync of the keyspaces' journal, which
+    /// also holds every put written to the keyspaces before).
+    pub(crate) fn checkpoint(
+        &mut self,
+        ks: &Keyspaces,
+        at: Position,
+    ) -> Result<Written, StoreError> {
+        let (batch, written) = self.checkpoint_batch(ks, at);
+        self.commit_checkpoint(batch)?;
+        Ok(written)
+    }
+
+    /// The batch [`Tail::checkpoint`] commits; built under the tail's read
+    /// lock by its only writer, so that readers go on meanwhile.
+    pub(crate) fn checkpoint_batch(
+        &self,
+        ks: &Keyspaces,
+        at: Position,
+    ) -> (OwnedWriteBatch, Written) {
+        let mut batch = ks.db.batch().durability(None);
         let mut value = Vec::new();
+        let mut written = Written::default();
         for (id, run) in &self.runs {
+            written.events += run.locs.len() as u64;
             for (i, locs) in run.locs.chunks(ENTRY_LOCS_MAX).enumerate() {
                 let last_recorded_at = run
                     .entry_ends
@@ -150,13 +169,27 @@ impl Tail {
                     codec::event_key(run.partition, *id, first_seq),
                     &value[..],
                 );
+                written.entries += 1;
             }
         }
         batch.insert(&ks.meta, CHECKPOINT_KEY, at.encode());
+        (batch, written)
+    }
+
+    /// Commits a [`Tail::checkpoint_batch`] built since the tail last
+    /// changed and empties the tail, under its write lock.
+    pub(crate) fn commit_checkpoint(&mut self, batch: OwnedWriteBatch) -> Result<(), StoreError> {
         batch.commit()?;
         self.runs.clear();
         Ok(())
     }
+}
+
+/// What a checkpoint wrote to the index.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Written {
+    pub(crate) entries: u64,
+    pub(crate) events: u64,
 }
 
 fn encode_entry(out: &mut Vec<u8>, last_recorded_at: u64, locs: &[Loc]) {

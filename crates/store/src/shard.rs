@@ -201,7 +201,7 @@ fn recover(
                 if !batch.is_empty() {
                     batch.commit()?;
                 }
-                tail.checkpoint(ks, log.position())?;
+                checkpoint_durably(&mut tail, ks, log.position())?;
                 tracing::info!(path = %dir.display(), records = replayed, "replayed the log since its last checkpoint");
             }
             log
@@ -222,7 +222,7 @@ fn recover(
             if ks.db.keyspace_exists(LEGACY_EVENTS) {
                 convert_legacy(ks, &mut log, &mut tail)?;
             }
-            tail.checkpoint(ks, log.position())?;
+            checkpoint_durably(&mut tail, ks, log.position())?;
             log
         }
     };
@@ -235,6 +235,13 @@ fn recover(
         ks.db.delete_keyspace(legacy)?;
     }
     Ok((log, tail))
+}
+
+/// Checkpoints at open, before the writer starts, and syncs it.
+fn checkpoint_durably(tail: &mut Tail, ks: &Keyspaces, at: Position) -> Result<(), StoreError> {
+    tail.checkpoint(ks, at)?;
+    ks.db.persist(fjall::PersistMode::SyncData)?;
+    Ok(())
 }
 
 /// Moves the events of a shard written before the log into it, in key

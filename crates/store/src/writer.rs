@@ -22,6 +22,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::thread::Thread;
+use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// The writer's hash maps. Their keys are chosen by clients (execution ids,
@@ -120,6 +121,19 @@ pub(crate) struct Shared {
     groups_by_thread: AtomicU64,
     groups_by_caller: AtomicU64,
     commands: AtomicU64,
+    /// Shared with the writer, which counts its checkpoints here.
+    checkpoints: Arc<CheckpointCounters>,
+}
+
+/// Checkpoints made and the time they took, in microseconds: building and
+/// committing the index batch (readers wait for the commit, under the
+/// tail's write lock) and syncing the keyspaces' journal after it (the
+/// shard's next group waits for both, on the writer thread).
+#[derive(Default)]
+struct CheckpointCounters {
+    made: AtomicU64,
+    index_micros: AtomicU64,
+    sync_micros: AtomicU64,
 }
 
 /// How a shard's commits were made, since it was opened. Only groups that
@@ -134,6 +148,15 @@ pub struct CommitStats {
     /// Commands (starts, appends, epoch moves, refused ones included) those
     /// groups carried.
     pub commands: u64,
+    /// Checkpoints of the log made (see
+    /// [`crate::StoreConfig::log_checkpoint_bytes`]).
+    pub checkpoints: u64,
+    /// Time those checkpoints spent writing the tail to the index (readers
+    /// wait for its commit only).
+    pub checkpoint_index_micros: u64,
+    /// Time they spent syncing the keyspaces' journal afterwards. The
+    /// shard's next group waits for both.
+    pub checkpoint_sync_micros: u64,
 }
 
 /// Lone commands in a row before a caller may commit on its own thread.
@@ -268,6 +291,9 @@ impl Shared {
             groups_by_writer_thread: self.groups_by_thread.load(Ordering::Relaxed),
             groups_by_caller: self.groups_by_caller.load(Ordering::Relaxed),
             commands: self.commands.load(Ordering::Relaxed),
+            checkpoints: self.checkpoints.made.load(Ordering::Relaxed),
+            checkpoint_index_micros: self.checkpoints.index_micros.load(Ordering::Relaxed),
+            checkpoint_sync_micros: self.checkpoints.sync_micros.load(Ordering::Relaxed),
         }
     }
 
@@ -391,7 +417,9 @@ pub(crate) fn spawn(
     commits: watch::Sender<u64>,
     requests_in_progress: Option<Arc<AtomicUsize>>,
 ) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
+    let checkpoints = Arc::new(CheckpointCounters::default());
     let writer = Writer {
+        checkpoints: checkpoints.clone(),
         shard,
         ks,
         log,
@@ -431,6 +459,7 @@ pub(crate) fn spawn(
         groups_by_thread: AtomicU64::new(0),
         groups_by_caller: AtomicU64::new(0),
         commands: AtomicU64::new(0),
+        checkpoints,
     });
     handover
         .send(shared.clone())
@@ -466,6 +495,7 @@ struct Writer {
     /// The event value being encoded (kept for its capacity; the batch
     /// copies it).
     value: Vec<u8>,
+    checkpoints: Arc<CheckpointCounters>,
 }
 
 /// An event of the group being built.
@@ -621,11 +651,46 @@ impl Writer {
     }
 
     /// Moves the tail into the sorted index (see
-    /// [`crate::index::Tail::checkpoint`]).
+    /// [`crate::index::Tail::checkpoint`]), then makes it durable. Only the
+    /// commit of the index batch holds the tail's write lock (this thread
+    /// is the tail's only writer, so the batch is built under the read
+    /// lock, and nothing changes in between): the entries and the
+    /// checkpoint position are visible to readers once committed. Until
+    /// the sync that follows, a crash finds the previous checkpoint and
+    /// replays the log from there, which writes the same entries again.
     fn checkpoint(&mut self) -> Result<(), StoreError> {
-        let mut tail = self.tail.write().unwrap_or_else(|e| e.into_inner());
-        tail.checkpoint(&self.ks, self.log.position())?;
+        let start = Instant::now();
+        let at = self.log.position();
+        let (batch, written) = self
+            .tail
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .checkpoint_batch(&self.ks, at);
+        self.tail
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .commit_checkpoint(batch)?;
+        let indexed = start.elapsed();
+        self.ks
+            .db
+            .persist(fjall::PersistMode::SyncData)
+            .map_err(StoreError::from)?;
+        let synced = start.elapsed() - indexed;
         self.since_checkpoint = 0;
+        let c = &self.checkpoints;
+        c.made.fetch_add(1, Ordering::Relaxed);
+        c.index_micros
+            .fetch_add(indexed.as_micros() as u64, Ordering::Relaxed);
+        c.sync_micros
+            .fetch_add(synced.as_micros() as u64, Ordering::Relaxed);
+        tracing::debug!(
+            shard = %self.shard,
+            entries = written.entries,
+            events = written.events,
+            index_us = indexed.as_micros() as u64,
+            sync_us = synced.as_micros() as u64,
+            "checkpoint"
+        );
         Ok(())
     }
 

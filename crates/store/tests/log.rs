@@ -303,6 +303,18 @@ async fn crash_images_reopen_with_every_acknowledged_write() {
         segments(&live).len()
     );
     verify(&s, &model, "live").await;
+    // Every 6 KiB of log was checkpointed, and the time it took counted.
+    let stats = s.commit_stats();
+    let log_bytes: u64 = segments(&live)
+        .iter()
+        .map(|p| std::fs::metadata(p).expect("segment").len())
+        .sum();
+    assert!(
+        stats.checkpoints >= log_bytes / (16 * 1024) && stats.checkpoints <= log_bytes / (6 * 1024),
+        "{} checkpoints for {log_bytes} bytes of log",
+        stats.checkpoints
+    );
+    assert!(stats.checkpoint_index_micros > 0 && stats.checkpoint_sync_micros > 0);
     // Reading every segment did not leave every segment open.
     let open_segments = std::fs::read_dir("/proc/self/fd")
         .expect("/proc/self/fd")
