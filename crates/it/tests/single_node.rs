@@ -221,6 +221,16 @@ fn happy_paths_of_every_endpoint() {
     }
     assert!(groups >= 1.0, "{text}");
     assert!(commands >= groups, "{text}");
+    // One fdatasync of the log per group commit, each timed.
+    let syncs: f64 = (0..4)
+        .map(|shard| {
+            parse_metric(
+                &text,
+                &format!("forkless_store_log_sync_seconds_count{{shard=\"{shard}\"}}"),
+            )
+        })
+        .sum();
+    assert_eq!(syncs, groups, "{text}");
     // Checkpoints are counted per shard, their time by phase (these few
     // writes made none since the shards opened).
     for shard in 0..4 {

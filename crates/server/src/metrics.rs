@@ -1,7 +1,7 @@
 //! Prometheus metrics, rendered as text on `/metrics`.
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -179,16 +179,16 @@ impl Collector for StoreCollector {
             .0
             .hosted()
             .into_iter()
-            .map(|s| (s.id().get(), s.commit_stats()))
+            .map(|s| (s.id().get(), s.commit_stats(), s.log_sync_latency()))
             .collect();
-        shards.sort_by_key(|(id, _)| *id);
+        shards.sort_by_key(|(id, _, _)| *id);
         let mut commits = encoder.encode_descriptor(
             "store_commits",
             "Group commits (one fsync each), by shard and by who committed: the shard's writer thread, or an idle shard's caller",
             None,
             MetricType::Counter,
         )?;
-        for (shard, st) in &shards {
+        for (shard, st, _) in &shards {
             for (committer, n) in [
                 ("writer_thread", st.groups_by_writer_thread),
                 ("caller", st.groups_by_caller),
@@ -206,7 +206,7 @@ impl Collector for StoreCollector {
             None,
             MetricType::Counter,
         )?;
-        for (shard, st) in &shards {
+        for (shard, st, _) in &shards {
             ConstCounter::new(st.commands)
                 .encode(commands.encode_family(&ShardLabel { shard: *shard })?)?;
         }
@@ -216,7 +216,7 @@ impl Collector for StoreCollector {
             None,
             MetricType::Counter,
         )?;
-        for (shard, st) in &shards {
+        for (shard, st, _) in &shards {
             ConstCounter::new(st.checkpoints)
                 .encode(checkpoints.encode_family(&ShardLabel { shard: *shard })?)?;
         }
@@ -226,7 +226,7 @@ impl Collector for StoreCollector {
             Some(&Unit::Seconds),
             MetricType::Counter,
         )?;
-        for (shard, st) in &shards {
+        for (shard, st, _) in &shards {
             for (phase, micros) in [
                 ("index", st.checkpoint_index_micros),
                 ("sync", st.checkpoint_sync_micros),
@@ -237,6 +237,22 @@ impl Collector for StoreCollector {
                 };
                 ConstCounter::new(micros as f64 / 1e6).encode(spent.encode_family(&label)?)?;
             }
+        }
+        let mut syncs = encoder.encode_descriptor(
+            "store_log_sync",
+            "How long each group commit's fdatasync of the shard's log took: the disk's answer, which every acknowledged write waits for",
+            Some(&Unit::Seconds),
+            MetricType::Histogram,
+        )?;
+        for (shard, _, sync) in &shards {
+            syncs
+                .encode_family(&ShardLabel { shard: *shard })?
+                .encode_histogram::<NoLabelSet>(
+                    sync.sum_seconds,
+                    sync.count(),
+                    &sync.buckets,
+                    None,
+                )?;
         }
         Ok(())
     }

@@ -15,10 +15,12 @@
 
 mod codec;
 mod index;
+mod latency;
 mod log;
 mod shard;
 mod writer;
 
+pub use latency::LatencySnapshot;
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use writer::CommitStats;
 

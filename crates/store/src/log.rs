@@ -44,6 +44,7 @@
 //! refuses to open.
 
 use crate::codec;
+use crate::latency::Latency;
 use crate::StoreError;
 use forkless_types::{ExecutionId, PartitionId};
 use std::collections::HashMap;
@@ -52,6 +53,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// By default a segment is closed once it holds this many bytes (the group
 /// that crosses the mark is the last one written to it).
@@ -133,6 +135,8 @@ pub(crate) struct Segments {
     count: AtomicU32,
     /// Bytes the segments hold (durable groups only).
     bytes: AtomicU64,
+    /// How long each group's `fdatasync` took.
+    pub(crate) sync_latency: Latency,
     /// Open handles: the segment being written (always), and up to
     /// [`OPEN_SEGMENTS_MAX`] others, opened on first read.
     open: Mutex<HashMap<u32, Arc<File>>>,
@@ -330,9 +334,11 @@ impl LogWriter {
         self.file
             .write_all_at(&self.buf, self.len)
             .map_err(|e| StoreError::Io(format!("{}: write: {e}", path().display())))?;
+        let start = Instant::now();
         self.file
             .sync_data()
             .map_err(|e| StoreError::Io(format!("{}: fdatasync: {e}", path().display())))?;
+        self.segments.sync_latency.record(start.elapsed());
         let written = self.buf.len() as u64;
         self.len += written;
         self.segments.bytes.fetch_add(written, Ordering::Relaxed);
@@ -616,6 +622,7 @@ pub(crate) fn open(
             dir: dir.to_path_buf(),
             count: AtomicU32::new(last + 1),
             bytes: AtomicU64::new(bytes),
+            sync_latency: Latency::default(),
             open: Mutex::new(HashMap::from([(last, file.clone())])),
         }),
         file,

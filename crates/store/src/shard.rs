@@ -522,6 +522,12 @@ impl ShardStore {
         self.writer.shared.stats()
     }
 
+    /// How long the `fdatasync` of each group written to this shard's log
+    /// took, since it was opened.
+    pub fn log_sync_latency(&self) -> crate::LatencySnapshot {
+        self.segments.sync_latency.snapshot()
+    }
+
     /// A counter bumped after every durable commit; long-polls wait on it.
     pub fn commits(&self) -> watch::Receiver<u64> {
         self.commits.clone()
