@@ -40,6 +40,12 @@ pub struct ServeArgs {
     /// them at the same priority. Linux only.
     #[arg(long, env = "FORKLESS_BACKGROUND_NICE")]
     background_nice: Option<i32>,
+    /// How many nice steps above the request path each shard's writer
+    /// thread runs, 0 to 20 [default: 5]; 0 keeps it at the same
+    /// priority. Raising takes root or CAP_SYS_NICE (otherwise a warning,
+    /// and the same priority). Linux only.
+    #[arg(long, env = "FORKLESS_WRITER_PRIORITY")]
+    writer_priority: Option<i32>,
     /// How long a forward may wait for the owner, ms [default: 2000].
     #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
     forward_timeout_ms: Option<u64>,
@@ -68,6 +74,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         forward_timeout_ms: a.forward_timeout_ms,
         request_read_timeout_ms: a.request_read_timeout_ms,
         background_nice: a.background_nice,
+        writer_priority: a.writer_priority,
     };
     let cfg = config::resolve(file, a.node, overrides)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();

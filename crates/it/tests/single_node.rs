@@ -1050,9 +1050,11 @@ fn thread_nices(pid: u32) -> Vec<(String, i64)> {
 }
 
 /// The storage engine's background threads run `--background-nice` (or
-/// `[store] background_nice`) steps below the rest of the node, which
-/// stays at the nice it was started with; a value outside 0-19 is refused
-/// at startup, naming the setting.
+/// `[store] background_nice`) steps below the rest of the node, and the
+/// shard writer `--writer-priority` (`[store] writer_priority`) steps above
+/// it when the process may raise a thread (root or CAP_SYS_NICE; else at
+/// the node's nice); the rest stays at the nice it was started with. A
+/// value out of range is refused at startup, naming the setting.
 #[cfg(target_os = "linux")]
 #[test]
 fn the_storage_engines_threads_run_at_the_configured_nice() {
@@ -1063,19 +1065,29 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
     let dir = tempfile::tempdir().unwrap();
     // SAFETY: getpriority only reads this process's nice.
     let own = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) } as i64;
-    let check = |n: &Node, below: i64| {
+    // Whether a thread here may raise itself (the node inherits it).
+    let may_raise = std::thread::spawn(move || {
+        // SAFETY: plain integer arguments; `who` 0 is this thread.
+        own > -20 && unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, own as i32 - 1) } == 0
+    })
+    .join()
+    .unwrap();
+    let check = |n: &Node, below: i64, above: i64| {
         let pid = n.proc.as_ref().expect("running").pid();
         // A new thread names itself once it runs: wait (bounded) for the
-        // storage engine's worker to carry its name.
+        // storage engine's worker and the shard writer to carry their
+        // names.
         let deadline = Instant::now() + Duration::from_secs(10);
         let threads = loop {
             let threads = thread_nices(pid);
-            if threads.iter().any(|(name, _)| name.starts_with("fjall")) {
+            if threads.iter().any(|(name, _)| name.starts_with("fjall"))
+                && threads.iter().any(|(name, _)| name == "shard-0-writer")
+            {
                 break threads;
             }
             assert!(
                 Instant::now() < deadline,
-                "no storage engine threads in {threads:?}"
+                "no storage engine or writer threads in {threads:?}"
             );
             std::thread::yield_now();
         };
@@ -1086,6 +1098,28 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
             fjall.iter().all(|(_, nice)| *nice == (own + below).min(19)),
             "storage threads should be at {own} + {below}: {threads:?}"
         );
+        type Threads<'a> = Vec<&'a (String, i64)>;
+        let (writers, rest): (Threads, Threads) = rest
+            .into_iter()
+            .partition(|(name, _)| name == "shard-0-writer");
+        let writer_at = if may_raise {
+            (own - above).max(-20)
+        } else {
+            own
+        };
+        // The writer raises itself when it first runs: the node answered
+        // /readyz, which takes no write, so wait (bounded) for it.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !thread_nices(pid)
+            .iter()
+            .any(|(name, nice)| name == "shard-0-writer" && *nice == writer_at)
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the writer should be at {writer_at}: {writers:?} (may raise: {may_raise})"
+            );
+            std::thread::yield_now();
+        }
         assert!(
             rest.iter()
                 .filter(|(name, _)| name != "shard-open")
@@ -1093,16 +1127,23 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
             "every other thread should be at {own}: {threads:?}"
         );
     };
-    let n = Node::start_single(&dir.path().join("flag"), &["--background-nice", "3"]);
-    check(&n, 3);
+    let n = Node::start_single(
+        &dir.path().join("flag"),
+        &["--background-nice", "3", "--writer-priority", "2"],
+    );
+    check(&n, 3, 2);
     drop(n);
     let file = dir.path().join("store.toml");
-    std::fs::write(&file, "[store]\nbackground_nice = 0\n").unwrap();
+    std::fs::write(&file, "[store]\nbackground_nice = 0\nwriter_priority = 0\n").unwrap();
     let n = Node::start_single(
         &dir.path().join("file"),
         &["--config", &file.display().to_string()],
     );
-    check(&n, 0);
+    check(&n, 0, 0);
+    drop(n);
+    // The defaults: 10 below, 5 above.
+    let n = Node::start_single(&dir.path().join("defaults"), &[]);
+    check(&n, 10, 5);
     drop(n);
 
     let listen = format!("127.0.0.1:{}", free_ports(1)[0]);
@@ -1125,6 +1166,30 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
     );
     assert!(
         err.contains("store.background_nice must be 0 to 19"),
+        "stderr: {err}"
+    );
+    assert!(
+        !dir.path().join("bad").exists(),
+        "a refused start wrote its data dir"
+    );
+    let (code, _, err) = run_cli(
+        &[
+            "serve",
+            "--listen",
+            &listen,
+            "--data-dir",
+            &d,
+            "--writer-priority",
+            "21",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(
+        code.is_some() && code != Some(0),
+        "started with writer priority 21: {err}"
+    );
+    assert!(
+        err.contains("store.writer_priority must be 0 to 20"),
         "stderr: {err}"
     );
     assert!(

@@ -98,6 +98,9 @@ pub const CACHE_BYTES_MIN: u64 = 1024 * 1024;
 /// The most nice steps `store.background_nice` may lower the storage
 /// engine's background threads by (Linux's range is 0 to 19).
 pub const BACKGROUND_NICE_MAX: i32 = 19;
+/// The most nice steps `store.writer_priority` may raise the shard writers
+/// by (Linux's range is -20 to 19).
+pub const WRITER_PRIORITY_MAX: i32 = 20;
 
 /// Each shard's embedded database (`docs/storage.md`). Defaults are the
 /// store's own.
@@ -113,6 +116,10 @@ pub struct StoreSettings {
     /// How many nice steps below the request path the storage engine's
     /// flush and compaction threads run (0: the same priority). Linux only.
     pub background_nice: i32,
+    /// How many nice steps above the request path each shard's writer
+    /// thread runs (0: the same priority), if the process may (root or
+    /// CAP_SYS_NICE; otherwise a warning at start). Linux only.
+    pub writer_priority: i32,
 }
 
 impl Default for StoreSettings {
@@ -122,6 +129,7 @@ impl Default for StoreSettings {
             cache_bytes_per_shard: d.cache_bytes_per_shard,
             journal_bytes_max: d.journal_bytes_max,
             background_nice: d.background_nice,
+            writer_priority: d.writer_priority,
         }
     }
 }
@@ -133,6 +141,12 @@ impl StoreSettings {
             return bad(format!(
                 "store.background_nice must be 0 to {BACKGROUND_NICE_MAX} (nice steps below the request path; 0 keeps the same priority), not {}",
                 self.background_nice
+            ));
+        }
+        if !(0..=WRITER_PRIORITY_MAX).contains(&self.writer_priority) {
+            return bad(format!(
+                "store.writer_priority must be 0 to {WRITER_PRIORITY_MAX} (nice steps above the request path; 0 keeps the same priority), not {}",
+                self.writer_priority
             ));
         }
         if self.journal_bytes_max < JOURNAL_BYTES_MIN {
@@ -433,6 +447,9 @@ pub fn resolve(
     if let Some(n) = overrides.background_nice {
         cfg.store.background_nice = n;
     }
+    if let Some(n) = overrides.writer_priority {
+        cfg.store.writer_priority = n;
+    }
     cfg.store.validate()?;
     overrides.apply_limits(&mut cfg.limits);
     if let Some(t) = overrides.forward_timeout_ms {
@@ -508,6 +525,7 @@ pub struct Overrides {
     pub forward_timeout_ms: Option<u64>,
     pub request_read_timeout_ms: Option<u64>,
     pub background_nice: Option<i32>,
+    pub writer_priority: Option<i32>,
 }
 
 impl Overrides {
@@ -679,8 +697,9 @@ peer_addr = "127.0.0.1:7172"
         let d = resolve(None, None, Overrides::default()).unwrap();
         assert_eq!(d.store, StoreSettings::default());
         assert_eq!(d.store.background_nice, 10);
+        assert_eq!(d.store.writer_priority, 5);
         let c = check(
-            "[store]\nbackground_nice = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\n",
+            "[store]\nbackground_nice = 0\nwriter_priority = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\n",
             None,
             None,
         )
@@ -691,6 +710,7 @@ peer_addr = "127.0.0.1:7172"
                 cache_bytes_per_shard: 1 << 20,
                 journal_bytes_max: 128 << 20,
                 background_nice: 0,
+                writer_priority: 0,
             }
         );
         // The flag wins over the file, and is checked the same way.
@@ -710,7 +730,26 @@ peer_addr = "127.0.0.1:7172"
             .unwrap_err()
             .to_string()
             .contains("store.background_nice must be 0 to 19"));
+        let w = |n| Overrides {
+            writer_priority: Some(n),
+            ..Default::default()
+        };
+        assert_eq!(
+            resolve(Some(file()), None, w(20))
+                .unwrap()
+                .store
+                .writer_priority,
+            20
+        );
+        assert!(resolve(Some(file()), None, w(21))
+            .unwrap_err()
+            .to_string()
+            .contains("store.writer_priority must be 0 to 20"));
         for (bad, field) in [
+            (
+                "writer_priority = -1",
+                "store.writer_priority must be 0 to 20",
+            ),
             (
                 "background_nice = -1",
                 "store.background_nice must be 0 to 19",

@@ -72,6 +72,7 @@ impl App {
                 cache_bytes_per_shard: cfg.store.cache_bytes_per_shard,
                 journal_bytes_max: cfg.store.journal_bytes_max,
                 background_nice: cfg.store.background_nice,
+                writer_priority: cfg.store.writer_priority,
                 requests_in_progress: Some(in_progress.clone()),
                 ..StoreConfig::default()
             },

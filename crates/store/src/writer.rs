@@ -404,7 +404,9 @@ impl Core {
 
 /// Starts the shard's writer thread; submit commands on `tx`'s channel and
 /// then call [`Shared::submitted`]. The thread stops (after a checkpoint)
-/// once every sender is dropped and it is rung.
+/// once every sender is dropped and it is rung. It runs `priority` nice
+/// steps above the caller if the process may (see
+/// [`crate::StoreConfig::writer_priority`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn(
     shard: ShardId,
@@ -412,6 +414,7 @@ pub(crate) fn spawn(
     log: LogWriter,
     tail: SharedTail,
     checkpoint_bytes: u64,
+    priority: i32,
     rx: mpsc::Receiver<Command>,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
@@ -445,6 +448,7 @@ pub(crate) fn spawn(
     let handle = std::thread::Builder::new()
         .name(format!("shard-{shard}-writer"))
         .spawn(move || {
+            crate::shard::raise_own_priority(priority);
             if let Ok(shared) = received.recv() {
                 shared.thread_main();
             }
