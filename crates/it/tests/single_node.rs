@@ -1107,8 +1107,8 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
         } else {
             own
         };
-        // The writer raises itself when it first runs: the node answered
-        // /readyz, which takes no write, so wait (bounded) for it.
+        // The writer raises itself as its thread starts, which may come
+        // after the snapshot above: wait (bounded) for it.
         let deadline = Instant::now() + Duration::from_secs(10);
         while !thread_nices(pid)
             .iter()

@@ -147,7 +147,10 @@ impl Metrics {
 /// The shards' group-commit counters, read from the store at each scrape:
 /// `forkless_store_commits_total{shard, committer}` and
 /// `forkless_store_committed_commands_total{shard}` (their ratio is the
-/// mean group size: how much each fsync carried).
+/// mean group size: how much each fsync carried), the histogram of those
+/// fsyncs (`forkless_store_log_sync_seconds{shard}`), and the log's
+/// checkpoints (`forkless_store_checkpoints_total{shard}`,
+/// `forkless_store_checkpoint_seconds_total{shard, phase}`).
 pub struct StoreCollector(pub std::sync::Arc<forkless_store::Store>);
 
 impl std::fmt::Debug for StoreCollector {
@@ -240,7 +243,7 @@ impl Collector for StoreCollector {
         }
         let mut syncs = encoder.encode_descriptor(
             "store_log_sync",
-            "How long each group commit's fdatasync of the shard's log took: the disk's answer, which every acknowledged write waits for",
+            "How long each group commit's fdatasync of the shard's log took, which every acknowledged write waits for (wall time to its return: a wait for a core after the disk answered counts too)",
             Some(&Unit::Seconds),
             MetricType::Histogram,
         )?;

@@ -405,7 +405,7 @@ impl Core {
 /// Starts the shard's writer thread; submit commands on `tx`'s channel and
 /// then call [`Shared::submitted`]. The thread stops (after a checkpoint)
 /// once every sender is dropped and it is rung. It runs `priority` nice
-/// steps above the caller if the process may (see
+/// steps above the process's main thread if the process may (see
 /// [`crate::StoreConfig::writer_priority`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn spawn(
