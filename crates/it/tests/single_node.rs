@@ -1148,52 +1148,30 @@ fn the_storage_engines_threads_run_at_the_configured_nice() {
 
     let listen = format!("127.0.0.1:{}", free_ports(1)[0]);
     let d = dir.path().join("bad").display().to_string();
-    let (code, _, err) = run_cli(
-        &[
-            "serve",
-            "--listen",
-            &listen,
-            "--data-dir",
-            &d,
+    for (flag, value, message) in [
+        (
             "--background-nice",
             "20",
-        ],
-        Duration::from_secs(20),
-    );
-    assert!(
-        code.is_some() && code != Some(0),
-        "started with nice 20: {err}"
-    );
-    assert!(
-        err.contains("store.background_nice must be 0 to 19"),
-        "stderr: {err}"
-    );
-    assert!(
-        !dir.path().join("bad").exists(),
-        "a refused start wrote its data dir"
-    );
-    let (code, _, err) = run_cli(
-        &[
-            "serve",
-            "--listen",
-            &listen,
-            "--data-dir",
-            &d,
+            "store.background_nice must be 0 to 19",
+        ),
+        (
             "--writer-priority",
             "21",
-        ],
-        Duration::from_secs(20),
-    );
-    assert!(
-        code.is_some() && code != Some(0),
-        "started with writer priority 21: {err}"
-    );
-    assert!(
-        err.contains("store.writer_priority must be 0 to 20"),
-        "stderr: {err}"
-    );
-    assert!(
-        !dir.path().join("bad").exists(),
-        "a refused start wrote its data dir"
-    );
+            "store.writer_priority must be 0 to 20",
+        ),
+    ] {
+        let (code, _, err) = run_cli(
+            &["serve", "--listen", &listen, "--data-dir", &d, flag, value],
+            Duration::from_secs(20),
+        );
+        assert!(
+            code.is_some() && code != Some(0),
+            "started with {flag} {value}: {err}"
+        );
+        assert!(err.contains(message), "stderr: {err}");
+        assert!(
+            !dir.path().join("bad").exists(),
+            "a refused start wrote its data dir"
+        );
+    }
 }
