@@ -1,10 +1,12 @@
 //! The storage engine's background threads run below the request path
-//! (`StoreConfig::background_nice`). A file of its own: its own process,
-//! so every storage thread it sees was started by this test.
+//! (`StoreConfig::background_nice`), and the shard writers above it
+//! (`StoreConfig::writer_priority`) when the process may raise a thread.
+//! A file of its own: its own process, so every storage and writer thread
+//! it sees was started by this test.
 #![cfg(target_os = "linux")]
 
-use forkless_store::{Store, StoreConfig};
-use forkless_types::{Epoch, ShardCount, ShardId};
+use forkless_store::{StartRequest, Store, StoreConfig};
+use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
 use std::time::{Duration, Instant};
 
 /// (thread name, nice) of every thread of this process.
@@ -24,8 +26,22 @@ fn threads() -> Vec<(String, i32)> {
         .collect()
 }
 
-#[test]
-fn storage_background_threads_run_below_the_request_path() {
+/// Whether this process may raise a thread's priority: tried on a thread
+/// of its own, which then ends.
+fn may_raise() -> bool {
+    std::thread::spawn(|| {
+        // SAFETY: plain integer arguments; `who` 0 is this thread.
+        unsafe {
+            let own = libc::getpriority(libc::PRIO_PROCESS, 0);
+            own > -20 && libc::setpriority(libc::PRIO_PROCESS, 0, own - 1) == 0
+        }
+    })
+    .join()
+    .expect("the probe thread")
+}
+
+#[tokio::test]
+async fn storage_threads_run_at_their_configured_priorities() {
     let own = threads()
         .into_iter()
         .map(|(_, n)| n)
@@ -37,13 +53,18 @@ fn storage_background_threads_run_below_the_request_path() {
         ShardCount::new(2).expect("a power of two"),
         StoreConfig {
             background_nice: 7,
+            writer_priority: 7,
             ..StoreConfig::default()
         },
     )
     .expect("open");
-    for s in 0..2 {
-        store.open_shard(ShardId(s), Epoch(1)).expect("open shard");
-    }
+    let shards: Vec<_> = (0..2)
+        .map(|s| {
+            store
+                .open_shard(ShardId(s), Epoch(1))
+                .expect("the shard opens even if its writer may not be raised")
+        })
+        .collect();
     // One worker per shard by default. A new thread names itself once it
     // runs: wait (bounded) for both names.
     let fjall = || -> Vec<(String, i32)> {
@@ -68,9 +89,37 @@ fn storage_background_threads_run_below_the_request_path() {
         background.iter().all(|(_, n)| *n == want),
         "expected nice {want}: {background:?}"
     );
+    // The first command of each shard is committed by its writer thread,
+    // which tries to raise itself before anything else.
+    for (n, shard) in shards.iter().enumerate() {
+        let out = shard
+            .start(StartRequest {
+                epoch: Epoch(1),
+                id: (1..)
+                    .filter_map(|i| ExecutionId::new(i).ok())
+                    .find(|id| id.partition().get() % 2 == n as u32)
+                    .expect("an id on this shard"),
+                workflow: "wf".into(),
+                started_payload: b"{}".to_vec(),
+                routing_key: None,
+                idempotency_key: None,
+            })
+            .await
+            .expect("a write through the writer");
+        assert!(!out.existing);
+    }
+    let writers: Vec<_> = threads()
+        .into_iter()
+        .filter(|(name, _)| name.ends_with("-writer"))
+        .collect();
+    assert_eq!(writers.len(), 2, "{:?}", threads());
+    let writer_at = if may_raise() { (own - 7).max(-20) } else { own };
+    assert!(
+        writers.iter().all(|(_, n)| *n == writer_at),
+        "writers should be at {writer_at} (unprivileged: the process's own): {writers:?}"
+    );
     // Everything else keeps the process's priority (the opening thread
-    // lowered itself; it has been joined, but its entry may linger; the
-    // shard writers run above it, see tests/priority.rs).
+    // lowered itself; it has been joined, but its entry may linger).
     assert!(
         threads()
             .iter()
