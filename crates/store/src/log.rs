@@ -671,10 +671,9 @@ fn read_group(
     if have < GROUP_HEADER {
         return Ok(Group::Bad);
     }
-    let len = u64::from(u32::from_be_bytes([
-        header[0], header[1], header[2], header[3],
-    ]));
-    let crc = u32::from_be_bytes([header[4], header[5], header[6], header[7]]);
+    let mut r = codec::Reader::new(&header, "log group header");
+    let len = u64::from(r.u32()?);
+    let crc = r.u32()?;
     if len > GROUP_PAYLOAD_MAX || size - at - (GROUP_HEADER as u64) < len {
         return Ok(Group::Bad);
     }
