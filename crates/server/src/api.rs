@@ -406,7 +406,13 @@ where
                     Err(e) => e.into_response(),
                 },
                 None => from_store(
-                    StoreError::ShardNotHosted(route.shard),
+                    match app.store.failure(route.shard) {
+                        Some(reason) => StoreError::ShardFailed {
+                            shard: route.shard,
+                            reason,
+                        },
+                        None => StoreError::ShardNotHosted(route.shard),
+                    },
                     shard,
                     partition,
                     app.dir.map_version(),
@@ -1182,13 +1188,18 @@ async fn cluster(State(app): AppState) -> Response {
         .map(|s| {
             let a = app.dir.assignment(ShardId(s));
             let local = app.store.shard(ShardId(s));
-            json!({
+            let failed = app.store.failure(ShardId(s));
+            let mut shard = json!({
                 "shard": s,
                 "owner": a.map(|a| a.owner.get()),
                 "epoch": a.map(|a| a.epoch.get()),
                 "local": app.dir.owns(ShardId(s)),
                 "store_epoch": local.map(|st| st.epoch().get()),
-            })
+            });
+            if let Some(why) = failed {
+                shard["failed"] = json!(why);
+            }
+            shard
         })
         .collect();
     let nodes: Vec<_> = app
@@ -1218,9 +1229,24 @@ async fn cluster(State(app): AppState) -> Response {
     )
 }
 
+/// Ready once started; a node with shards out of service still serves
+/// the others, so it stays ready and says which are failed and why.
 async fn readyz(State(app): AppState) -> Response {
     if app.ready.load(Ordering::Acquire) {
-        json_response(StatusCode::OK, &json!({"status": "ready"}))
+        let failed: Vec<_> = app
+            .store
+            .failures()
+            .into_iter()
+            .map(|(s, why)| json!({"shard": s.get(), "reason": why}))
+            .collect();
+        if failed.is_empty() {
+            json_response(StatusCode::OK, &json!({"status": "ready"}))
+        } else {
+            json_response(
+                StatusCode::OK,
+                &json!({"status": "degraded", "failed_shards": failed}),
+            )
+        }
     } else {
         json_response(
             StatusCode::SERVICE_UNAVAILABLE,

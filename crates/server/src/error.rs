@@ -17,6 +17,15 @@ pub enum Executed {
     Unknown,
 }
 
+impl Executed {
+    fn json(self) -> Value {
+        match self {
+            Executed::No => json!(false),
+            Executed::Unknown => json!("unknown"),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub enum ApiError {
     Invalid {
@@ -37,7 +46,11 @@ pub enum ApiError {
         status: &'static str,
         last_seq: u64,
     },
-    IdempotencyConflict(String),
+    /// A reused idempotency key: `key` names it.
+    IdempotencyConflict {
+        message: String,
+        key: String,
+    },
     NotOwner {
         partition: Option<u32>,
         shard: u32,
@@ -50,6 +63,14 @@ pub enum ApiError {
         executed: Executed,
         reason: String,
         hint: Option<OwnerHint>,
+    },
+    /// The shard is hosted here but out of service: its storage failed
+    /// (damage found at open, or a failed write or sync). `Unknown` when
+    /// the write was in the commit that failed.
+    ShardUnavailable {
+        shard: u32,
+        executed: Executed,
+        reason: String,
     },
     Forbidden(String),
     /// A request not received in full within this many milliseconds.
@@ -86,9 +107,10 @@ impl ApiError {
             ApiError::NotFound(_) => "execution_not_found",
             ApiError::SequenceConflict { .. } => "sequence_conflict",
             ApiError::Closed { .. } => "execution_closed",
-            ApiError::IdempotencyConflict(_) => "idempotency_conflict",
+            ApiError::IdempotencyConflict { .. } => "idempotency_conflict",
             ApiError::NotOwner { .. } => "not_owner",
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
+            ApiError::ShardUnavailable { .. } => "shard_unavailable",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::Internal(_) => "internal",
@@ -102,9 +124,11 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::SequenceConflict { .. }
             | ApiError::Closed { .. }
-            | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
+            | ApiError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
-            ApiError::OwnerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::OwnerUnavailable { .. } | ApiError::ShardUnavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -126,10 +150,10 @@ impl ApiError {
                 "message": format!("the request was not received in full within {ms} ms; nothing of it was acted on"),
                 "timeout_ms": ms,
             }),
-            ApiError::NotFound(m)
-            | ApiError::IdempotencyConflict(m)
-            | ApiError::Forbidden(m)
-            | ApiError::Internal(m) => {
+            ApiError::IdempotencyConflict { message, key } => {
+                json!({"error": code, "message": message, "idempotency_key": key})
+            }
+            ApiError::NotFound(m) | ApiError::Forbidden(m) | ApiError::Internal(m) => {
                 json!({"error": code, "message": m})
             }
             ApiError::SequenceConflict { expected, last_seq } => json!({
@@ -167,7 +191,20 @@ impl ApiError {
                 "message": format!("the owner of shard {shard} could not be reached: {reason}; nothing was written on this node"),
                 "shard": shard,
                 "owner_hint": hint.as_ref().map(|h| json!({"node": h.node.get(), "address": h.api_addr})),
-                "executed": match executed { Executed::No => json!(false), Executed::Unknown => json!("unknown") },
+                "executed": executed.json(),
+            }),
+            ApiError::ShardUnavailable {
+                shard,
+                executed,
+                reason,
+            } => json!({
+                "error": code,
+                "message": match executed {
+                    Executed::No => format!("shard {shard} is out of service on this node: {reason}; nothing was written"),
+                    Executed::Unknown => format!("shard {shard} failed while committing this write: {reason}; whether it was written is unknown (a retry with the same idempotency key is safe)"),
+                },
+                "shard": shard,
+                "executed": executed.json(),
             }),
         }
     }
@@ -176,7 +213,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::OwnerUnavailable { .. }) {
+        if matches!(
+            self,
+            ApiError::OwnerUnavailable { .. } | ApiError::ShardUnavailable { .. }
+        ) {
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
@@ -197,7 +237,11 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             status: status.as_str(),
             last_seq,
         },
-        e @ StoreError::IdempotencyConflict { .. } => ApiError::IdempotencyConflict(e.to_string()),
+        StoreError::IdempotencyConflict { ref key, .. }
+        | StoreError::IdempotencyKeyReused { ref key, .. } => ApiError::IdempotencyConflict {
+            key: key.clone(),
+            message: e.to_string(),
+        },
         e @ (StoreError::Fenced { .. } | StoreError::ShardNotHosted(_)) => ApiError::NotOwner {
             partition,
             shard,
@@ -206,6 +250,23 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             detail: e.to_string(),
         },
         StoreError::Invalid(m) => ApiError::invalid("request", m),
+        StoreError::OutcomeUnknown { reason, .. } => ApiError::ShardUnavailable {
+            shard,
+            executed: Executed::Unknown,
+            reason,
+        },
+        StoreError::ShardFailed { reason, .. } => ApiError::ShardUnavailable {
+            shard,
+            executed: Executed::No,
+            reason,
+        },
+        // The writer went away with the command: it may have been in the
+        // group being committed.
+        e @ StoreError::WriterGone => ApiError::ShardUnavailable {
+            shard,
+            executed: Executed::Unknown,
+            reason: e.to_string(),
+        },
         e => ApiError::Internal(e.to_string()),
     }
 }

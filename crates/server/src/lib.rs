@@ -80,7 +80,13 @@ impl App {
         for s in 0..cfg.shard_count.get() {
             let shard = ShardId(s);
             if let forkless_routing::Owner::Local { epoch } = dir.owner_of(shard) {
-                let st = store.open_shard(shard, epoch)?;
+                let st = match store.open_shard(shard, epoch) {
+                    Ok(st) => st,
+                    // Damage found at open: reported by the store, and the
+                    // shard answers 503 while the others serve.
+                    Err(forkless_store::StoreError::ShardFailed { .. }) => continue,
+                    Err(e) => return Err(e.into()),
+                };
                 if st.epoch() < epoch {
                     st.advance_epoch(epoch).await?;
                 } else if st.epoch() > epoch {

@@ -5,7 +5,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetri
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Registry, Unit};
@@ -150,7 +150,8 @@ impl Metrics {
 /// mean group size: how much each fsync carried), the histogram of those
 /// fsyncs (`forkless_store_log_sync_seconds{shard}`), and the log's
 /// checkpoints (`forkless_store_checkpoints_total{shard}`,
-/// `forkless_store_checkpoint_seconds_total{shard, phase}`).
+/// `forkless_store_checkpoint_seconds_total{shard, phase}`), and which
+/// shards are out of service (`forkless_store_shard_failed{shard}`).
 pub struct StoreCollector(pub std::sync::Arc<forkless_store::Store>);
 
 impl std::fmt::Debug for StoreCollector {
@@ -256,6 +257,22 @@ impl Collector for StoreCollector {
                     &sync.buckets,
                     None,
                 )?;
+        }
+        let mut failed = encoder.encode_descriptor(
+            "store_shard_failed",
+            "1 for a shard of this node that is out of service (damage found when it was opened, or a failed write or sync of its log; the reason is in the log and /readyz), 0 for one that serves",
+            None,
+            MetricType::Gauge,
+        )?;
+        let failures = self.0.failures();
+        let mut all: Vec<u32> = shards.iter().map(|(s, _, _)| *s).collect();
+        all.extend(failures.keys().map(|s| s.get()));
+        all.sort_unstable();
+        all.dedup();
+        for shard in all {
+            let down = failures.contains_key(&forkless_types::ShardId(shard));
+            ConstGauge::new(i64::from(down))
+                .encode(failed.encode_family(&ShardLabel { shard })?)?;
         }
         Ok(())
     }

@@ -191,11 +191,30 @@ pub enum StoreError {
         status: ExecutionStatus,
         last_seq: u64,
     },
+    /// Some events of the batch carry keys already used, others are new:
+    /// the batch is neither a retry nor a fresh write.
+    #[error("{}", idempotency_conflict_text(*.index, .key, *.seq, *.unkeyed))]
+    IdempotencyConflict {
+        index: usize,
+        key: String,
+        seq: u64,
+        /// An event of the batch without a key, if there is one.
+        unkeyed: Option<usize>,
+    },
+    /// An idempotency key already used for another event: a retry must
+    /// carry the same event (type and payload bytes) under its key.
     #[error(
-        "events[{index}].idempotency_key {key:?} was already used (seq {seq}) but other events in \
-         the batch are new; retry the original batch exactly, or use fresh keys"
+        "events[{index}].idempotency_key {key:?} was already used for a different event (seq {seq}, \
+         whose {differs} differs); a retry must send the same event under its key, and a new event \
+         needs a new key"
     )]
-    IdempotencyConflict { index: usize, key: String, seq: u64 },
+    IdempotencyKeyReused {
+        index: usize,
+        key: String,
+        seq: u64,
+        /// `"type"` or `"payload"`.
+        differs: &'static str,
+    },
     #[error("write carries epoch {presented} but the shard is at epoch {current}: this writer is not the owner")]
     Fenced { presented: Epoch, current: Epoch },
     #[error("epoch may only grow: shard is at {current}, asked for {requested}")]
@@ -223,6 +242,31 @@ pub enum StoreError {
     Io(String),
     #[error("the shard's writer has stopped")]
     WriterGone,
+    /// The commit of the group carrying this write failed after the write
+    /// was handed to the disk: it may or may not be durable (a reopen
+    /// finds out). Only an idempotency key makes a retry safe.
+    #[error("shard {shard}: the commit carrying this write failed ({reason}); it may or may not be on disk")]
+    OutcomeUnknown { shard: ShardId, reason: String },
+    /// The shard stopped taking writes (a failed write or sync), or could
+    /// not be opened (damage found at open): refused without being tried.
+    #[error("shard {shard} is out of service: {reason}")]
+    ShardFailed { shard: ShardId, reason: String },
+}
+
+fn idempotency_conflict_text(index: usize, key: &str, seq: u64, unkeyed: Option<usize>) -> String {
+    match unkeyed {
+        Some(u) => format!(
+            "events[{index}].idempotency_key {key:?} was already used (seq {seq}), but events[{u}] has \
+             no idempotency key, so the batch cannot be recognised as a retry: give every event of a \
+             batch its own idempotency key (a retry of the whole batch is then answered as the \
+             original), or send events without keys in a batch of their own"
+        ),
+        None => format!(
+            "events[{index}].idempotency_key {key:?} was already used (seq {seq}) but other events in \
+             the batch are new; retry the original batch exactly, or send the new events with fresh \
+             keys in a batch of their own"
+        ),
+    }
 }
 
 impl StoreError {
@@ -231,7 +275,11 @@ impl StoreError {
     pub fn is_fault(&self) -> bool {
         matches!(
             self,
-            StoreError::Corrupt(_) | StoreError::Io(_) | StoreError::WriterGone
+            StoreError::Corrupt(_)
+                | StoreError::Io(_)
+                | StoreError::WriterGone
+                | StoreError::OutcomeUnknown { .. }
+                | StoreError::ShardFailed { .. }
         )
     }
 }
@@ -248,6 +296,10 @@ pub struct Store {
     shard_count: ShardCount,
     config: StoreConfig,
     shards: RwLock<BTreeMap<ShardId, Arc<ShardStore>>>,
+    /// Shards that could not be opened (damage found at open), with why.
+    /// They stay out of service until the process is restarted on a
+    /// repaired folder; the other shards serve.
+    failed: RwLock<BTreeMap<ShardId, String>>,
     opening: [std::sync::Mutex<()>; OPEN_LOCKS],
 }
 
@@ -263,8 +315,7 @@ impl Store {
         shard_count: ShardCount,
         config: StoreConfig,
     ) -> Result<Store, StoreError> {
-        std::fs::create_dir_all(dir.join("shards"))
-            .map_err(|e| StoreError::Io(format!("{}: {e}", dir.display())))?;
+        create_dir_durably(&dir.join("shards"))?;
         let layout = dir.join(LAYOUT_FILE);
         match std::fs::read_to_string(&layout) {
             Ok(text) => {
@@ -292,11 +343,14 @@ impl Store {
             shard_count,
             config,
             shards: RwLock::new(BTreeMap::new()),
+            failed: RwLock::new(BTreeMap::new()),
             opening: Default::default(),
         };
         // Reopen every shard that has data here, owned or not: a shard this
         // node no longer owns must still be there to be fenced and read.
-        // Each reopen replays its own journal, so they run in parallel.
+        // Each reopen replays its own journal, so they run in parallel. A
+        // shard that fails to open is out of service and reported; the
+        // others open and serve.
         let entries =
             std::fs::read_dir(dir.join("shards")).map_err(|e| StoreError::Io(e.to_string()))?;
         let mut existing = Vec::new();
@@ -315,15 +369,57 @@ impl Store {
         std::thread::scope(|scope| {
             let handles: Vec<_> = existing
                 .iter()
-                .map(|s| scope.spawn(|| store.open_shard(*s, Epoch(0))))
+                .map(|s| (*s, scope.spawn(|| store.open_shard(*s, Epoch(0)))))
                 .collect();
-            for h in handles {
-                h.join()
-                    .map_err(|_| StoreError::Io("a shard's reopen panicked".into()))??;
+            for (shard, h) in handles {
+                match h.join() {
+                    Ok(Ok(_)) | Ok(Err(StoreError::ShardFailed { .. })) => {}
+                    // Another process holds the folder: nothing here is ours.
+                    Ok(Err(e @ StoreError::InUse(_))) => return Err(e),
+                    Ok(Err(e)) => store.mark_failed(shard, e.to_string()),
+                    Err(_) => store.mark_failed(shard, "its reopen panicked".into()),
+                }
             }
             Ok::<(), StoreError>(())
         })?;
         Ok(store)
+    }
+
+    fn mark_failed(&self, shard: ShardId, reason: String) {
+        tracing::error!(shard = %shard, reason = %reason, "the shard cannot be opened; it is out of service, the node's other shards serve");
+        self.failed
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(shard, reason);
+    }
+
+    /// The shards out of service, with why: those that could not be
+    /// opened, and those that stopped taking writes after a failed write.
+    pub fn failures(&self) -> BTreeMap<ShardId, String> {
+        let mut out = self
+            .failed
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        for s in self.hosted() {
+            if let Some(why) = s.failure() {
+                out.insert(s.id(), why);
+            }
+        }
+        out
+    }
+
+    /// Why the shard is out of service, if it is.
+    pub fn failure(&self, shard: ShardId) -> Option<String> {
+        if let Some(why) = self
+            .failed
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&shard)
+        {
+            return Some(why.clone());
+        }
+        self.shard(shard).and_then(|s| s.failure())
     }
 
     /// Opens the shard, creating it at `initial_epoch` if it has no data yet.
@@ -345,8 +441,33 @@ impl Store {
         if let Some(s) = self.shard(shard) {
             return Ok(s);
         }
-        let path = self.dir.join("shards").join(shard.get().to_string());
-        let s = Arc::new(ShardStore::open(&path, shard, initial_epoch, &self.config)?);
+        if let Some(reason) = self
+            .failed
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&shard)
+        {
+            return Err(StoreError::ShardFailed {
+                shard,
+                reason: reason.clone(),
+            });
+        }
+        let shards = self.dir.join("shards");
+        let path = shards.join(shard.get().to_string());
+        if !path.exists() {
+            // The shard's folder must survive a crash before the shard
+            // takes a write.
+            std::fs::create_dir(&path)
+                .and_then(|()| sync_dir(&shards))
+                .map_err(|e| StoreError::Io(format!("{}: creating: {e}", path.display())))?;
+        }
+        let s = Arc::new(
+            ShardStore::open(&path, shard, initial_epoch, &self.config).map_err(|e| match e {
+                StoreError::Corrupt(m) => StoreError::Corrupt(format!("shard {shard}: {m}")),
+                StoreError::Io(m) => StoreError::Io(format!("shard {shard}: {m}")),
+                e => e,
+            })?,
+        );
         self.shards
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -391,6 +512,32 @@ fn parse_layout(text: &str) -> Option<u32> {
         .filter_map(|l| l.split_once('='))
         .find(|(k, _)| k.trim() == "shard_count")
         .and_then(|(_, v)| v.trim().parse().ok())
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir).and_then(|d| d.sync_all())
+}
+
+/// Creates `dir` and every missing folder above it, each synced into its
+/// parent, so that none of them can vanish in a crash after the call.
+fn create_dir_durably(dir: &Path) -> Result<(), StoreError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let io = |e: std::io::Error| StoreError::Io(format!("{}: creating: {e}", dir.display()));
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        create_dir_durably(parent)?;
+    }
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(e)),
+    }
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    sync_dir(parent).map_err(io)
 }
 
 fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {

@@ -37,11 +37,13 @@
 //! anything is written to it. An empty group is never written, so a zero
 //! header followed by nothing but zeros is the end of a segment's groups.
 //!
-//! A crash can leave the last group of the last segment torn (short,
-//! failing its checksum, or stray bytes after a zero header): it was never
-//! acknowledged, since its fsync did not return, so opening cuts it off
-//! (zeroes it). A bad group anywhere else is corruption and the shard
-//! refuses to open.
+//! A crash can leave the last group of the last segment torn (short, or
+//! failing its checksum): it was never acknowledged, since its fsync did
+//! not return, so opening cuts it off (zeroes it). Only the last thing
+//! ever written can be torn: a bad group with anything written after its
+//! extent (see [`written_after_bad_group`]), or a bad group in any other
+//! segment, is damage to acknowledged data, and the shard refuses to open
+//! with an error naming the segment, the offset and what is wrong.
 
 use crate::codec;
 use crate::latency::Latency;
@@ -232,6 +234,8 @@ pub(crate) struct LogWriter {
     next: Option<std::thread::JoinHandle<Result<(PathBuf, File), StoreError>>>,
     /// The group being built: header space, then records.
     buf: Vec<u8>,
+    /// Set once a write or sync failed: no group is written after it.
+    failed: bool,
 }
 
 impl LogWriter {
@@ -304,6 +308,29 @@ impl LogWriter {
         }
     }
 
+    /// The value of an event added to the group being built.
+    pub(crate) fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
+        let start = loc
+            .offset
+            .checked_sub(self.len)
+            .filter(|_| loc.segment == self.segment)
+            .map(|s| s as usize)
+            .filter(|s| *s < self.buf.len())
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "{}:{} is not in the group being built",
+                    loc.segment, loc.offset
+                ))
+            })?;
+        match parse_record(&self.buf, start, loc.segment, self.len)? {
+            (Record::Event { value, .. }, _) => Ok(value),
+            _ => Err(StoreError::Corrupt(format!(
+                "{}:{} is not an event",
+                loc.segment, loc.offset
+            ))),
+        }
+    }
+
     /// Adds a put to one of the shard's keyspaces to the group.
     pub(crate) fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
         self.buf.push(PUT);
@@ -321,6 +348,12 @@ impl LogWriter {
     /// fails stop, and the next open cuts off whatever part of the group
     /// reached the disk.
     pub(crate) fn commit(&mut self) -> Result<u64, StoreError> {
+        if self.failed {
+            self.buf.truncate(GROUP_HEADER);
+            return Err(StoreError::Io(
+                "an earlier write or sync of the log failed; it takes no more groups".into(),
+            ));
+        }
         let payload = u32::try_from(self.buf.len() - GROUP_HEADER).map_err(|_| {
             StoreError::Invalid(format!(
                 "a group of {} bytes is larger than the log takes",
@@ -330,20 +363,31 @@ impl LogWriter {
         let crc = crc32fast::hash(&self.buf[GROUP_HEADER..]);
         self.buf[..4].copy_from_slice(&payload.to_be_bytes());
         self.buf[4..8].copy_from_slice(&crc.to_be_bytes());
-        let path = || segment_path(&self.segments.dir, self.segment);
-        self.file
-            .write_all_at(&self.buf, self.len)
-            .map_err(|e| StoreError::Io(format!("{}: write: {e}", path().display())))?;
+        if let Err(e) = self.file.write_all_at(&self.buf, self.len) {
+            return Err(self.failed_io("write", e));
+        }
         let start = Instant::now();
-        self.file
-            .sync_data()
-            .map_err(|e| StoreError::Io(format!("{}: fdatasync: {e}", path().display())))?;
+        if let Err(e) = self.file.sync_data() {
+            return Err(self.failed_io("fdatasync", e));
+        }
         self.segments.sync_latency.record(start.elapsed());
         let written = self.buf.len() as u64;
         self.len += written;
         self.segments.bytes.fetch_add(written, Ordering::Relaxed);
         self.buf.truncate(GROUP_HEADER);
         Ok(written)
+    }
+
+    /// Fails stop after an I/O error of the current segment.
+    fn failed_io(&mut self, what: &str, e: std::io::Error) -> StoreError {
+        self.fail_stop();
+        io(&segment_path(&self.segments.dir, self.segment), what, e)
+    }
+
+    /// Drops the group being built and refuses every later one.
+    pub(crate) fn fail_stop(&mut self) {
+        self.failed = true;
+        self.buf.truncate(GROUP_HEADER);
     }
 
     /// Moves to a new segment: the zero-filled one if it is ready, else
@@ -494,8 +538,37 @@ fn list_segments(dir: &Path) -> Result<Vec<u32>, StoreError> {
     Ok(ids)
 }
 
-/// Removes every segment (used only before the log's first checkpoint,
-/// when nothing in it was acknowledged; see [`crate::shard`]).
+/// What the segments in `dir` hold, if the folder exists: how many there
+/// are and the first byte written in any of them (a segment that holds
+/// nothing is empty or all zeros).
+pub(crate) fn written(dir: &Path) -> Result<(usize, Option<Position>), StoreError> {
+    if !dir.exists() {
+        return Ok((0, None));
+    }
+    let ids = list_segments(dir)?;
+    for &id in &ids {
+        let path = segment_path(dir, id);
+        let f = File::open(&path).map_err(|e| io(&path, "opening", e))?;
+        let size = f
+            .metadata()
+            .map_err(|e| io(&path, "reading metadata", e))?
+            .len();
+        if let Some(offset) = first_non_zero(&f, 0, size, &path)? {
+            return Ok((
+                ids.len(),
+                Some(Position {
+                    segment: id,
+                    offset,
+                }),
+            ));
+        }
+    }
+    Ok((ids.len(), None))
+}
+
+/// Removes every segment. Used only while moving a shard written before
+/// the log into it, when every event in the log is a copy of one the old
+/// keyspace still holds (see [`crate::shard`]).
 pub(crate) fn remove_all(dir: &Path) -> Result<(), StoreError> {
     match std::fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
@@ -586,10 +659,17 @@ pub(crate) fn open(
                     at += len;
                 }
                 Group::Bad if segment == last => {
+                    if let Some(why) = written_after_bad_group(&f, at, size, &path)? {
+                        return Err(StoreError::Corrupt(format!(
+                            "{}: segment {segment}, offset {at}: a bad group ({why}); \
+                             acknowledged groups may follow it, so it is not cut off",
+                            path.display()
+                        )));
+                    }
                     tracing::warn!(
                         segment = %path.display(),
                         offset = at,
-                        "cutting off a torn group at the end of the log (it was never acknowledged)"
+                        "cutting off a torn group at the end of the log (nothing was written after it, so it was never acknowledged)"
                     );
                     // Zeros from `at` on, the file's length kept (it stays
                     // preallocated).
@@ -601,7 +681,7 @@ pub(crate) fn open(
                 }
                 Group::Bad => {
                     return Err(StoreError::Corrupt(format!(
-                        "{}: a bad group at offset {at} of {size}, and later segments follow",
+                        "{}: segment {segment}, offset {at} of {size}: a bad group, and later segments follow",
                         path.display()
                     )));
                 }
@@ -632,6 +712,7 @@ pub(crate) fn open(
         zeroed,
         next: None,
         buf: Vec::new(),
+        failed: false,
     })
 }
 
@@ -687,19 +768,104 @@ fn read_group(
     Ok(Group::Whole(GROUP_HEADER as u64 + len))
 }
 
-/// Whether `file` holds only zero bytes from `at` to `size`.
-fn zeros_to_end(file: &File, mut at: u64, size: u64, path: &Path) -> Result<bool, StoreError> {
+/// Why the bad group at `at` of the last segment is not a torn tail, if
+/// it is not: a crash can only tear the last group ever written, so
+/// anything written after it means acknowledged groups follow and the
+/// group was damaged after the fact. Written after it means: a non-zero
+/// byte past the group's extent (its header's length, or just the header
+/// if that is zero), or a whole, checksummed group where its records stop
+/// parsing inside its extent (a length grown by damage swallows the groups
+/// after it, which then start right where its real records end).
+///
+/// A zero header followed by non-zero bytes is therefore damage, never a
+/// torn tail: a crash that lost the header's page but kept a later one
+/// cannot be told from an acknowledged group whose header was zeroed.
+/// Such a shard refuses to open; `forkless store check` shows where, and
+/// `--truncate-after` lets an operator who decided to drop the tail cut
+/// it.
+fn written_after_bad_group(
+    file: &File,
+    at: u64,
+    size: u64,
+    path: &Path,
+) -> Result<Option<String>, StoreError> {
+    let mut header = [0u8; GROUP_HEADER];
+    let have = (size - at).min(GROUP_HEADER as u64) as usize;
+    file.read_exact_at(&mut header[..have], at)
+        .map_err(|e| io(path, "reading", e))?;
+    if have < GROUP_HEADER {
+        // A header cut short by the end of the file: nothing follows.
+        return Ok(None);
+    }
+    let len = u64::from(u32::from_be_bytes([
+        header[0], header[1], header[2], header[3],
+    ]));
+    let body = at + GROUP_HEADER as u64;
+    let extent = if header == [0u8; GROUP_HEADER] {
+        body
+    } else {
+        body.saturating_add(len).min(size)
+    };
+    if let Some(first) = first_non_zero(file, extent, size, path)? {
+        return Ok(Some(format!(
+            "data is written at offset {first}, after the group's end at {extent}"
+        )));
+    }
+    // The records of the group, as far as they parse.
+    let mut payload = vec![0u8; (extent - body) as usize];
+    file.read_exact_at(&mut payload, body)
+        .map_err(|e| io(path, "reading", e))?;
+    let mut pos = 0;
+    while pos < payload.len() {
+        match parse_record(&payload, pos, 0, body) {
+            Ok((_, used)) => pos += used,
+            Err(_) => break,
+        }
+    }
+    let stop = body + pos as u64;
+    if stop < extent && whole_group_at(&payload[pos..]) {
+        return Ok(Some(format!(
+            "its records end at offset {stop}, where a whole group begins: its length was damaged"
+        )));
+    }
+    Ok(None)
+}
+
+/// Whether `bytes` begins with a whole group whose checksum holds.
+fn whole_group_at(bytes: &[u8]) -> bool {
+    if bytes.len() < GROUP_HEADER {
+        return false;
+    }
+    let len = u32::from_be_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+    let crc = u32::from_be_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+    len > 0
+        && bytes.len() - GROUP_HEADER >= len
+        && crc32fast::hash(&bytes[GROUP_HEADER..GROUP_HEADER + len]) == crc
+}
+
+/// The offset of the first non-zero byte of `file` in `at..size`.
+fn first_non_zero(
+    file: &File,
+    mut at: u64,
+    size: u64,
+    path: &Path,
+) -> Result<Option<u64>, StoreError> {
     let mut buf = vec![0u8; 1 << 20];
     while at < size {
         let n = (size - at).min(buf.len() as u64) as usize;
         file.read_exact_at(&mut buf[..n], at)
             .map_err(|e| io(path, "reading", e))?;
-        if buf[..n].iter().any(|b| *b != 0) {
-            return Ok(false);
+        if let Some(i) = buf[..n].iter().position(|b| *b != 0) {
+            return Ok(Some(at + i as u64));
         }
         at += n as u64;
     }
-    Ok(true)
+    Ok(None)
+}
+
+/// Whether `file` holds only zero bytes from `at` to `size`.
+fn zeros_to_end(file: &File, at: u64, size: u64, path: &Path) -> Result<bool, StoreError> {
+    Ok(first_non_zero(file, at, size, path)?.is_none())
 }
 
 /// Parses the record at `buf[pos..]`; `base` is the file offset of

@@ -165,10 +165,11 @@ const CONVERT_GROUP_BYTES: usize = 4 * 1024 * 1024;
 /// Opens the shard's log. With a checkpoint, replays the log from it:
 /// puts go back into the keyspaces (fjall may have lost the last ones,
 /// which were never synced there), events into the tail; then checkpoints
-/// again. Without one, the log was never used (the first checkpoint is
+/// again. Without one, the log must hold nothing (the first checkpoint is
 /// written before the writer starts, so no group in a log without one was
-/// acknowledged): it is started afresh, and the events of a shard written
-/// before the log existed are moved into it first.
+/// acknowledged), and the events of a shard written before the log
+/// existed are moved into it first; a log that holds data without a
+/// checkpoint refuses to open.
 fn recover(
     ks: &Keyspaces,
     dir: &Path,
@@ -219,19 +220,45 @@ fn recover(
             log
         }
         None => {
-            // Index entries are only ever written together with the
-            // checkpoint, so there should be none; any there would name
-            // segments about to be removed.
-            let mut stale = ks.db.batch().durability(None);
-            for item in ks.event_index.iter() {
-                stale.remove(&ks.event_index, item.key()?);
+            // The first checkpoint is written before the writer starts, so
+            // a log without one was never acknowledged from; but a log
+            // that holds data next to a database without its checkpoint
+            // (the database lost, replaced or damaged) cannot be
+            // accounted for, and is never deleted to make the shard open.
+            let legacy = ks.db.keyspace_exists(LEGACY_EVENTS);
+            let (segments, written) = log::written(dir)?;
+            let indexed = ks.event_index.iter().next().is_some();
+            match written {
+                // A move of a shard written before the log into it was cut
+                // short: every event in the log is a copy of one the old
+                // keyspace still holds, so the move starts again.
+                Some(_) if legacy && !indexed => {
+                    tracing::warn!(path = %dir.display(), "starting again the move of an older shard's events into its log, which was interrupted");
+                    log::remove_all(dir)?;
+                }
+                Some(at) => {
+                    return Err(StoreError::Corrupt(format!(
+                        "{}: the log holds data ({segments} segments, the first written byte at \
+                         {}:{}) but the database has no checkpoint of it: the database was lost \
+                         or damaged; nothing was deleted",
+                        dir.display(),
+                        at.segment,
+                        at.offset
+                    )));
+                }
+                None if indexed => {
+                    return Err(StoreError::Corrupt(format!(
+                        "{}: the events index has entries but the database has no checkpoint of \
+                         the log: the database is damaged; nothing was deleted",
+                        dir.display()
+                    )));
+                }
+                // Empty segments (a crash between creating the log and its
+                // first checkpoint): opened as they are.
+                None => {}
             }
-            if !stale.is_empty() {
-                stale.commit()?;
-            }
-            log::remove_all(dir)?;
             let mut log = log::open(dir, Position::default(), segment_bytes, |_| Ok(()))?;
-            if ks.db.keyspace_exists(LEGACY_EVENTS) {
+            if legacy {
                 convert_legacy(ks, &mut log, &mut tail)?;
             }
             checkpoint_durably(&mut tail, ks, log.position())?;
@@ -559,6 +586,13 @@ impl ShardStore {
             .map_err(|_| StoreError::WriterGone)?;
         self.writer.shared.submitted(ticket);
         Ok(())
+    }
+
+    /// Why the shard stopped taking writes, if it has (a failed write or
+    /// sync of its log, or a commit that panicked). Reads still serve
+    /// what was durable before.
+    pub fn failure(&self) -> Option<String> {
+        self.writer.shared.failure.get().cloned()
     }
 
     /// How this shard's commits were made since it was opened.

@@ -9,18 +9,19 @@
 //! in an unknown state after a failed fsync, so it fails stop).
 
 use crate::codec;
+use crate::index;
 use crate::log::{Loc, LogWriter};
 use crate::shard::{keyspace_id, Keyspaces, SharedTail, EPOCH_KEY};
 use crate::{
     terminal_status, AppendOutcome, AppendRequest, ExecutionMeta, ExecutionStatus, StartOutcome,
-    StartRequest, StoreError, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX,
+    StartRequest, StoreError, StoredEvent, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX,
     STARTED_EVENT_TYPE, STRING_BYTES_MAX,
 };
 use fjall::OwnedWriteBatch;
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, TryLockError};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use std::thread::Thread;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
@@ -123,6 +124,9 @@ pub(crate) struct Shared {
     commands: AtomicU64,
     /// Shared with the writer, which counts its checkpoints here.
     checkpoints: Arc<CheckpointCounters>,
+    /// Why the shard stopped taking writes, once it has (set by the
+    /// writer when a write or sync fails, or when a commit panicked).
+    pub(crate) failure: Arc<OnceLock<String>>,
 }
 
 /// Checkpoints made and the time they took, in microseconds: building and
@@ -197,6 +201,7 @@ struct DropCoreOnPanic<'a>(&'a Shared);
 impl Drop for DropCoreOnPanic<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
+            let _ = self.0.failure.set("a commit panicked".into());
             let mut core = self.0.core.lock().unwrap_or_else(|p| p.into_inner());
             drop(core.take());
         }
@@ -421,8 +426,10 @@ pub(crate) fn spawn(
     requests_in_progress: Option<Arc<AtomicUsize>>,
 ) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
     let checkpoints = Arc::new(CheckpointCounters::default());
+    let failure = Arc::new(OnceLock::new());
     let writer = Writer {
         checkpoints: checkpoints.clone(),
+        failure: failure.clone(),
         shard,
         ks,
         log,
@@ -464,6 +471,7 @@ pub(crate) fn spawn(
         groups_by_caller: AtomicU64::new(0),
         commands: AtomicU64::new(0),
         checkpoints,
+        failure,
     });
     handover
         .send(shared.clone())
@@ -486,8 +494,11 @@ struct Writer {
     checkpoint_bytes: u64,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
-    /// Set after a failed commit: every later write is refused with it.
+    /// Set after a failed commit: every later write is refused with it
+    /// (a [`StoreError::ShardFailed`]).
     failed: Option<StoreError>,
+    /// The same reason, for readers of the shard's state.
+    failure: Arc<OnceLock<String>>,
     /// Metadata of recently written executions, exactly as on disk: the
     /// writer is the shard's only writer and updates it only after a commit
     /// succeeded, so it can never be ahead of or behind the disk. Saves a
@@ -620,7 +631,17 @@ impl Writer {
             });
             if let Err(err) = made {
                 self.fail_stop(err.clone());
-                let failed = replies.into_iter().map(|r| r.fail(err.clone())).collect();
+                // The group reached the disk in part, in full or not at
+                // all: its writes' outcome is unknown (a reopen finds out).
+                let unknown = StoreError::OutcomeUnknown {
+                    shard: self.shard,
+                    reason: err.to_string(),
+                };
+                let failed = replies
+                    .into_iter()
+                    .map(|r| r.fail(unknown.clone()))
+                    .collect();
+                self.overlay = overlay;
                 return (failed, false);
             }
             if let Some(e) = overlay.epoch {
@@ -700,10 +721,23 @@ impl Writer {
 
     /// Refuses every later write: after a failed write or sync the state
     /// of the log's end (and of the keyspaces) is unknown until reopened.
+    /// The group being built is dropped and the log takes no more groups:
+    /// a write the clients were told had failed must never become durable
+    /// later (after a failed `fdatasync` the kernel may even have marked
+    /// the unwritten pages clean, so a later sync would not say so).
     fn fail_stop(&mut self, e: StoreError) {
-        let err = StoreError::Io(format!("shard {} commit failed: {e}", self.shard));
+        if self.failed.is_some() {
+            return;
+        }
+        self.log.fail_stop();
+        let reason =
+            format!("a write or sync of its log failed ({e}); restart the node to reopen it");
         tracing::error!(shard = %self.shard, error = %e, "commit failed; the shard refuses writes from now on");
-        self.failed = Some(err);
+        let _ = self.failure.set(reason.clone());
+        self.failed = Some(StoreError::ShardFailed {
+            shard: self.shard,
+            reason,
+        });
     }
 
     /// Checkpoints on the way out, so that the next open replays nothing.
@@ -735,6 +769,21 @@ impl Writer {
             loc,
             recorded_at: now,
         });
+    }
+
+    /// Event `seq` of `id` as written: from the group being built if an
+    /// earlier command of it wrote the event, else from the log.
+    fn stored_event(&self, id: ExecutionId, seq: u64) -> Result<StoredEvent, StoreError> {
+        if let Some(p) = self.pending.iter().find(|p| p.id == id && p.seq == seq) {
+            return codec::decode_event(seq, self.log.pending_event(p.loc)?);
+        }
+        let (snap, tail) = crate::shard::view(&self.ks, &self.tail, id, seq - 1, 1);
+        let locs = index::locations(&self.ks, &snap, id, seq - 1, seq, tail.as_ref())?;
+        let (_, loc) = locs.first().ok_or_else(|| {
+            StoreError::Corrupt(format!("execution {id}: event {seq} is not indexed"))
+        })?;
+        let value = self.log.segments().read_event(*loc, id, seq)?;
+        codec::decode_event(seq, &value)
     }
 
     fn current_epoch(&self, overlay: &Overlay) -> Epoch {
@@ -922,6 +971,25 @@ impl Writer {
         }
         if !found.is_empty() {
             if found.len() == req.events.len() {
+                // A retry must be the same batch: each key's event as it
+                // was written (type and payload bytes).
+                for (i, key, seq) in &found {
+                    let stored = self.stored_event(req.id, *seq)?;
+                    let e = &req.events[*i];
+                    let differs = if stored.event_type != e.event_type {
+                        "type"
+                    } else if stored.payload != e.payload {
+                        "payload"
+                    } else {
+                        continue;
+                    };
+                    return Err(StoreError::IdempotencyKeyReused {
+                        index: *i,
+                        key: key.clone(),
+                        seq: *seq,
+                        differs,
+                    });
+                }
                 let first_seq = found.iter().map(|f| f.2).min().unwrap_or(0);
                 let last_seq = found.iter().map(|f| f.2).max().unwrap_or(0);
                 return Ok(AppendOutcome {
@@ -932,7 +1000,13 @@ impl Writer {
                 });
             }
             let (index, key, seq) = found.swap_remove(0);
-            return Err(StoreError::IdempotencyConflict { index, key, seq });
+            let unkeyed = req.events.iter().position(|e| e.idempotency_key.is_none());
+            return Err(StoreError::IdempotencyConflict {
+                index,
+                key,
+                seq,
+                unkeyed,
+            });
         }
 
         if meta.status.is_terminal() {

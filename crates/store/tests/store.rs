@@ -545,3 +545,122 @@ async fn a_busy_process_never_commits_on_the_callers_thread() {
     }
     assert!(s.commit_stats().groups_by_caller > 0);
 }
+
+fn ev_with(t: &str, payload: &[u8], idem: Option<&str>) -> NewEvent {
+    NewEvent {
+        event_type: t.into(),
+        payload: payload.to_vec(),
+        idempotency_key: idem.map(String::from),
+    }
+}
+
+/// A repeated idempotency key is a retry only when it carries the same
+/// event: another type or payload under a used key is a conflict naming
+/// the key, whether the first event is on disk or in the same group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_idempotency_key_with_another_event_is_a_conflict() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_store, s) = one_shard(dir.path());
+    s.start(start(1, 30, None, None)).await.unwrap();
+    let first = s
+        .append(append(
+            1,
+            30,
+            vec![ev_with("pay", b"{\"a\":1}", Some("k1"))],
+            None,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(first.first_seq, 2);
+    let retry = s
+        .append(append(
+            1,
+            30,
+            vec![ev_with("pay", b"{\"a\":1}", Some("k1"))],
+            None,
+        ))
+        .await
+        .unwrap();
+    assert!(retry.deduplicated && retry.first_seq == 2);
+    for (t, payload, differs) in [
+        ("pay", &b"{\"a\":2}"[..], "payload"),
+        ("refund", &b"{\"a\":1}"[..], "type"),
+    ] {
+        let err = s
+            .append(append(1, 30, vec![ev_with(t, payload, Some("k1"))], None))
+            .await
+            .unwrap_err();
+        match &err {
+            StoreError::IdempotencyKeyReused {
+                index: 0,
+                key,
+                seq: 2,
+                differs: d,
+            } if key == "k1" && *d == differs => {}
+            e => panic!("{e:?}"),
+        }
+        assert!(err.to_string().contains("\"k1\""), "{err}");
+    }
+    // Many writers racing with one key and different payloads: one wins,
+    // every other one is told its event differs (in the same group as the
+    // winner or a later one), and exactly one event is written.
+    let mut tasks = Vec::new();
+    for i in 0..64u32 {
+        let s = s.clone();
+        tasks.push(tokio::spawn(async move {
+            s.append(append(
+                1,
+                30,
+                vec![ev_with(
+                    "race",
+                    format!("{{\"i\":{i}}}").as_bytes(),
+                    Some("race"),
+                )],
+                None,
+            ))
+            .await
+        }));
+    }
+    let mut won = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(out) => {
+                assert!(!out.deduplicated);
+                won += 1;
+            }
+            Err(StoreError::IdempotencyKeyReused { key, .. }) if key == "race" => {}
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert_eq!(won, 1);
+    let (meta, _) = s.read_events(id(30), 0, 0).unwrap().unwrap();
+    assert_eq!(meta.last_seq, 3, "one event for the raced key");
+    // A batch that mixes a used key with an event without a key says what
+    // to do instead.
+    let err = s
+        .append(append(
+            1,
+            30,
+            vec![ev_with("pay", b"{\"a\":1}", Some("k1")), ev("x", None)],
+            None,
+        ))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            StoreError::IdempotencyConflict {
+                unkeyed: Some(1),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("events[1] has no idempotency key") && text.contains("give every event"),
+        "{text}"
+    );
+    let (meta, _) = s.read_events(id(30), 0, 0).unwrap().unwrap();
+    assert_eq!(meta.last_seq, 3, "nothing was written by a conflict");
+}

@@ -1,0 +1,177 @@
+//! Real I/O errors: a shard whose data directory is on a small tmpfs that
+//! fills up (ENOSPC from the kernel, no mock of the store). A write that
+//! failed stays failed: the shard refuses every later write at once, the
+//! failed group is never committed later (not even once space is freed),
+//! and a restart finds exactly the writes that were acknowledged.
+//!
+//! Needs root (it mounts a tmpfs), as the test suite runs in CI; run as
+//! another user it fails, saying so, rather than skip.
+
+use forkless_store::*;
+use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A tmpfs of `bytes` mounted on a fresh temporary folder, unmounted on
+/// drop.
+struct Tmpfs {
+    _dir: tempfile::TempDir,
+    mount: PathBuf,
+}
+
+impl Tmpfs {
+    fn new(bytes: u64) -> Tmpfs {
+        // SAFETY: geteuid reads the process's credentials and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        assert!(
+            root,
+            "this test mounts a tmpfs to fill a real filesystem and needs root (CI runs as root)"
+        );
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mount = dir.path().join("fs");
+        std::fs::create_dir(&mount).expect("mkdir");
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(&mount)
+            .status()
+            .expect("mount runs");
+        assert!(status.success(), "mount -t tmpfs failed: {status}");
+        Tmpfs { _dir: dir, mount }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mount).status();
+    }
+}
+
+/// Fills the filesystem holding `path` to the last byte; returns the
+/// filler file (remove it to free the space).
+fn fill(dir: &Path) -> PathBuf {
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).expect("filler");
+    let chunk = vec![0xa5u8; 4096];
+    loop {
+        match f.write(&chunk) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+            Err(e) => panic!("filling: {e}"),
+        }
+    }
+    // The last partial page too.
+    while let Ok(n) = f.write(&[0xa5]) {
+        if n == 0 {
+            break;
+        }
+    }
+    path
+}
+
+fn id(n: i64) -> ExecutionId {
+    ExecutionId::new(n).expect("a valid execution id")
+}
+
+fn ev(t: &str, payload: Vec<u8>) -> NewEvent {
+    NewEvent {
+        event_type: t.into(),
+        payload,
+        idempotency_key: None,
+    }
+}
+
+async fn append(s: &ShardStore, t: &str, payload: Vec<u8>) -> Result<AppendOutcome, StoreError> {
+    s.append(AppendRequest {
+        epoch: Epoch(1),
+        id: id(1),
+        events: vec![ev(t, payload)],
+        expected_last_seq: None,
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_write_that_failed_on_a_full_disk_is_never_committed_later() {
+    let fs = Tmpfs::new(24 * 1024 * 1024);
+    let data = fs.mount.join("data");
+    let store = Store::open(&data, ShardCount::ONE, StoreConfig::default()).expect("opens");
+    let s = store.open_shard(ShardId(0), Epoch(1)).expect("opens");
+    s.start(StartRequest {
+        epoch: Epoch(1),
+        id: id(1),
+        workflow: "w".into(),
+        started_payload: b"{}".to_vec(),
+        routing_key: None,
+        idempotency_key: None,
+    })
+    .await
+    .expect("start");
+    let acked = append(&s, "before", b"{\"n\":1}".to_vec())
+        .await
+        .expect("an append with room to spare");
+    assert_eq!(acked.last_seq, 2);
+
+    let filler = fill(&fs.mount);
+    // Larger than any slack left in the log's last page: the kernel says
+    // ENOSPC part way through the group.
+    let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(256 * 1024)).into_bytes();
+    let failed = append(&s, "failed", big.clone()).await;
+    assert!(
+        matches!(&failed, Err(StoreError::OutcomeUnknown { .. })),
+        "the write in the failed commit has an unknown outcome: {failed:?}"
+    );
+    // From now on every write is refused at once, without being tried.
+    let refused = append(&s, "refused-while-full", b"{}".to_vec()).await;
+    assert!(
+        matches!(&refused, Err(StoreError::ShardFailed { .. })),
+        "{refused:?}"
+    );
+    // Space comes back; the shard stays failed until it is reopened, and
+    // the failed group is not written by the next command.
+    std::fs::remove_file(&filler).expect("free the space");
+    let after_free = append(&s, "refused-after-free", b"{}".to_vec()).await;
+    assert!(
+        matches!(&after_free, Err(StoreError::ShardFailed { .. })),
+        "{after_free:?}"
+    );
+    let start = s
+        .start(StartRequest {
+            epoch: Epoch(1),
+            id: id(2),
+            workflow: "w".into(),
+            started_payload: b"{}".to_vec(),
+            routing_key: None,
+            idempotency_key: None,
+        })
+        .await;
+    assert!(
+        matches!(&start, Err(StoreError::ShardFailed { .. })),
+        "{start:?}"
+    );
+    let why = store
+        .failures()
+        .remove(&ShardId(0))
+        .expect("the failed shard is reported");
+    assert!(why.contains("No space left on device"), "{why}");
+    // Reads still serve what was durable.
+    let meta = s.execution(id(1)).expect("read").expect("exists");
+    assert_eq!(meta.last_seq, 2);
+    drop(s);
+    drop(store);
+
+    // Restarted with space: exactly the acknowledged writes. The failed
+    // group reached the disk only in part, so it is a torn tail and cut.
+    let store = Store::open(&data, ShardCount::ONE, StoreConfig::default()).expect("reopens");
+    let s = store.open_shard(ShardId(0), Epoch(1)).expect("reopens");
+    assert!(store.failures().is_empty());
+    let (meta, events) = s.read_events(id(1), 0, 100).expect("read").expect("exists");
+    let types: Vec<&str> = events.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types, ["execution.started", "before"]);
+    assert_eq!(meta.last_seq, 2);
+    assert!(s.execution(id(2)).expect("read").is_none());
+    // And it takes writes again.
+    let next = append(&s, "after-restart", big).await.expect("append");
+    assert_eq!((next.first_seq, next.last_seq), (3, 3));
+}
