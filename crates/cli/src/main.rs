@@ -6,6 +6,7 @@ mod client_cmds;
 mod dev_cluster;
 mod route;
 mod serve;
+mod store_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -43,6 +44,8 @@ enum Command {
     Client(client_cmds::Verb),
     /// Load generator: closed-loop appends, events/s and latency percentiles.
     Bench(bench::BenchArgs),
+    /// Offline tools for a stopped node's data directory.
+    Store(store_cmd::StoreArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +56,11 @@ fn main() -> ExitCode {
         Command::DevCluster(a) => dev_cluster::run(a),
         Command::Client(v) => client_cmds::run(v),
         Command::Bench(a) => bench::run(a),
+        Command::Store(a) => match store_cmd::run(a) {
+            Ok(true) => Ok(()),
+            Ok(false) => return ExitCode::FAILURE,
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -262,6 +262,17 @@ fn decode_entry(key: &[u8], value: &[u8]) -> Result<Entry, StoreError> {
     Ok(Entry { first_seq, locs })
 }
 
+/// An index entry as the offline check reads it: its execution, first seq
+/// and locations.
+pub(crate) fn decode_entry_public(
+    key: &[u8],
+    value: &[u8],
+) -> Result<(ExecutionId, u64, Vec<Loc>), StoreError> {
+    let entry = decode_entry(key, value)?;
+    let id = codec::decode_execution_id(&key[4..12], "events index key")?;
+    Ok((id, entry.first_seq, entry.locs))
+}
+
 /// The execution's last event `(seq, recorded_at_ms)` as of `snap` and the
 /// tail view taken with it; `None` if it has no event.
 pub(crate) fn last_event(

@@ -13,6 +13,7 @@
 //! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
 //! are opaque bytes; the caller validated them.
 
+pub mod check;
 mod codec;
 mod index;
 mod latency;
@@ -305,7 +306,7 @@ pub struct Store {
 
 const OPEN_LOCKS: usize = 16;
 
-const LAYOUT_FILE: &str = "layout";
+pub(crate) const LAYOUT_FILE: &str = "layout";
 
 impl Store {
     /// Opens (or creates) the node's data directory. Refuses a directory
@@ -507,7 +508,7 @@ impl Store {
     }
 }
 
-fn parse_layout(text: &str) -> Option<u32> {
+pub(crate) fn parse_layout(text: &str) -> Option<u32> {
     text.lines()
         .filter_map(|l| l.split_once('='))
         .find(|(k, _)| k.trim() == "shard_count")

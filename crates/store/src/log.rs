@@ -145,6 +145,17 @@ pub(crate) struct Segments {
 }
 
 impl Segments {
+    /// Segments `0..count` of `dir`, for reading only (the offline check).
+    pub(crate) fn read_only(dir: &Path, count: u32) -> Segments {
+        Segments {
+            dir: dir.to_path_buf(),
+            count: AtomicU32::new(count),
+            bytes: AtomicU64::new(0),
+            sync_latency: Latency::default(),
+            open: Mutex::new(HashMap::new()),
+        }
+    }
+
     fn file(&self, segment: u32) -> Result<Option<Arc<File>>, StoreError> {
         let count = self.count.load(Ordering::Acquire);
         if segment >= count {
@@ -434,7 +445,7 @@ impl LogWriter {
     }
 }
 
-fn segment_path(dir: &Path, segment: u32) -> PathBuf {
+pub(crate) fn segment_path(dir: &Path, segment: u32) -> PathBuf {
     dir.join(format!("{segment:010}.seg"))
 }
 
@@ -508,11 +519,23 @@ fn prepare_segment(dir: &Path, bytes: u64) -> Result<(PathBuf, File), StoreError
 /// The segment ids in `dir`, in order; they must run from 0 without gaps.
 /// Removes the zero-filled files a stopped process left unused.
 fn list_segments(dir: &Path) -> Result<Vec<u32>, StoreError> {
+    list_segments_and(dir, true)
+}
+
+/// [`list_segments`], changing nothing.
+pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<u32>, StoreError> {
+    list_segments_and(dir, false)
+}
+
+fn list_segments_and(dir: &Path, remove_prepared: bool) -> Result<Vec<u32>, StoreError> {
     let mut ids = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io(dir, "listing", e))? {
         let entry = entry.map_err(|e| io(dir, "listing", e))?;
         let name = entry.file_name();
         if name.to_str().is_some_and(|n| n.ends_with(PREPARED_SUFFIX)) {
+            if !remove_prepared {
+                continue;
+            }
             // Being zero-filled when the process stopped.
             std::fs::remove_file(entry.path()).map_err(|e| io(&entry.path(), "removing", e))?;
             continue;
@@ -717,7 +740,7 @@ pub(crate) fn open(
 }
 
 /// What lies at a position of a segment.
-enum Group {
+pub(crate) enum Group {
     /// A whole group, this many bytes long.
     Whole(u64),
     /// Zeros to the end of the file: the end of the segment's groups
@@ -729,7 +752,7 @@ enum Group {
 }
 
 /// Reads the group at `at` into `payload`.
-fn read_group(
+pub(crate) fn read_group(
     file: &File,
     at: u64,
     size: u64,
@@ -783,7 +806,7 @@ fn read_group(
 /// Such a shard refuses to open; `forkless store check` shows where, and
 /// `--truncate-after` lets an operator who decided to drop the tail cut
 /// it.
-fn written_after_bad_group(
+pub(crate) fn written_after_bad_group(
     file: &File,
     at: u64,
     size: u64,
@@ -871,7 +894,7 @@ fn zeros_to_end(file: &File, at: u64, size: u64, path: &Path) -> Result<bool, St
 /// Parses the record at `buf[pos..]`; `base` is the file offset of
 /// `buf[0]`. Returns the record and its length. A record that does not
 /// parse inside a group whose checksum held is corruption.
-fn parse_record(
+pub(crate) fn parse_record(
     buf: &[u8],
     pos: usize,
     segment: u32,

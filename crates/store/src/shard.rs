@@ -153,7 +153,7 @@ pub(crate) fn read_meta(
 
 /// The log's folder inside the shard's. fjall leaves it alone: it reads
 /// only its own journal files (`*.jnl`) and its `keyspaces` folder there.
-const LOG_DIR: &str = "eventlog";
+pub(crate) const LOG_DIR: &str = "eventlog";
 
 /// Where a shard written before the log kept its events, keyed
 /// `partition | execution | seq`, with the same event values.

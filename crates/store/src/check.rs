@@ -1,0 +1,655 @@
+//! The offline check of a data directory (`forkless store check`): reads
+//! every shard's log, verifies every group's and every event's checksum
+//! and every execution's sequence, and checks the events index and the
+//! execution records against the log. It changes nothing: the log is
+//! opened read-only, and the database is read from a copy (opening fjall
+//! recovers its journal, which writes), taken while holding the database's
+//! lock so that a running node is never read half-way.
+//!
+//! [`truncate_after`] is the one change it can make, when an operator has
+//! decided to drop a damaged tail: it cuts the shard's log after a whole
+//! group at or after its checkpoint.
+
+use crate::index;
+use crate::log::{self, Group, Position, Record};
+use crate::shard::Keyspaces;
+use crate::StoreError;
+use fjall::{Database, KeyspaceCreateOptions, Readable};
+use forkless_types::{ExecutionId, ShardId};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// What the check found in one shard.
+#[derive(Debug, Default)]
+pub struct ShardReport {
+    pub shard: u32,
+    pub segments: usize,
+    pub log_bytes: u64,
+    pub groups: u64,
+    pub events: u64,
+    pub executions: usize,
+    /// The log position the database's checkpoint covers.
+    pub checkpoint: Option<(u32, u64)>,
+    /// Index entries' events read back from the log and found to match.
+    pub indexed_events: u64,
+    /// The end of the last whole group before any damage: where
+    /// `--truncate-after` would cut to drop the damage.
+    pub last_good: Option<(u32, u64)>,
+    /// A torn last group (what a crash leaves; the next open cuts it).
+    pub torn_tail: Option<(u32, u64)>,
+    /// Damage: each a sentence naming where and what.
+    pub problems: Vec<String>,
+    /// A running node holds the shard: it was not checked.
+    pub in_use: bool,
+}
+
+/// What the check found in a data directory.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub dir: PathBuf,
+    pub shard_count: Option<u32>,
+    pub shards: Vec<ShardReport>,
+    /// Problems of the directory itself (layout file, folders).
+    pub problems: Vec<String>,
+}
+
+impl Report {
+    pub fn is_healthy(&self) -> bool {
+        self.problems.is_empty() && self.shards.iter().all(|s| s.problems.is_empty())
+    }
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "data directory {} (shard count {})",
+            self.dir.display(),
+            self.shard_count
+                .map_or("unknown".to_string(), |n| n.to_string())
+        )?;
+        for p in &self.problems {
+            writeln!(f, "  PROBLEM: {p}")?;
+        }
+        for s in &self.shards {
+            let state = match (s.in_use, s.problems.is_empty()) {
+                (true, _) => "NOT CHECKED",
+                (false, true) => "ok",
+                (false, false) => "DAMAGED",
+            };
+            if s.in_use {
+                for p in &s.problems {
+                    writeln!(f, "shard {}: {state}: {p}", s.shard)?;
+                }
+                continue;
+            }
+            writeln!(
+                f,
+                "shard {}: {state}: {} segments, {} bytes of log, {} groups, {} events of {} executions",
+                s.shard, s.segments, s.log_bytes, s.groups, s.events, s.executions
+            )?;
+            if let Some((seg, off)) = s.checkpoint {
+                writeln!(
+                    f,
+                    "  checkpoint at {seg}:{off}; {} indexed events read back from the log and matched",
+                    s.indexed_events
+                )?;
+            }
+            if let Some((seg, off)) = s.torn_tail {
+                writeln!(
+                    f,
+                    "  note: a torn last group at {seg}:{off} (a crash's unacknowledged write; the next open cuts it)"
+                )?;
+            }
+            for p in &s.problems {
+                writeln!(f, "  PROBLEM: {p}")?;
+            }
+            if !s.problems.is_empty() {
+                let cuttable = |at: (u32, u64)| s.checkpoint.is_none_or(|c| at >= c);
+                if let Some((seg, off)) = s.last_good.filter(|at| !cuttable(*at)) {
+                    writeln!(
+                        f,
+                        "  the damage is before the checkpoint (the last whole group before it ends at {seg}:{off}): \
+                         the log cannot be cut there; restore this shard's folder from a copy"
+                    )?;
+                }
+                if let Some((seg, off)) = s.last_good.filter(|at| cuttable(*at)) {
+                    writeln!(
+                        f,
+                        "  the last whole group before the damage ends at {seg}:{off} \
+                         (`--shard {} --truncate-after {seg}:{off}` drops everything after it)",
+                        s.shard
+                    )?;
+                }
+            }
+        }
+        let damaged = self
+            .shards
+            .iter()
+            .filter(|s| !s.in_use && !s.problems.is_empty())
+            .count();
+        let in_use = self.shards.iter().filter(|s| s.in_use).count();
+        if in_use > 0 {
+            write!(
+                f,
+                "{in_use} of {} shards in use by a running node and not checked; {damaged} damaged",
+                self.shards.len()
+            )
+        } else if self.is_healthy() {
+            write!(f, "all {} shards ok", self.shards.len())
+        } else {
+            write!(
+                f,
+                "{damaged} of {} shards damaged{}",
+                self.shards.len(),
+                if self.problems.is_empty() {
+                    ""
+                } else {
+                    "; the directory has problems"
+                }
+            )
+        }
+    }
+}
+
+/// Checks every shard under `dir`.
+pub fn check(dir: &Path) -> Result<Report, StoreError> {
+    let mut report = Report {
+        dir: dir.to_path_buf(),
+        ..Report::default()
+    };
+    match std::fs::read_to_string(dir.join(crate::LAYOUT_FILE)) {
+        Ok(text) => match crate::parse_layout(&text) {
+            Some(n) => report.shard_count = Some(n),
+            None => report
+                .problems
+                .push("the layout file is unreadable".to_string()),
+        },
+        Err(e) => report
+            .problems
+            .push(format!("the layout file cannot be read: {e}")),
+    }
+    let shards_dir = dir.join("shards");
+    let entries = std::fs::read_dir(&shards_dir)
+        .map_err(|e| StoreError::Io(format!("{}: {e}", shards_dir.display())))?;
+    let mut shards = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| StoreError::Io(e.to_string()))?;
+        let name = entry.file_name();
+        match name.to_str().and_then(|n| n.parse::<u32>().ok()) {
+            Some(s) => shards.push(s),
+            None => report.problems.push(format!(
+                "unexpected entry {} in shards/",
+                name.to_string_lossy()
+            )),
+        }
+    }
+    shards.sort_unstable();
+    for s in shards {
+        if report.shard_count.is_some_and(|n| s >= n) {
+            report
+                .problems
+                .push(format!("shards/{s} is outside the shard count"));
+        }
+        report
+            .shards
+            .push(check_shard(&shards_dir.join(s.to_string()), s)?);
+    }
+    Ok(report)
+}
+
+/// The lock a running node holds on the shard's database.
+fn lock_database(shard_dir: &Path) -> Result<Option<File>, String> {
+    let path = shard_dir.join("lock");
+    let file = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("{}: {e}", path.display())),
+    };
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Err(format!(
+            "{} is locked: a forkless node is running on this data directory (stop it first; the check reads a stopped node's folder)",
+            shard_dir.display()
+        )),
+        Err(std::fs::TryLockError::Error(e)) => Err(format!("{}: {e}", path.display())),
+    }
+}
+
+fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> {
+    let mut r = ShardReport {
+        shard,
+        ..ShardReport::default()
+    };
+    let _lock = match lock_database(shard_dir) {
+        Ok(l) => l,
+        Err(p) => {
+            r.problems.push(p);
+            r.in_use = true;
+            return Ok(r);
+        }
+    };
+    let log_dir = shard_dir.join(crate::shard::LOG_DIR);
+    // Each execution's last seq in the log, and the events before the
+    // checkpoint (known once the database is read, so counted per segment
+    // position afterwards).
+    let mut last_seq: HashMap<ExecutionId, u64> = HashMap::new();
+    let mut event_positions: Vec<(Position, u64)> = Vec::new();
+    // Executions whose record the log writes (a replay puts them back into
+    // the database even if it lost them).
+    let mut logged_records: HashSet<ExecutionId> = HashSet::new();
+    let ids = match log::list_segments_read_only(&log_dir) {
+        Ok(ids) => ids,
+        Err(e) => {
+            r.problems.push(e.to_string());
+            Vec::new()
+        }
+    };
+    r.segments = ids.len();
+    let mut payload = Vec::new();
+    'segments: for &segment in &ids {
+        let path = log::segment_path(&log_dir, segment);
+        let f =
+            File::open(&path).map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+        let size = f
+            .metadata()
+            .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?
+            .len();
+        let mut at = 0;
+        let mut events_here = 0u64;
+        while at < size {
+            match log::read_group(&f, at, size, &mut payload, &path)? {
+                Group::End => break,
+                Group::Whole(len) => {
+                    let mut pos = 0;
+                    let mut in_group = 0u64;
+                    while pos < payload.len() {
+                        match log::parse_record(&payload, pos, segment, at + 8) {
+                            Ok((record, used)) => {
+                                if let Record::Put {
+                                    keyspace: crate::shard::keyspace_id::EXECUTIONS,
+                                    key,
+                                    ..
+                                } = record
+                                {
+                                    if let Some(id) = key.get(4..).and_then(|k| {
+                                        crate::codec::decode_execution_id(k, "execution key").ok()
+                                    }) {
+                                        logged_records.insert(id);
+                                    }
+                                } else if let Record::Event { id, seq, .. } = record {
+                                    let prev = last_seq.insert(id, seq).unwrap_or(0);
+                                    if seq != prev + 1 {
+                                        r.problems.push(format!(
+                                            "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
+                                        ));
+                                    }
+                                    in_group += 1;
+                                }
+                                pos += used;
+                            }
+                            Err(e) => {
+                                r.problems.push(e.to_string());
+                                r.events += events_here + in_group;
+                                break 'segments;
+                            }
+                        }
+                    }
+                    r.groups += 1;
+                    at += len;
+                    r.last_good = Some((segment, at));
+                    events_here += in_group;
+                    event_positions.push((
+                        Position {
+                            segment,
+                            offset: at,
+                        },
+                        in_group,
+                    ));
+                }
+                Group::Bad => {
+                    let last = Some(&segment) == ids.last();
+                    match last
+                        .then(|| log::written_after_bad_group(&f, at, size, &path))
+                        .transpose()?
+                    {
+                        Some(None) => r.torn_tail = Some((segment, at)),
+                        Some(Some(why)) => r.problems.push(format!(
+                            "segment {segment}, offset {at}: a bad group ({why}); not checked past it"
+                        )),
+                        None => r.problems.push(format!(
+                            "segment {segment}, offset {at}: a bad group, and later segments follow; not checked past it"
+                        )),
+                    }
+                    r.log_bytes += at;
+                    r.events += events_here;
+                    break 'segments;
+                }
+            }
+        }
+        r.log_bytes += at;
+        r.events += events_here;
+        if r.last_good.is_none_or(|(s, _)| s != segment) {
+            // A segment with no group still counts as a place to cut.
+            r.last_good = Some((segment, 0));
+        }
+    }
+    r.executions = last_seq.len();
+    let log = LogFacts {
+        segments: ids.len(),
+        last_seq: &last_seq,
+        event_positions: &event_positions,
+        records: &logged_records,
+    };
+    check_database(shard_dir, &log_dir, &log, &mut r)?;
+    Ok(r)
+}
+
+/// Reads a copy of the shard's database and checks it against the log.
+/// What the scan of a shard's log found.
+struct LogFacts<'a> {
+    segments: usize,
+    /// Each execution's last seq.
+    last_seq: &'a HashMap<ExecutionId, u64>,
+    /// The end of each whole group and the events it holds.
+    event_positions: &'a [(Position, u64)],
+    /// Executions whose record a put in the log writes.
+    records: &'a HashSet<ExecutionId>,
+}
+
+fn check_database(
+    shard_dir: &Path,
+    log_dir: &Path,
+    log: &LogFacts<'_>,
+    r: &mut ShardReport,
+) -> Result<(), StoreError> {
+    let (segments, log_last_seq, event_positions) =
+        (log.segments, log.last_seq, log.event_positions);
+    let copy = tempfile_lite::TempDir::new()?;
+    copy_tree(shard_dir, copy.path(), true)?;
+    let db = match Database::builder(copy.path()).open() {
+        Ok(db) => db,
+        Err(e) => {
+            r.problems.push(format!("the database does not open: {e}"));
+            return Ok(());
+        }
+    };
+    let opts = KeyspaceCreateOptions::default;
+    let ks = Keyspaces {
+        meta: db.keyspace("meta", opts)?,
+        executions: db.keyspace("executions", opts)?,
+        event_index: db.keyspace("event_index", opts)?,
+        event_idem: db.keyspace("event_idem", opts)?,
+        routing_keys: db.keyspace("routing_keys", opts)?,
+        start_idem: db.keyspace("start_idem", opts)?,
+        db,
+    };
+    let checkpoint = match ks.meta.get(index::CHECKPOINT_KEY)? {
+        Some(v) => match Position::decode(&v) {
+            Ok(p) => p,
+            Err(e) => {
+                r.problems.push(e.to_string());
+                return Ok(());
+            }
+        },
+        None => {
+            if r.groups > 0 {
+                r.problems.push(
+                    "the database has no checkpoint of the log, but the log holds groups (the database was lost or damaged)".into(),
+                );
+            }
+            return Ok(());
+        }
+    };
+    r.checkpoint = Some((checkpoint.segment, checkpoint.offset));
+    let ends = event_positions.last().map(|(p, _)| *p).unwrap_or_default();
+    if checkpoint > ends && !(checkpoint.offset == 0 && (checkpoint.segment as usize) < segments) {
+        r.problems.push(format!(
+            "the checkpoint is at {}:{} but the log's whole groups end at {}:{}",
+            checkpoint.segment, checkpoint.offset, ends.segment, ends.offset
+        ));
+    }
+    // Events in the log before the checkpoint: what the index must hold.
+    let before: u64 = event_positions
+        .iter()
+        .filter(|(end, _)| *end <= checkpoint)
+        .map(|(_, n)| n)
+        .sum();
+    let segments_reader = log::Segments::read_only(log_dir, segments as u32);
+    let snap = ks.db.snapshot();
+    let mut indexed_last: BTreeMap<ExecutionId, u64> = BTreeMap::new();
+    let mut index_problems = 0usize;
+    for item in snap.iter(&ks.event_index) {
+        let (k, v) = item.into_inner()?;
+        let (id, first_seq, locs) = match index::decode_entry_public(&k, &v) {
+            Ok(e) => e,
+            Err(e) => {
+                r.problems.push(format!("events index: {e}"));
+                index_problems += 1;
+                continue;
+            }
+        };
+        let prev = indexed_last.get(&id).copied().unwrap_or(0);
+        if first_seq != prev + 1 {
+            r.problems.push(format!(
+                "events index: execution {id}'s entry starts at seq {first_seq} after seq {prev}"
+            ));
+            index_problems += 1;
+        }
+        for (i, loc) in locs.iter().enumerate() {
+            let seq = first_seq + i as u64;
+            let end = Position {
+                segment: loc.segment,
+                offset: loc.offset + u64::from(loc.len),
+            };
+            if end > checkpoint {
+                r.problems.push(format!(
+                    "events index: execution {id} seq {seq} lies at {}:{}, after the checkpoint",
+                    loc.segment, loc.offset
+                ));
+                index_problems += 1;
+            } else if let Err(e) = segments_reader.read_event(*loc, id, seq) {
+                r.problems.push(format!("events index: {e}"));
+                index_problems += 1;
+            } else {
+                r.indexed_events += 1;
+            }
+            if index_problems > 20 {
+                r.problems
+                    .push("events index: more problems not listed".into());
+                return Ok(());
+            }
+        }
+        indexed_last.insert(id, first_seq + locs.len() as u64 - 1);
+    }
+    if r.problems.is_empty() && r.indexed_events != before {
+        r.problems.push(format!(
+            "events index: {} events indexed but the log holds {before} before the checkpoint",
+            r.indexed_events
+        ));
+    }
+    // Every execution record has its events in the log, and every
+    // execution in the log has a record.
+    let mut records: HashSet<ExecutionId> = log.records.clone();
+    for item in snap.iter(&ks.executions) {
+        let k = item.key()?;
+        let Ok(id) = crate::codec::decode_execution_id(&k[4.min(k.len())..], "execution key")
+        else {
+            r.problems.push("executions: a malformed key".into());
+            continue;
+        };
+        records.insert(id);
+        if !log_last_seq.contains_key(&id) && r.problems.is_empty() {
+            r.problems.push(format!(
+                "execution {id} has a record but no events in the log"
+            ));
+        }
+    }
+    if r.problems.is_empty() {
+        if let Some(id) = log_last_seq.keys().find(|id| !records.contains(id)) {
+            r.problems.push(format!(
+                "execution {id} has events in the log but no record (of {} with events, {} have records)",
+                log_last_seq.len(),
+                records.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Copies the shard's database files (all but its log).
+fn copy_tree(from: &Path, to: &Path, top: bool) -> Result<(), StoreError> {
+    let io = |p: &Path, e: std::io::Error| StoreError::Io(format!("{}: {e}", p.display()));
+    std::fs::create_dir_all(to).map_err(|e| io(to, e))?;
+    for entry in std::fs::read_dir(from).map_err(|e| io(from, e))? {
+        let entry = entry.map_err(|e| io(from, e))?;
+        let name = entry.file_name();
+        if top && name == crate::shard::LOG_DIR {
+            continue;
+        }
+        let src = entry.path();
+        let dst = to.join(&name);
+        if entry.file_type().map_err(|e| io(&src, e))?.is_dir() {
+            copy_tree(&src, &dst, false)?;
+        } else {
+            std::fs::copy(&src, &dst).map_err(|e| io(&src, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// A temporary folder removed on drop (the check's copy of a database).
+mod tempfile_lite {
+    use crate::StoreError;
+    use std::path::{Path, PathBuf};
+
+    pub struct TempDir(PathBuf);
+
+    impl TempDir {
+        pub fn new() -> Result<TempDir, StoreError> {
+            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let path =
+                std::env::temp_dir().join(format!("forkless-check-{}-{n}", std::process::id()));
+            std::fs::create_dir_all(&path)
+                .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+            Ok(TempDir(path))
+        }
+
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// Cuts shard `shard`'s log after `at` (the end of a whole group, at or
+/// after the database's checkpoint): zeroes the rest of that segment and
+/// removes the segments after it. The next open replays the log from the
+/// checkpoint to the cut. Refuses anything else, and a running node.
+/// Returns what it did.
+pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<String, StoreError> {
+    let shard_dir = dir.join("shards").join(shard.get().to_string());
+    let refuse = |m: String| Err(StoreError::Invalid(m));
+    let report = check_shard(&shard_dir, shard.get())?;
+    if report.problems.iter().any(|p| p.contains("is locked")) {
+        return refuse(report.problems.join("; "));
+    }
+    let cut = Position {
+        segment: at.0,
+        offset: at.1,
+    };
+    let Some((cs, co)) = report.checkpoint else {
+        return refuse(format!(
+            "shard {shard} has no checkpoint to replay from; the log cannot be cut"
+        ));
+    };
+    let checkpoint = Position {
+        segment: cs,
+        offset: co,
+    };
+    if cut < checkpoint {
+        return refuse(format!(
+            "{}:{} is before the checkpoint at {cs}:{co}: the events index covers the log up to \
+             the checkpoint, so the log cannot be cut before it",
+            at.0, at.1
+        ));
+    }
+    // The cut must be the end of a whole group found by the check (or the
+    // start of a segment).
+    let log_dir = shard_dir.join(crate::shard::LOG_DIR);
+    let boundary = at.1 == 0 || group_ends(&log_dir, at.0)?.contains(&at.1);
+    if !boundary {
+        return refuse(format!(
+            "{}:{} is not the end of a whole group of segment {}",
+            at.0, at.1, at.0
+        ));
+    }
+    let ids = log::list_segments_read_only(&log_dir)?;
+    if !ids.contains(&at.0) {
+        return refuse(format!("shard {shard} has no segment {}", at.0));
+    }
+    let path = log::segment_path(&log_dir, at.0);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+    let size = f
+        .metadata()
+        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?
+        .len();
+    f.set_len(at.1)
+        .and_then(|()| f.set_len(size))
+        .and_then(|()| f.sync_all())
+        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+    let mut removed = Vec::new();
+    for id in ids.iter().copied().filter(|id| *id > at.0).rev() {
+        let p = log::segment_path(&log_dir, id);
+        std::fs::remove_file(&p).map_err(|e| StoreError::Io(format!("{}: {e}", p.display())))?;
+        removed.push(id);
+    }
+    File::open(&log_dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::Io(format!("{}: {e}", log_dir.display())))?;
+    Ok(format!(
+        "shard {shard}: cut the log after {}:{} ({} bytes zeroed in segment {}{})",
+        at.0,
+        at.1,
+        size - at.1,
+        at.0,
+        if removed.is_empty() {
+            String::new()
+        } else {
+            format!(", {} later segments removed", removed.len())
+        }
+    ))
+}
+
+/// Where each whole group of a segment ends, up to the first bad one.
+fn group_ends(log_dir: &Path, segment: u32) -> Result<Vec<u64>, StoreError> {
+    let path = log::segment_path(log_dir, segment);
+    let f = File::open(&path).map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+    let size = f
+        .metadata()
+        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?
+        .len();
+    let mut out = Vec::new();
+    let mut at = 0;
+    let mut payload = Vec::new();
+    while at < size {
+        match log::read_group(&f, at, size, &mut payload, &path)? {
+            Group::Whole(len) => {
+                at += len;
+                out.push(at);
+            }
+            _ => break,
+        }
+    }
+    Ok(out)
+}
