@@ -657,6 +657,33 @@ fn idempotent_starts_and_appends() {
     )
     .expect_error(409, "idempotency_conflict");
     assert_eq!(c.last_seq(&id), 4);
+    // A used key with another event (payload, or type) is a conflict that
+    // names the key, not a deduplicated answer.
+    for changed in [
+        json!({"events": [{"type": "t", "payload": 9, "idempotency_key": "e1"}]}),
+        json!({"events": [{"type": "other", "payload": 1, "idempotency_key": "e1"}]}),
+    ] {
+        let v = c
+            .post(&events, &changed)
+            .expect_error(409, "idempotency_conflict");
+        assert_eq!(v["idempotency_key"], "e1", "{v}");
+        assert!(
+            v["message"].as_str().unwrap().contains("different event"),
+            "{v}"
+        );
+    }
+    // A used key next to an event without one: the answer says what to do.
+    let v = c
+        .post(
+            &events,
+            &json!({"events": [{"type": "t", "payload": 1, "idempotency_key": "e1"}, {"type": "t"}]}),
+        )
+        .expect_error(409, "idempotency_conflict");
+    assert!(
+        v["message"].as_str().unwrap().contains("give every event"),
+        "{v}"
+    );
+    assert_eq!(c.last_seq(&id), 4);
     // Signal with an idempotency key.
     let s1 = c
         .post(
