@@ -72,7 +72,7 @@ fn a_full_disk_fails_the_commit_as_unknown_and_nothing_failed_is_written_later()
     let fs = Tmpfs::new(24 * 1024 * 1024);
     let data = fs.mount.join("data");
     let mut node = Node::start_single(&data, &[]);
-    let c = node.client.clone();
+    let c = node.client;
     let id = c.start(&json!({"workflow": "w"}))["execution_id"]
         .as_str()
         .unwrap()
@@ -88,13 +88,17 @@ fn a_full_disk_fails_the_commit_as_unknown_and_nothing_failed_is_written_later()
     // Every later write is refused at once, nothing tried: executed false.
     for (what, r) in [
         ("append", append(&c, &id, "refused", &json!({}))),
-        ("start", c.post("/api/executions", &json!({"workflow": "w"}))),
+        (
+            "start",
+            c.post("/api/executions", &json!({"workflow": "w"})),
+        ),
     ] {
         let v = r.expect_error(503, "shard_unavailable");
         assert_eq!(v["executed"], false, "{what}: {v}");
     }
     std::fs::remove_file(&filler).unwrap();
-    let v = append(&c, &id, "refused-after-free", &json!({})).expect_error(503, "shard_unavailable");
+    let v =
+        append(&c, &id, "refused-after-free", &json!({})).expect_error(503, "shard_unavailable");
     assert_eq!(v["executed"], false, "{v}");
     // The node says which shard is out of service, and why.
     let ready = c.get("/readyz");
@@ -147,7 +151,7 @@ fn a_damaged_shard_is_reported_and_the_others_serve() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
     let mut node = Node::start_single(&data, &["--shard-count", "2"]);
-    let c = node.client.clone();
+    let c = node.client;
     // Executions on both shards, a few events each.
     let mut on: [Vec<String>; 2] = [Vec::new(), Vec::new()];
     for i in 0..12 {
@@ -179,7 +183,9 @@ fn a_damaged_shard_is_reported_and_the_others_serve() {
     assert_eq!(r["failed_shards"][0]["shard"], 1, "{r}");
     let why = r["failed_shards"][0]["reason"].as_str().unwrap();
     assert!(
-        why.contains("shard 1") && why.contains("segment 0") && why.contains(&format!("offset {}", starts[2])),
+        why.contains("shard 1")
+            && why.contains("segment 0")
+            && why.contains(&format!("offset {}", starts[2])),
         "{why}"
     );
     let cluster = c.get("/api/cluster").json();
@@ -198,12 +204,78 @@ fn a_damaged_shard_is_reported_and_the_others_serve() {
         assert_eq!(v["executed"], false, "{v}");
     }
     let v = c
-        .post("/api/executions", &json!({"workflow": "w", "routing_key": "k-on-1"}))
+        .post(
+            "/api/executions",
+            &json!({"workflow": "w", "routing_key": "k-on-1"}),
+        )
         .json();
     // The key's shard decides: either served (shard 0) or refused.
-    assert!(v["execution_id"].is_string() || v["error"] == "shard_unavailable", "{v}");
+    assert!(
+        v["execution_id"].is_string() || v["error"] == "shard_unavailable",
+        "{v}"
+    );
 }
 
 fn node_log(node: &Node) -> String {
     std::fs::read_to_string(&node.log).unwrap_or_default()
+}
+
+/// `forkless store check` as an operator runs it: refuses a running node's
+/// folder, passes a healthy one (exit 0), fails a damaged one (exit 1,
+/// naming the place), and names the flag of a malformed argument.
+#[test]
+fn store_check_from_the_command_line() {
+    let _d = deadline("store check cli", Duration::from_secs(60));
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let mut node = Node::start_single(&data, &[]);
+    let c = node.client;
+    for i in 0..10 {
+        c.start(&json!({"workflow": "w", "input": {"i": i}}));
+    }
+    let dir = data.display().to_string();
+    let t = Duration::from_secs(20);
+    let (code, out, _) = run_cli(&["store", "check", "--data-dir", &dir], t);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("NOT CHECKED") && out.contains("running"),
+        "{out}"
+    );
+    node.kill9();
+    let (code, out, _) = run_cli(&["store", "check", "--data-dir", &dir], t);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(
+        out.contains("all 1 shards ok") && out.contains("10 events"),
+        "{out}"
+    );
+    let seg = data.join("shards/0/eventlog/0000000000.seg");
+    let mut bytes = std::fs::read(&seg).unwrap();
+    let starts = group_starts(&bytes);
+    bytes[starts[3] + 40] ^= 0x10;
+    std::fs::write(&seg, &bytes).unwrap();
+    let (code, out, _) = run_cli(&["store", "check", "--data-dir", &dir], t);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("DAMAGED") && out.contains(&format!("segment 0, offset {}", starts[3])),
+        "{out}"
+    );
+    let (code, _, err) = run_cli(
+        &[
+            "store",
+            "check",
+            "--data-dir",
+            &dir,
+            "--truncate-after",
+            "zero",
+        ],
+        t,
+    );
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--truncate-after"), "{err}");
+    let (code, _, err) = run_cli(&["store", "check", "--data-dir", "/nonexistent"], t);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("--data-dir") && err.contains("not a forkless data directory"),
+        "{err}"
+    );
 }
