@@ -499,21 +499,62 @@ fn prepare_segment(dir: &Path, bytes: u64) -> Result<(PathBuf, File), StoreError
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     );
+    // Zero-filling takes the segment's size of disk at once, ahead of
+    // need; with less free than twice that, it would be the log's own
+    // next writes that find the disk full. Then the next segment grows.
+    if let Some(free) = free_bytes(dir) {
+        if free < bytes.saturating_mul(2) {
+            return Err(StoreError::Io(format!(
+                "{}: {free} bytes free, under twice the segment size ({bytes}): not zero-filling ahead",
+                dir.display()
+            )));
+        }
+    }
     let path = dir.join(unique);
     let file = create_new(&path)?;
     // Synced a quarter MiB at a time: one flush of 64 MiB would hold the
     // disk for a fifth of a second, and the appends' fsyncs with it.
     let zeros = vec![0u8; 256 * 1024];
     let mut at = 0;
-    while at < bytes {
-        let n = (bytes - at).min(zeros.len() as u64) as usize;
-        file.write_all_at(&zeros[..n], at)
-            .and_then(|()| file.sync_data())
-            .map_err(|e| io(&path, "zero-filling", e))?;
-        at += n as u64;
+    let filled = (|| {
+        while at < bytes {
+            let n = (bytes - at).min(zeros.len() as u64) as usize;
+            file.write_all_at(&zeros[..n], at)
+                .and_then(|()| file.sync_data())
+                .map_err(|e| io(&path, "zero-filling", e))?;
+            at += n as u64;
+        }
+        file.sync_all().map_err(|e| io(&path, "syncing", e))
+    })();
+    if let Err(e) = filled {
+        // A full disk: give the space back to the log's own writes (the
+        // writer then uses an empty segment that grows).
+        let _ = std::fs::remove_file(&path);
+        return Err(e);
     }
-    file.sync_all().map_err(|e| io(&path, "syncing", e))?;
     Ok((path, file))
+}
+
+/// Bytes an unprivileged writer may still take on the filesystem of
+/// `dir`, if the system says.
+#[cfg(target_os = "linux")]
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs writes only into the struct we pass; `path` is a
+    // valid NUL-terminated string for the call's duration.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(path.as_ptr(), &mut st) != 0 {
+            return None;
+        }
+        Some((st.f_bavail as u64).saturating_mul(st.f_frsize as u64))
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn free_bytes(_dir: &Path) -> Option<u64> {
+    None
 }
 
 /// The segment ids in `dir`, in order; they must run from 0 without gaps.

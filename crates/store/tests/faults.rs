@@ -175,3 +175,42 @@ async fn a_write_that_failed_on_a_full_disk_is_never_committed_later() {
     let next = append(&s, "after-restart", big).await.expect("append");
     assert_eq!((next.first_seq, next.last_seq), (3, 3));
 }
+
+/// On a disk with less room than a segment, zero-filling the next segment
+/// ahead must not be what fills it: the log's own appends keep the space
+/// (before, a 64 MiB zero-fill on a 24 MiB filesystem took it all, left its
+/// file behind, and the next append fail-stopped the shard).
+#[tokio::test]
+async fn zero_filling_ahead_never_takes_the_space_appends_need() {
+    let fs = Tmpfs::new(24 * 1024 * 1024);
+    let data = fs.mount.join("data");
+    let store = Store::open(&data, ShardCount::ONE, StoreConfig::default()).expect("opens");
+    let s = store.open_shard(ShardId(0), Epoch(1)).expect("opens");
+    s.start(StartRequest {
+        epoch: Epoch(1),
+        id: id(1),
+        workflow: "w".into(),
+        started_payload: b"{}".to_vec(),
+        routing_key: None,
+        idempotency_key: None,
+    })
+    .await
+    .expect("start");
+    // 12 MiB of appends: past the point (1 MiB) where the next segment
+    // starts being zero-filled, and well within the filesystem.
+    let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(256 * 1024)).into_bytes();
+    for i in 0..48 {
+        append(&s, "big", big.clone())
+            .await
+            .unwrap_or_else(|e| panic!("append {i} on a disk with room: {e}"));
+        // Give a zero-filling thread time to run between appends.
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert!(store.failures().is_empty(), "{:?}", store.failures());
+    let leftovers: Vec<_> = std::fs::read_dir(data.join("shards/0/eventlog"))
+        .expect("the log's folder")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".prepared"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
