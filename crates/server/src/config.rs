@@ -410,8 +410,10 @@ pub fn validate_cluster(
         slots.into_iter().flatten().collect()
     };
     let secret = match &file.secret {
-        Some(s) if s.len() >= 16 => s.clone(),
-        Some(_) => return bad("secret must be at least 16 characters".into()),
+        Some(s) => {
+            check_secret(s)?;
+            s.clone()
+        }
         None if file.nodes.len() == 1 => String::new(),
         None => return bad("secret: a cluster of more than one node needs a shared secret to authenticate forwarded requests".into()),
     };
@@ -420,6 +422,27 @@ pub fn validate_cluster(
         assignments,
         secret,
     })
+}
+
+/// The cluster secret travels as a header value: leading or trailing
+/// whitespace would be trimmed off by the peer that reads it, and a control
+/// character cannot be sent at all, so either would make every forward and
+/// probe fail authentication. Refused here instead, naming why.
+fn check_secret(s: &str) -> Result<(), ConfigError> {
+    let bad = |m: String| Err(ConfigError::Invalid(m));
+    if s.starts_with(char::is_whitespace) || s.ends_with(char::is_whitespace) {
+        return bad("secret has leading or trailing whitespace, which a peer reading it from a header would not see; remove it".into());
+    }
+    if let Some((i, c)) = s.char_indices().find(|(_, c)| c.is_control()) {
+        return bad(format!(
+            "secret contains a control character ({:?} at byte {i}), which cannot be sent in a header; use printable characters",
+            c
+        ));
+    }
+    if s.len() < 16 {
+        return bad("secret must be at least 16 characters".into());
+    }
+    Ok(())
 }
 
 /// Resolves a node's config from an optional file and the member to run.
@@ -651,6 +674,39 @@ peer_addr = "127.0.0.1:7172"
             &format!("{NODES}\nbogus = 1\n"),
             Some(1),
             Some("unknown field"),
+        );
+    }
+
+    #[test]
+    fn a_secret_that_would_not_survive_a_header_is_refused_naming_the_field() {
+        let with = |secret: &str| {
+            let text = NODES.replace(
+                "secret = \"0123456789abcdef\"",
+                &format!("secret = {}", toml::Value::String(secret.into())),
+            );
+            let file = parse_file(&text).expect("the file parses");
+            resolve(Some(file), Some(1), Overrides::default())
+        };
+        for (bad, why) in [
+            (" 0123456789abcdef", "leading or trailing whitespace"),
+            ("0123456789abcdef ", "leading or trailing whitespace"),
+            ("0123456789abcdef\n", "leading or trailing whitespace"),
+            ("\t0123456789abcdef", "leading or trailing whitespace"),
+            ("0123456789\u{0}abcdef", "control character"),
+            ("0123456789\u{7f}abcdef", "control character"),
+            ("0123456789\rabcdef", "control character"),
+            ("0123456789\u{85}abcdef", "control character"),
+        ] {
+            let e = with(bad).expect_err(&format!("secret {bad:?} was accepted"));
+            let m = e.to_string();
+            assert!(m.starts_with("secret"), "{bad:?}: {m}");
+            assert!(m.contains(why), "{bad:?}: {m}");
+        }
+        // Spaces inside are fine: they survive a header.
+        let c = with("correct horse battery staple").expect("an inner space is fine");
+        assert_eq!(
+            c.cluster.map(|c| c.secret),
+            Some("correct horse battery staple".to_string())
         );
     }
 
