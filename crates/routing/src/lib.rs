@@ -20,7 +20,7 @@
 mod directory;
 
 pub use directory::{
-    Directory, Liveness, NodeInfo, Observation, ShardAssignment, StaticDirectory,
+    Directory, Liveness, NodeInfo, Observation, PeerState, ShardAssignment, StaticDirectory,
     StaticDirectoryError,
 };
 

@@ -1200,6 +1200,7 @@ async fn cluster(State(app): AppState) -> Response {
                 "api_addr": nd.api_addr,
                 "peer_addr": nd.peer_addr,
                 "alive": nd.id == app.cfg.node_id || app.dir.liveness().is_alive(nd.id),
+                "probe": if nd.id == app.cfg.node_id { "self" } else { app.dir.liveness().state(nd.id).as_str() },
                 "self": nd.id == app.cfg.node_id,
             })
         })

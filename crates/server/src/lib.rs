@@ -43,6 +43,9 @@ pub struct App {
     /// API requests being served right now (the store commits on a
     /// request's own thread only when it is alone).
     pub in_progress: Arc<AtomicUsize>,
+    /// `/readyz`: true once the node serves and, in a cluster, its first
+    /// round of peer probes has completed (every peer answered or timed
+    /// out), so it knows its peers' liveness and newer epochs.
     pub ready: AtomicBool,
     /// Turns true when the node starts shutting down: long-polls answer
     /// with what they have instead of holding the shutdown up.
@@ -157,14 +160,16 @@ pub async fn run(
         )));
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
+        // Ready once its first round of probes has completed.
         tokio::spawn(peer::probe_loop(app.clone(), stop_rx.clone()));
+    } else {
+        app.ready.store(true, Ordering::Release);
     }
-    app.ready.store(true, Ordering::Release);
     tracing::info!(
         node = %app.cfg.node_id, listen = %app.cfg.listen, peer = ?app.cfg.peer_listen,
         shards = app.cfg.shard_count.get(), data_dir = %app.cfg.data_dir.display(),
         owned = ?(0..app.cfg.shard_count.get()).filter(|s| app.dir.owns(ShardId(*s))).collect::<Vec<_>>(),
-        "forkless node ready"
+        "forkless node serving"
     );
     for t in tasks {
         if let Err(e) = t.await {
