@@ -336,10 +336,16 @@ pub(crate) mod route_header {
 /// `hops` hops, and the owner it was made from.
 fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
     let owner = app.dir.owner_of(shard);
+    // Only an owned shard's copy matters to the decision.
+    let local_fence = match owner {
+        Owner::Local { .. } => app.store.shard(shard).map(|st| st.epoch()),
+        _ => None,
+    };
     let d = decide(&Facts {
         routing_active: app.dir.routing_active(),
         hops_taken: hops,
         owner: owner.clone(),
+        local_fence,
     });
     (owner, d)
 }
@@ -448,12 +454,20 @@ where
                 hops = route.hops_taken,
                 "not the owner; answering 421 with a hint"
             );
+            // The map names this node, but its copy is fenced by a newer
+            // epoch: the map is stale (the prober will move it).
+            let detail = if matches!(owner, Owner::Local { .. }) {
+                tracing::warn!(shard, "this node's copy of the shard is fenced by a newer epoch than its map names; refusing with 421");
+                "its copy of the shard is fenced by a newer epoch than this node's map names (another node owns it now); re-resolve the owner with GET /api/cluster on another node"
+            } else {
+                "re-resolve the owner from the hint or GET /api/cluster"
+            };
             ApiError::NotOwner {
                 partition,
                 shard,
                 hint,
                 map_version: app.dir.map_version(),
-                detail: "re-resolve the owner from the hint or GET /api/cluster".into(),
+                detail: detail.into(),
             }
             .into_response()
         }
