@@ -52,6 +52,13 @@ pub enum ApiError {
         hint: Option<OwnerHint>,
     },
     Forbidden(String),
+    /// Over a per-node bound on something clients hold (long-polls):
+    /// 503 with `Retry-After`, nothing done.
+    Overloaded {
+        code: &'static str,
+        message: String,
+        limit: usize,
+    },
     /// A request not received in full within this many milliseconds.
     RequestTimeout(u64),
     Internal(String),
@@ -90,6 +97,7 @@ impl ApiError {
             ApiError::NotOwner { .. } => "not_owner",
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::Overloaded { code, .. } => code,
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::Internal(_) => "internal",
         }
@@ -104,7 +112,9 @@ impl ApiError {
             | ApiError::Closed { .. }
             | ApiError::IdempotencyConflict(_) => StatusCode::CONFLICT,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
-            ApiError::OwnerUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::OwnerUnavailable { .. } | ApiError::Overloaded { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -126,6 +136,9 @@ impl ApiError {
                 "message": format!("the request was not received in full within {ms} ms; nothing of it was acted on"),
                 "timeout_ms": ms,
             }),
+            ApiError::Overloaded { message, limit, .. } => {
+                json!({"error": code, "message": message, "limit": limit})
+            }
             ApiError::NotFound(m)
             | ApiError::IdempotencyConflict(m)
             | ApiError::Forbidden(m)
@@ -176,7 +189,10 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
-        if matches!(self, ApiError::OwnerUnavailable { .. }) {
+        if matches!(
+            self,
+            ApiError::OwnerUnavailable { .. } | ApiError::Overloaded { .. }
+        ) {
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         }

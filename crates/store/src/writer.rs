@@ -123,6 +123,9 @@ pub(crate) struct Shared {
     commands: AtomicU64,
     /// Shared with the writer, which counts its checkpoints here.
     checkpoints: Arc<CheckpointCounters>,
+    /// Readers waiting on an execution's new events; the writer wakes
+    /// them (see `waiters.rs`).
+    pub(crate) waiters: Arc<crate::waiters::Waiters>,
 }
 
 /// Checkpoints made and the time they took, in microseconds: building and
@@ -421,7 +424,9 @@ pub(crate) fn spawn(
     requests_in_progress: Option<Arc<AtomicUsize>>,
 ) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
     let checkpoints = Arc::new(CheckpointCounters::default());
+    let waiters = Arc::new(crate::waiters::Waiters::default());
     let writer = Writer {
+        waiters: waiters.clone(),
         checkpoints: checkpoints.clone(),
         shard,
         ks,
@@ -464,6 +469,7 @@ pub(crate) fn spawn(
         groups_by_caller: AtomicU64::new(0),
         commands: AtomicU64::new(0),
         checkpoints,
+        waiters,
     });
     handover
         .send(shared.clone())
@@ -486,6 +492,8 @@ struct Writer {
     checkpoint_bytes: u64,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
+    /// Woken for the executions each durable group wrote.
+    waiters: Arc<crate::waiters::Waiters>,
     /// Set after a failed commit: every later write is refused with it.
     failed: Option<StoreError>,
     /// Metadata of recently written executions, exactly as on disk: the
@@ -626,6 +634,7 @@ impl Writer {
             if let Some(e) = overlay.epoch {
                 self.epoch.store(e.get(), Ordering::Release);
             }
+            self.waiters.wake(overlay.metas.keys());
             self.cache.extend(overlay.metas.drain());
             self.commits.send_modify(|c| *c += 1);
             if self.since_checkpoint >= self.checkpoint_bytes {
