@@ -35,6 +35,29 @@ pub struct ServeArgs {
     /// connection is closed.
     #[arg(long, env = "FORKLESS_REQUEST_READ_TIMEOUT_MS")]
     request_read_timeout_ms: Option<u64>,
+    /// Most client connections open at once, API and peer listeners
+    /// together [default: 1024]; one more is answered 503 and closed. With
+    /// 256 descriptors kept for the store it must fit in the open-file
+    /// limit (raised to the hard limit at start), or the node refuses to
+    /// start.
+    #[arg(long, env = "FORKLESS_CONNECTIONS_MAX")]
+    connections_max: Option<usize>,
+    /// A kept-alive connection idle this long is closed, ms [default: 60000].
+    #[arg(long, env = "FORKLESS_IDLE_TIMEOUT_MS")]
+    idle_timeout_ms: Option<u64>,
+    /// A client that does not take its answer for this long is
+    /// disconnected, ms [default: 30000].
+    #[arg(long, env = "FORKLESS_WRITE_TIMEOUT_MS")]
+    write_timeout_ms: Option<u64>,
+    /// A page of events stops once its payloads reach this many bytes
+    /// (always at least one event; `next_after` says where to continue)
+    /// [default: 4194304].
+    #[arg(long, env = "FORKLESS_READ_PAGE_BYTES_MAX")]
+    read_page_bytes_max: Option<usize>,
+    /// Most long-polls waiting at once on this node [default: 1024]; one
+    /// more is answered 503 too_many_long_polls with Retry-After.
+    #[arg(long, env = "FORKLESS_LONG_POLLS_MAX")]
+    long_polls_max: Option<usize>,
     /// How many nice steps below the request path the storage engine's
     /// flush and compaction threads run, 0 to 19 [default: 10]; 0 keeps
     /// them at the same priority. Linux only.
@@ -75,6 +98,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         request_read_timeout_ms: a.request_read_timeout_ms,
         background_nice: a.background_nice,
         writer_priority: a.writer_priority,
+        connections_max: a.connections_max,
+        idle_timeout_ms: a.idle_timeout_ms,
+        write_timeout_ms: a.write_timeout_ms,
+        read_page_bytes_max: a.read_page_bytes_max,
+        long_polls_max: a.long_polls_max,
     };
     let cfg = config::resolve(file, a.node, overrides)?;
     let mut rt = tokio::runtime::Builder::new_multi_thread();

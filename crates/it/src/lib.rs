@@ -1063,7 +1063,9 @@ impl Cluster {
         self.nodes.iter().map(|n| (n.id, n.client())).collect()
     }
 
-    fn spawn(&mut self, id: u16, config: &Path) {
+    /// Spawns node `id` on `config` without waiting for anything (see
+    /// [`Cluster::wait_ready`]).
+    pub fn spawn(&mut self, id: u16, config: &Path) {
         let n = self.node_mut(id);
         let args: Vec<String> = vec![
             "serve".into(),

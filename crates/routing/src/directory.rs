@@ -4,7 +4,7 @@
 use crate::{Owner, OwnerHint};
 use forkless_types::{Epoch, NodeId, ShardCount, ShardId};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::RwLock;
 
 /// What a peer's claim did to this node's map.
@@ -77,33 +77,107 @@ impl std::fmt::Display for StaticDirectoryError {
 
 impl std::error::Error for StaticDirectoryError {}
 
+/// What this node knows of a peer from its probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerState {
+    /// The peer has never answered a probe of this node (it may not have
+    /// been probed yet, or not have been started yet when it was): not
+    /// believed down, so a request for its shards tries it. A forward
+    /// that finds nobody there fails closed anyway (`executed: false` on
+    /// a refused connection).
+    NeverAnswered,
+    /// The peer answered its last probe.
+    Up,
+    /// The peer answered a probe once, and missed its last one: its shards
+    /// fail closed at once instead of waiting for a forward's timeout.
+    Down,
+}
+
+const NEVER_ANSWERED: u8 = 0;
+const UP: u8 = 1;
+const DOWN: u8 = 2;
+
+impl PeerState {
+    fn from_u8(v: u8) -> PeerState {
+        match v {
+            UP => PeerState::Up,
+            DOWN => PeerState::Down,
+            _ => PeerState::NeverAnswered,
+        }
+    }
+
+    /// Whether requests for the peer's shards are sent to it.
+    pub fn is_alive(self) -> bool {
+        self != PeerState::Down
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PeerState::NeverAnswered => "never_answered",
+            PeerState::Up => "up",
+            PeerState::Down => "down",
+        }
+    }
+}
+
 /// Which peers are believed alive. Written by the prober, read by routing.
 #[derive(Debug)]
 pub struct Liveness {
-    alive: BTreeMap<NodeId, AtomicBool>,
+    state: BTreeMap<NodeId, AtomicU8>,
 }
 
 impl Liveness {
-    /// Every node starts believed alive: a forward to a dead one fails
-    /// closed anyway, and the prober corrects the belief within a period.
+    /// Every node starts [`PeerState::NeverAnswered`]: not believed down
+    /// until it has answered once and then missed a probe. A forward to a
+    /// dead one fails closed anyway.
     pub fn new(nodes: impl IntoIterator<Item = NodeId>) -> Liveness {
         Liveness {
-            alive: nodes
+            state: nodes
                 .into_iter()
-                .map(|n| (n, AtomicBool::new(true)))
+                .map(|n| (n, AtomicU8::new(NEVER_ANSWERED)))
                 .collect(),
         }
     }
+
+    /// Records one probe's outcome: answered (`alive`) or not. A peer that
+    /// has never answered stays [`PeerState::NeverAnswered`] when it does
+    /// not answer. Returns whether the peer was believed alive before.
     pub fn set(&self, node: NodeId, alive: bool) -> bool {
-        self.alive
-            .get(&node)
-            .map(|a| a.swap(alive, Ordering::AcqRel))
-            .unwrap_or(false)
+        self.record(node, alive).0.is_alive()
     }
-    pub fn is_alive(&self, node: NodeId) -> bool {
-        self.alive
+
+    /// Like [`Liveness::set`], returning the states before and after.
+    pub fn record(&self, node: NodeId, answered: bool) -> (PeerState, PeerState) {
+        let Some(a) = self.state.get(&node) else {
+            return (PeerState::Down, PeerState::Down);
+        };
+        let before = if answered {
+            a.swap(UP, Ordering::AcqRel)
+        } else {
+            // Down only once it has answered: NEVER_ANSWERED stays so.
+            match a.compare_exchange(UP, DOWN, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(v) | Err(v) => v,
+            }
+        };
+        let after = match (answered, before) {
+            (true, _) => UP,
+            (false, NEVER_ANSWERED) => NEVER_ANSWERED,
+            (false, _) => DOWN,
+        };
+        (PeerState::from_u8(before), PeerState::from_u8(after))
+    }
+
+    pub fn state(&self, node: NodeId) -> PeerState {
+        self.state
             .get(&node)
-            .is_some_and(|a| a.load(Ordering::Acquire))
+            .map(|a| PeerState::from_u8(a.load(Ordering::Acquire)))
+            .unwrap_or(PeerState::Down)
+    }
+
+    /// Whether requests for `node`'s shards are sent to it (it is not
+    /// believed down).
+    pub fn is_alive(&self, node: NodeId) -> bool {
+        self.state(node).is_alive()
     }
 }
 
@@ -380,12 +454,58 @@ mod tests {
             matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node.get() == 2 && h.peer_addr == "p2")
         );
         assert_eq!(d.map_version(), 2);
+        d.liveness().set(NodeId::new(2).unwrap(), true);
         d.liveness().set(NodeId::new(2).unwrap(), false);
         assert!(
             matches!(d.owner_of(ShardId(1)), Owner::Unknown { hint: Some(h) } if h.node.get() == 2)
         );
         assert!(matches!(d.owner_of(ShardId(2)), Owner::Remote(_)));
         assert_eq!(d.owner_of(ShardId(9)), Owner::Unknown { hint: None });
+    }
+
+    /// The never-probed (or never-answered) state: a peer that has not
+    /// answered a probe yet is tried, not believed down; one that answered
+    /// and then missed a probe is down; answering again brings it back.
+    #[test]
+    fn a_peer_that_never_answered_a_probe_is_tried_not_believed_down() {
+        let d = dir();
+        let n2 = NodeId::new(2).unwrap();
+        let remote = |d: &StaticDirectory| matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node == n2);
+        let down = |d: &StaticDirectory| matches!(d.owner_of(ShardId(1)), Owner::Unknown { hint: Some(h) } if h.node == n2);
+        // (probe outcomes so far, state after them, routed to the peer?)
+        let table: &[(&[bool], PeerState, bool)] = &[
+            (&[], PeerState::NeverAnswered, true),
+            (&[false], PeerState::NeverAnswered, true),
+            (&[false, false, false], PeerState::NeverAnswered, true),
+            (&[true], PeerState::Up, true),
+            (&[false, true], PeerState::Up, true),
+            (&[true, false], PeerState::Down, false),
+            (&[false, true, false, false], PeerState::Down, false),
+            (&[true, false, true], PeerState::Up, true),
+        ];
+        for (outcomes, state, routed) in table {
+            let d2 = dir();
+            for o in outcomes.iter() {
+                d2.liveness().record(n2, *o);
+            }
+            assert_eq!(d2.liveness().state(n2), *state, "{outcomes:?}");
+            assert_eq!(remote(&d2), *routed, "{outcomes:?}");
+            assert_eq!(down(&d2), !*routed, "{outcomes:?}");
+        }
+        assert_eq!(d.liveness().state(n2), PeerState::NeverAnswered);
+        assert!(remote(&d));
+        assert_eq!(
+            d.liveness().record(n2, false),
+            (PeerState::NeverAnswered, PeerState::NeverAnswered)
+        );
+        assert_eq!(
+            d.liveness().record(n2, true),
+            (PeerState::NeverAnswered, PeerState::Up)
+        );
+        assert_eq!(
+            d.liveness().record(n2, false),
+            (PeerState::Up, PeerState::Down)
+        );
     }
 
     #[test]

@@ -20,7 +20,7 @@
 mod directory;
 
 pub use directory::{
-    Directory, Liveness, NodeInfo, Observation, ShardAssignment, StaticDirectory,
+    Directory, Liveness, NodeInfo, Observation, PeerState, ShardAssignment, StaticDirectory,
     StaticDirectoryError,
 };
 
@@ -87,12 +87,33 @@ pub struct Facts {
     pub hops_taken: u8,
     /// The directory's answer for the request's shard.
     pub owner: Owner,
+    /// The epoch this node's own copy of the shard is fenced at, if it
+    /// hosts one (only consulted when the directory says `Local`). Newer
+    /// than the directory's epoch means another node owns the shard at a
+    /// newer epoch (learned from a peer, or from a config, and written
+    /// into the copy's fence) although this node's map has not caught up:
+    /// the copy is stale, for reads as much as for writes.
+    pub local_fence: Option<Epoch>,
 }
 
 /// The routing decision for a request that names a shard (an execution id,
 /// or a steering key).
 pub fn decide(facts: &Facts) -> Decision {
     match &facts.owner {
+        // The map says this node, but its copy has been fenced by a newer
+        // epoch: it is not the owner at the current epoch, so it answers
+        // nothing from that copy (a read would be stale, a write is
+        // refused by the store anyway). Who owns it at the newer epoch is
+        // not in this node's map, so there is no one to forward to: the
+        // client re-resolves (and the prober will move the map). With
+        // routing inert this node is the whole cluster by its own config
+        // (e.g. a one-node config to inspect a copy): it reads its data,
+        // and the store still refuses every write.
+        Owner::Local { epoch }
+            if facts.routing_active && facts.local_fence.is_some_and(|f| f > *epoch) =>
+        {
+            Decision::NotOwner { hint: None }
+        }
         Owner::Local { epoch } => Decision::Local { epoch: *epoch },
         // Inert routing means this node owns every shard; an answer other
         // than Local here would be a directory bug, and the store's fence
@@ -182,6 +203,7 @@ mod tests {
             routing_active,
             hops_taken,
             owner,
+            local_fence: None,
         };
         assert_eq!(decide(&facts), expected, "{facts:?}");
     }
@@ -260,10 +282,59 @@ mod tests {
                     routing_active: false,
                     hops_taken: hops,
                     owner: o.clone(),
+                    local_fence: None,
                 });
                 assert!(!matches!(d, Forward { .. } | FailClosed { .. }), "{d:?}");
             }
         }
+    }
+
+    /// A copy fenced by a newer epoch than the map's is not answered from,
+    /// whatever the request and its hops: 421 with no hint (the map does
+    /// not know the newer owner). The same epoch, or an older fence (the
+    /// store moves it up at open), is this node's to serve; inert routing
+    /// reads its own data (the store still refuses the writes).
+    #[test]
+    fn a_copy_fenced_by_a_newer_epoch_answers_nothing() {
+        let local = Owner::Local { epoch: Epoch(3) };
+        let table = [
+            // (routing active, hops, fence, expected)
+            (true, 0, None, Decision::Local { epoch: Epoch(3) }),
+            (true, 0, Some(Epoch(2)), Decision::Local { epoch: Epoch(3) }),
+            (true, 0, Some(Epoch(3)), Decision::Local { epoch: Epoch(3) }),
+            (true, 0, Some(Epoch(4)), Decision::NotOwner { hint: None }),
+            (true, 1, Some(Epoch(4)), Decision::NotOwner { hint: None }),
+            (true, 1, Some(Epoch(9)), Decision::NotOwner { hint: None }),
+            (
+                false,
+                0,
+                Some(Epoch(4)),
+                Decision::Local { epoch: Epoch(3) },
+            ),
+            (
+                false,
+                1,
+                Some(Epoch(4)),
+                Decision::Local { epoch: Epoch(3) },
+            ),
+        ];
+        for (active, hops, fence, expected) in table {
+            let facts = Facts {
+                routing_active: active,
+                hops_taken: hops,
+                owner: local.clone(),
+                local_fence: fence,
+            };
+            assert_eq!(decide(&facts), expected, "{facts:?}");
+        }
+        // A fence says nothing about shards this node does not own.
+        let facts = Facts {
+            routing_active: true,
+            hops_taken: 0,
+            owner: Owner::Remote(hint(2)),
+            local_fence: Some(Epoch(9)),
+        };
+        assert!(matches!(decide(&facts), Decision::Forward { .. }));
     }
 
     #[test]
@@ -278,11 +349,15 @@ mod tests {
         ];
         for active in [true, false] {
             for hops in 0..=3u8 {
-                for o in &owners {
+                for (o, fence) in owners
+                    .iter()
+                    .flat_map(|o| [None, Some(Epoch(1)), Some(Epoch(2))].map(|f| (o, f)))
+                {
                     let d = decide(&Facts {
                         routing_active: active,
                         hops_taken: hops,
                         owner: o.clone(),
+                        local_fence: fence,
                     });
                     if let Decision::Forward { hops: h, .. } = d {
                         assert!(h <= MAX_FORWARD_HOPS);
@@ -291,6 +366,10 @@ mod tests {
                         assert!(
                             matches!(o, Owner::Local { .. }),
                             "local write for a non-owned shard"
+                        );
+                        assert!(
+                            !active || fence.is_none_or(|f| f <= Epoch(1)),
+                            "answered from a copy fenced at {fence:?} for a map at epoch 1"
                         );
                     }
                 }

@@ -336,10 +336,16 @@ pub(crate) mod route_header {
 /// `hops` hops, and the owner it was made from.
 fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
     let owner = app.dir.owner_of(shard);
+    // Only an owned shard's copy matters to the decision.
+    let local_fence = match owner {
+        Owner::Local { .. } => app.store.shard(shard).map(|st| st.epoch()),
+        _ => None,
+    };
     let d = decide(&Facts {
         routing_active: app.dir.routing_active(),
         hops_taken: hops,
         owner: owner.clone(),
+        local_fence,
     });
     (owner, d)
 }
@@ -454,12 +460,20 @@ where
                 hops = route.hops_taken,
                 "not the owner; answering 421 with a hint"
             );
+            // The map names this node, but its copy is fenced by a newer
+            // epoch: the map is stale (the prober will move it).
+            let detail = if matches!(owner, Owner::Local { .. }) {
+                tracing::warn!(shard, "this node's copy of the shard is fenced by a newer epoch than its map names; refusing with 421");
+                "its copy of the shard is fenced by a newer epoch than this node's map names (another node owns it now); re-resolve the owner with GET /api/cluster on another node"
+            } else {
+                "re-resolve the owner from the hint or GET /api/cluster"
+            };
             ApiError::NotOwner {
                 partition,
                 shard,
                 hint,
                 map_version: app.dir.map_version(),
-                detail: "re-resolve the owner from the hint or GET /api/cluster".into(),
+                detail: detail.into(),
             }
             .into_response()
         }
@@ -1093,14 +1107,21 @@ async fn read_events(
         route,
         move |_epoch, st| async move {
             let deadline = tokio::time::Instant::now() + p.wait;
-            let mut commits = st.commits();
+            let budget = app2.cfg.limits.read_page_bytes_max;
+            // Interest in this execution's commits only (not the shard's),
+            // taken before the first read so no commit is missed; counted
+            // against the node's long-poll bound once the poll waits.
+            let interest = (!p.wait.is_zero()).then(|| st.watch_execution(id));
+            let mut slot: Option<LongPollSlot> = None;
             let mut stopping = app2.stopping.subscribe();
             loop {
-                // Mark the commit counter seen before reading, so a
-                // commit between the read and the wait wakes us.
-                commits.borrow_and_update();
+                let woken = interest.as_ref().map(|i| i.notified());
+                tokio::pin!(woken);
+                if let Some(w) = woken.as_mut().as_pin_mut() {
+                    w.enable();
+                }
                 let (meta, events) = st
-                    .read_events(id, p.after, p.limit)
+                    .read_events_within(id, p.after, p.limit, budget)
                     .map_err(|e| ApiError::Internal(e.to_string()))?
                     .ok_or_else(|| ApiError::NotFound(format!("execution {id} not found")))?;
                 let done = !events.is_empty()
@@ -1108,11 +1129,15 @@ async fn read_events(
                     || tokio::time::Instant::now() >= deadline
                     || *stopping.borrow();
                 if done {
+                    // Where to continue when the page stopped before the
+                    // end of the log (by `limit` or by the byte budget).
+                    let next_after = events.last().map(|e| e.seq).filter(|s| *s < meta.last_seq);
                     let body = wire::encode_events_page(
                         &id.to_string(),
                         meta.status.as_str(),
                         meta.last_seq,
                         &events,
+                        next_after,
                     );
                     return Ok((
                         StatusCode::OK,
@@ -1121,13 +1146,20 @@ async fn read_events(
                     )
                         .into_response());
                 }
-                // Wake on a commit, the deadline, or shutdown (the
-                // poll then answers with what there is, so it does
-                // not hold the node's shutdown up).
+                if slot.is_none() {
+                    slot = Some(LongPollSlot::take(&app2)?);
+                }
+                let Some(w) = woken.as_mut().as_pin_mut() else {
+                    // No wait asked for: answered above.
+                    continue;
+                };
+                // Wake on a commit of this execution, the deadline, or
+                // shutdown (the poll then answers with what there is, so
+                // it does not hold the node's shutdown up).
                 tokio::select! {
-                    r = tokio::time::timeout_at(deadline, commits.changed()) => {
-                        if r.is_ok_and(|r| r.is_err()) {
-                            return Err(ApiError::Internal("the shard's writer stopped".into()));
+                    r = tokio::time::timeout_at(deadline, w) => {
+                        if r.is_ok() {
+                            app2.metrics.long_poll_wakeups.inc();
                         }
                     }
                     _ = stopping.changed() => {}
@@ -1136,6 +1168,42 @@ async fn read_events(
         },
     )
     .await)
+}
+
+/// One waiting long-poll counted in [`App::long_polls`] until dropped.
+struct LongPollSlot(Arc<App>);
+
+impl LongPollSlot {
+    /// A slot, or 503 `too_many_long_polls` when `limits.long_polls_max`
+    /// are waiting already.
+    fn take(app: &Arc<App>) -> Result<LongPollSlot, ApiError> {
+        let max = app.cfg.limits.long_polls_max;
+        let taken = app
+            .long_polls
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok();
+        if !taken {
+            app.metrics.long_polls_refused.inc();
+            return Err(ApiError::Overloaded {
+                code: "too_many_long_polls",
+                message: format!(
+                    "this node has {max} long-polls waiting, its limit (limits.long_polls_max); retry later, or read without wait_ms"
+                ),
+                limit: max,
+            });
+        }
+        app.metrics.long_polls_waiting.inc();
+        Ok(LongPollSlot(app.clone()))
+    }
+}
+
+impl Drop for LongPollSlot {
+    fn drop(&mut self) {
+        self.0.long_polls.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.long_polls_waiting.dec();
+    }
 }
 
 async fn by_key(
@@ -1211,6 +1279,7 @@ async fn cluster(State(app): AppState) -> Response {
                 "api_addr": nd.api_addr,
                 "peer_addr": nd.peer_addr,
                 "alive": nd.id == app.cfg.node_id || app.dir.liveness().is_alive(nd.id),
+                "probe": if nd.id == app.cfg.node_id { "self" } else { app.dir.liveness().state(nd.id).as_str() },
                 "self": nd.id == app.cfg.node_id,
             })
         })

@@ -38,9 +38,36 @@ pub struct Limits {
     /// (head and body) within this, milliseconds, or the connection is
     /// answered 408 and closed; on a connection handed to hyper, its head
     /// and its body get this bound each. An idle kept-alive connection has
-    /// no limit.
+    /// no limit (see `idle_timeout_ms`).
     pub request_read_timeout_ms: u64,
+    /// Most client connections open at once, over the API and peer
+    /// listeners together; a connection over it is answered 503
+    /// `too_many_connections` and closed. With [`FD_RESERVE`] it must fit
+    /// in the process's open-file limit (checked at start).
+    pub connections_max: usize,
+    /// A kept-alive connection with no request begun for this long is
+    /// closed, milliseconds.
+    pub idle_timeout_ms: u64,
+    /// A client that does not take an answer for this long (the write
+    /// makes no progress) has its connection dropped, milliseconds.
+    pub write_timeout_ms: u64,
+    /// A page of `GET /api/executions/{id}/events` stops once its events'
+    /// payloads reach this many bytes (always at least one event), and
+    /// says where to continue (`next_after`).
+    pub read_page_bytes_max: usize,
+    /// Most long-polls waiting at once on this node; one over it is
+    /// answered 503 `too_many_long_polls` with `Retry-After`.
+    pub long_polls_max: usize,
 }
+
+/// File descriptors kept free for the store (log segments, the next
+/// segment, fjall's tables and journals, rotations), over
+/// `limits.connections_max`: running out of descriptors must never make a
+/// shard's log rotation fail (that fail-stops the shard).
+pub const FD_RESERVE: u64 = 256;
+
+/// The longest idle and write timeouts accepted (one hour).
+pub const CONNECTION_TIMEOUT_MS_MAX: u64 = 3_600_000;
 
 impl Default for Limits {
     fn default() -> Self {
@@ -51,6 +78,11 @@ impl Default for Limits {
             wait_ms_max: 30_000,
             read_events_max: 1000,
             request_read_timeout_ms: 30_000,
+            connections_max: 1024,
+            idle_timeout_ms: 60_000,
+            write_timeout_ms: 30_000,
+            read_page_bytes_max: 4 * 1024 * 1024,
+            long_polls_max: 1024,
         }
     }
 }
@@ -410,8 +442,10 @@ pub fn validate_cluster(
         slots.into_iter().flatten().collect()
     };
     let secret = match &file.secret {
-        Some(s) if s.len() >= 16 => s.clone(),
-        Some(_) => return bad("secret must be at least 16 characters".into()),
+        Some(s) => {
+            check_secret(s)?;
+            s.clone()
+        }
         None if file.nodes.len() == 1 => String::new(),
         None => return bad("secret: a cluster of more than one node needs a shared secret to authenticate forwarded requests".into()),
     };
@@ -420,6 +454,27 @@ pub fn validate_cluster(
         assignments,
         secret,
     })
+}
+
+/// The cluster secret travels as a header value: leading or trailing
+/// whitespace would be trimmed off by the peer that reads it, and a control
+/// character cannot be sent at all, so either would make every forward and
+/// probe fail authentication. Refused here instead, naming why.
+fn check_secret(s: &str) -> Result<(), ConfigError> {
+    let bad = |m: String| Err(ConfigError::Invalid(m));
+    if s.starts_with(char::is_whitespace) || s.ends_with(char::is_whitespace) {
+        return bad("secret has leading or trailing whitespace, which a peer reading it from a header would not see; remove it".into());
+    }
+    if let Some((i, c)) = s.char_indices().find(|(_, c)| c.is_control()) {
+        return bad(format!(
+            "secret contains a control character ({:?} at byte {i}), which cannot be sent in a header; use printable characters",
+            c
+        ));
+    }
+    if s.len() < 16 {
+        return bad("secret must be at least 16 characters".into());
+    }
+    Ok(())
 }
 
 /// Resolves a node's config from an optional file and the member to run.
@@ -502,6 +557,25 @@ pub fn resolve(
             "limits.request_read_timeout_ms must be positive and at most {REQUEST_READ_TIMEOUT_MS_MAX} (one hour)"
         )));
     }
+    for (field, v) in [
+        ("limits.idle_timeout_ms", cfg.limits.idle_timeout_ms),
+        ("limits.write_timeout_ms", cfg.limits.write_timeout_ms),
+    ] {
+        if !(1..=CONNECTION_TIMEOUT_MS_MAX).contains(&v) {
+            return Err(ConfigError::Invalid(format!(
+                "{field} must be positive and at most {CONNECTION_TIMEOUT_MS_MAX} (one hour), not {v}"
+            )));
+        }
+    }
+    for (field, v) in [
+        ("limits.connections_max", cfg.limits.connections_max),
+        ("limits.read_page_bytes_max", cfg.limits.read_page_bytes_max),
+        ("limits.long_polls_max", cfg.limits.long_polls_max),
+    ] {
+        if v == 0 {
+            return Err(ConfigError::Invalid(format!("{field} must be positive")));
+        }
+    }
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
     }
@@ -511,6 +585,64 @@ pub fn resolve(
         ));
     }
     Ok(cfg)
+}
+
+/// Raises the soft open-file limit (RLIMIT_NOFILE) to the hard one and
+/// checks that `limits.connections_max` plus [`FD_RESERVE`] fit in it.
+/// Returns the limit now in force.
+pub fn reserve_file_descriptors(limits: &Limits) -> Result<u64, ConfigError> {
+    let limit = raise_nofile_limit().map_err(|e| {
+        ConfigError::Invalid(format!(
+            "cannot read the open-file limit (RLIMIT_NOFILE): {e}"
+        ))
+    })?;
+    check_fd_budget(limits.connections_max, limit)?;
+    Ok(limit)
+}
+
+/// Whether `connections_max` connections plus [`FD_RESERVE`] fit in an
+/// open-file limit of `limit`.
+pub fn check_fd_budget(connections_max: usize, limit: u64) -> Result<(), ConfigError> {
+    let need = (connections_max as u64).saturating_add(FD_RESERVE);
+    if need > limit {
+        return Err(ConfigError::Invalid(format!(
+            "limits.connections_max {connections_max} plus {FD_RESERVE} file descriptors kept for the store \
+             is {need}, over the open-file limit (RLIMIT_NOFILE) of {limit}: lower limits.connections_max \
+             (--connections-max) to at most {} or raise the limit (ulimit -n)",
+            limit.saturating_sub(FD_RESERVE)
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+fn raise_nofile_limit() -> std::io::Result<u64> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if l.rlim_cur < l.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: l.rlim_max,
+                rlim_max: l.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                l.rlim_cur = l.rlim_max;
+            }
+        }
+    }
+    #[allow(clippy::unnecessary_cast)] // rlim_t is u64 on Linux, not everywhere
+    Ok(l.rlim_cur as u64)
+}
+
+#[cfg(not(unix))]
+fn raise_nofile_limit() -> std::io::Result<u64> {
+    Ok(u64::MAX)
 }
 
 /// Command-line / environment values, which win over the file.
@@ -526,6 +658,11 @@ pub struct Overrides {
     pub request_read_timeout_ms: Option<u64>,
     pub background_nice: Option<i32>,
     pub writer_priority: Option<i32>,
+    pub connections_max: Option<usize>,
+    pub idle_timeout_ms: Option<u64>,
+    pub write_timeout_ms: Option<u64>,
+    pub read_page_bytes_max: Option<usize>,
+    pub long_polls_max: Option<usize>,
 }
 
 impl Overrides {
@@ -541,6 +678,21 @@ impl Overrides {
         }
         if let Some(v) = self.request_read_timeout_ms {
             l.request_read_timeout_ms = v;
+        }
+        if let Some(v) = self.connections_max {
+            l.connections_max = v;
+        }
+        if let Some(v) = self.idle_timeout_ms {
+            l.idle_timeout_ms = v;
+        }
+        if let Some(v) = self.write_timeout_ms {
+            l.write_timeout_ms = v;
+        }
+        if let Some(v) = self.read_page_bytes_max {
+            l.read_page_bytes_max = v;
+        }
+        if let Some(v) = self.long_polls_max {
+            l.long_polls_max = v;
         }
     }
 }
@@ -652,6 +804,103 @@ peer_addr = "127.0.0.1:7172"
             Some(1),
             Some("unknown field"),
         );
+    }
+
+    #[test]
+    fn a_secret_that_would_not_survive_a_header_is_refused_naming_the_field() {
+        let with = |secret: &str| {
+            let text = NODES.replace(
+                "secret = \"0123456789abcdef\"",
+                &format!("secret = {}", toml::Value::String(secret.into())),
+            );
+            let file = parse_file(&text).expect("the file parses");
+            resolve(Some(file), Some(1), Overrides::default())
+        };
+        for (bad, why) in [
+            (" 0123456789abcdef", "leading or trailing whitespace"),
+            ("0123456789abcdef ", "leading or trailing whitespace"),
+            ("0123456789abcdef\n", "leading or trailing whitespace"),
+            ("\t0123456789abcdef", "leading or trailing whitespace"),
+            ("0123456789\u{0}abcdef", "control character"),
+            ("0123456789\u{7f}abcdef", "control character"),
+            ("0123456789\rabcdef", "control character"),
+            ("0123456789\u{85}abcdef", "control character"),
+        ] {
+            let e = with(bad).expect_err(&format!("secret {bad:?} was accepted"));
+            let m = e.to_string();
+            assert!(m.starts_with("secret"), "{bad:?}: {m}");
+            assert!(m.contains(why), "{bad:?}: {m}");
+        }
+        // Spaces inside are fine: they survive a header.
+        let c = with("correct horse battery staple").expect("an inner space is fine");
+        assert_eq!(
+            c.cluster.map(|c| c.secret),
+            Some("correct horse battery staple".to_string())
+        );
+    }
+
+    #[test]
+    fn connection_and_page_limits_come_from_file_or_flag_and_are_checked() {
+        let d = resolve(None, None, Overrides::default()).unwrap();
+        assert_eq!(
+            (
+                d.limits.connections_max,
+                d.limits.idle_timeout_ms,
+                d.limits.write_timeout_ms,
+                d.limits.read_page_bytes_max,
+                d.limits.long_polls_max
+            ),
+            (1024, 60_000, 30_000, 4 << 20, 1024)
+        );
+        let text = "[limits]\nconnections_max = 10\nidle_timeout_ms = 5\nwrite_timeout_ms = 6\nread_page_bytes_max = 7\nlong_polls_max = 8\n";
+        let c = check(text, None, None).unwrap();
+        assert_eq!(
+            (
+                c.limits.connections_max,
+                c.limits.idle_timeout_ms,
+                c.limits.write_timeout_ms,
+                c.limits.read_page_bytes_max,
+                c.limits.long_polls_max
+            ),
+            (10, 5, 6, 7, 8)
+        );
+        let o = Overrides {
+            connections_max: Some(20),
+            long_polls_max: Some(3),
+            ..Default::default()
+        };
+        let c = resolve(Some(parse_file(text).unwrap()), None, o).unwrap();
+        assert_eq!((c.limits.connections_max, c.limits.long_polls_max), (20, 3));
+        for (bad, want) in [
+            (
+                "connections_max = 0",
+                "limits.connections_max must be positive",
+            ),
+            (
+                "long_polls_max = 0",
+                "limits.long_polls_max must be positive",
+            ),
+            (
+                "read_page_bytes_max = 0",
+                "limits.read_page_bytes_max must be positive",
+            ),
+            (
+                "idle_timeout_ms = 0",
+                "limits.idle_timeout_ms must be positive",
+            ),
+            (
+                "write_timeout_ms = 3600001",
+                "limits.write_timeout_ms must be positive",
+            ),
+        ] {
+            check(&format!("[limits]\n{bad}\n"), None, Some(want));
+        }
+        assert!(check_fd_budget(1024, 1280).is_ok());
+        let e = check_fd_budget(1025, 1280).unwrap_err().to_string();
+        assert!(e.contains("limits.connections_max 1025"), "{e}");
+        assert!(e.contains("RLIMIT_NOFILE"), "{e}");
+        assert!(e.contains("at most 1024"), "{e}");
+        assert!(check_fd_budget(usize::MAX, u64::MAX - 1).is_err());
     }
 
     #[test]

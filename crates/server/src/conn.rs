@@ -29,6 +29,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use forkless_types::ExecutionId;
 use http::header;
 use std::convert::Infallible;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -46,8 +47,13 @@ pub const HEAD_BYTES_MAX: usize = 16 * 1024;
 const HEADERS_MAX: usize = 32;
 /// Room made in the read buffer before each read.
 const READ_CHUNK: usize = 8 * 1024;
-/// A read buffer grown past this (a large body) is let go once empty.
+/// A read buffer grown past this (a large body) is let go once empty, and
+/// so is an answer buffer after an answer larger than this.
 const BUF_KEEP_MAX: usize = 64 * 1024;
+/// Once the node is stopping, a write still blocked (a client that does
+/// not read) gets this long before the connection is dropped, so a stuck
+/// client cannot hold the shutdown up for the whole write timeout.
+pub(crate) const SHUTDOWN_WRITE_GRACE: Duration = Duration::from_secs(1);
 
 /// Serves `tcp` until the client closes it, an I/O error, or `stop` (an
 /// idle connection closes at once; a request in progress is answered
@@ -63,7 +69,7 @@ where
         buf: BytesMut::with_capacity(READ_CHUNK),
         stop,
     };
-    let mut out = Vec::with_capacity(1024);
+    let mut out = Vec::with_capacity(OUT_INITIAL);
     let read_timeout = Duration::from_millis(c.app.cfg.limits.request_read_timeout_ms);
     loop {
         // Set once the request's first byte is here: the whole request must
@@ -120,12 +126,24 @@ where
                 }
             }
         }
-        if c.tcp.write_all(&out).await.is_err() || *c.stop.borrow() {
+        if !c.write_out(&out).await || *c.stop.borrow() {
             return;
         }
         if c.buf.is_empty() && c.buf.capacity() > BUF_KEEP_MAX {
             c.buf = BytesMut::with_capacity(READ_CHUNK);
         }
+        shrink_answer_buffer(&mut out);
+    }
+}
+
+/// The answer buffer's starting capacity.
+const OUT_INITIAL: usize = 1024;
+
+/// Lets go of an answer buffer that a large answer grew past
+/// [`BUF_KEEP_MAX`], so an idle connection does not keep holding it.
+fn shrink_answer_buffer(out: &mut Vec<u8>) {
+    if out.capacity() > BUF_KEEP_MAX {
+        *out = Vec::with_capacity(OUT_INITIAL);
     }
 }
 
@@ -136,7 +154,51 @@ struct Conn {
     stop: watch::Receiver<bool>,
 }
 
+/// Writes `out` whole, unless the client takes none of it for
+/// `write_timeout` (then false: the caller drops the connection), or the
+/// node is stopping and the write is still blocked after
+/// [`SHUTDOWN_WRITE_GRACE`].
+async fn write_bounded(
+    app: &App,
+    tcp: &mut TcpStream,
+    out: &[u8],
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
+    let write_timeout = Duration::from_millis(app.cfg.limits.write_timeout_ms);
+    let mut written = 0;
+    while written < out.len() {
+        let step = tokio::select! {
+            r = tokio::time::timeout(write_timeout, tcp.write(&out[written..])) => r,
+            () = stopped(stop) => {
+                tokio::time::timeout(SHUTDOWN_WRITE_GRACE, tcp.write(&out[written..])).await
+            }
+        };
+        match step {
+            Ok(Ok(n)) if n > 0 => written += n,
+            Ok(_) => return false,
+            Err(_) => {
+                app.metrics.connection_timeout("write");
+                tracing::debug!(
+                    ms = app.cfg.limits.write_timeout_ms,
+                    "the client took none of its answer in time; dropping the connection"
+                );
+                return false;
+            }
+        }
+    }
+    true
+}
+
+/// Resolves once the node is stopping.
+async fn stopped(stop: &mut watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
 impl Conn {
+    async fn write_out(&mut self, out: &[u8]) -> bool {
+        write_bounded(&self.app, &mut self.tcp, out, &mut self.stop).await
+    }
+
     /// Reads more into the buffer (making room for at least `room` bytes);
     /// false when the connection is done: closed, failed, or - between
     /// requests (no `deadline`) - the node is stopping. Past `deadline`
@@ -144,9 +206,15 @@ impl Conn {
     async fn fill(&mut self, room: usize, deadline: Option<Instant>) -> bool {
         self.buf.reserve(room.max(READ_CHUNK));
         let read = match deadline {
+            // Between requests: an idle connection is closed after the
+            // idle timeout.
             None => tokio::select! {
                 r = self.tcp.read_buf(&mut self.buf) => r,
                 _ = self.stop.wait_for(|s| *s) => return false,
+                _ = tokio::time::sleep(Duration::from_millis(self.app.cfg.limits.idle_timeout_ms)) => {
+                    self.app.metrics.connection_timeout("idle");
+                    return false;
+                }
             },
             Some(d) => {
                 match tokio::time::timeout_at(d.into(), self.tcp.read_buf(&mut self.buf)).await {
@@ -176,7 +244,7 @@ impl Conn {
             .await
             .is_ok()
         {
-            let _ = self.tcp.write_all(&out).await;
+            let _ = self.write_out(&out).await;
         }
     }
 
@@ -188,12 +256,18 @@ impl Conn {
         S::Future: Send + 'static,
     {
         let self_timeout_ms = self.app.cfg.limits.request_read_timeout_ms;
+        let write_timeout = Duration::from_millis(self.app.cfg.limits.write_timeout_ms);
         let Conn {
-            tcp, buf, mut stop, ..
+            tcp,
+            buf,
+            mut stop,
+            app,
         } = self;
         let io = hyper_util::rt::TokioIo::new(Rewind {
             unread: buf.freeze(),
             tcp,
+            write_timeout,
+            stalled: None,
         });
         let service = hyper_util::service::TowerToHyperService::new(
             service.map_request(|r: http::Request<hyper::body::Incoming>| r.map(Body::new)),
@@ -215,8 +289,15 @@ impl Conn {
             }
             _ = stop.wait_for(|s| *s) => conn.as_mut().graceful_shutdown(),
         }
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "connection ended with an error");
+        // A request in progress is answered; a client that does not take
+        // the answer does not hold the shutdown up past the grace.
+        match tokio::time::timeout(SHUTDOWN_WRITE_GRACE + Duration::from_secs(1), conn).await {
+            Ok(Err(e)) => tracing::debug!(error = %e, "connection ended with an error"),
+            Ok(Ok(())) => {}
+            Err(_) => {
+                app.metrics.connection_timeout("shutdown");
+                tracing::debug!("a connection still busy at shutdown was dropped");
+            }
         }
     }
 }
@@ -456,10 +537,40 @@ fn push_date(out: &mut Vec<u8>) {
     });
 }
 
-/// The socket, with the bytes already read from it put back in front.
+/// The socket, with the bytes already read from it put back in front, and
+/// writes that make no progress for `write_timeout` failed (`TimedOut`), so
+/// hyper drops a connection whose client does not read its answers.
 struct Rewind {
     unread: Bytes,
     tcp: TcpStream,
+    write_timeout: Duration,
+    /// Armed while a write is blocked.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Rewind {
+    /// Passes a write's outcome on, failing it once it has been blocked for
+    /// the write timeout.
+    fn bound<T>(&mut self, cx: &mut Context<'_>, r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if r.is_ready() {
+            self.stalled = None;
+            return r;
+        }
+        let timeout = self.write_timeout;
+        let sleep = self
+            .stalled
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match sleep.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.stalled = None;
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took none of its answer within the write timeout",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
 }
 
 impl AsyncRead for Rewind {
@@ -481,20 +592,26 @@ impl AsyncRead for Rewind {
 
 impl AsyncWrite for Rewind {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, b: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().tcp).poll_write(cx, b)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.tcp).poll_write(cx, b);
+        this.bound(cx, r)
     }
     fn poll_write_vectored(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().tcp).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.tcp).poll_write_vectored(cx, bufs);
+        this.bound(cx, r)
     }
     fn is_write_vectored(&self) -> bool {
         self.tcp.is_write_vectored()
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.tcp).poll_flush(cx);
+        this.bound(cx, r)
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
@@ -504,6 +621,19 @@ impl AsyncWrite for Rewind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_answer_buffer_grown_by_a_large_answer_is_let_go() {
+        let mut out = Vec::with_capacity(OUT_INITIAL);
+        out.extend_from_slice(&[0u8; 1000]);
+        shrink_answer_buffer(&mut out);
+        assert!(out.capacity() >= 1000, "a small one is kept");
+        out.clear();
+        out.extend_from_slice(&vec![0u8; 4 << 20]);
+        out.clear();
+        shrink_answer_buffer(&mut out);
+        assert!(out.capacity() <= BUF_KEEP_MAX, "{}", out.capacity());
+    }
 
     #[test]
     fn content_length_takes_plain_decimal_digits_only() {
@@ -587,6 +717,8 @@ mod tests {
         let mut r = Rewind {
             unread: Bytes::from_static(b"hello"),
             tcp,
+            write_timeout: Duration::from_secs(1),
+            stalled: None,
         };
         let mut got = Vec::new();
         r.read_to_end(&mut got).await.expect("read");

@@ -73,6 +73,13 @@ pub enum ApiError {
         reason: String,
     },
     Forbidden(String),
+    /// Over a per-node bound on something clients hold (long-polls):
+    /// 503 with `Retry-After`, nothing done.
+    Overloaded {
+        code: &'static str,
+        message: String,
+        limit: usize,
+    },
     /// A request not received in full within this many milliseconds.
     RequestTimeout(u64),
     Internal(String),
@@ -112,6 +119,7 @@ impl ApiError {
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
             ApiError::ShardUnavailable { .. } => "shard_unavailable",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::Overloaded { code, .. } => code,
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::Internal(_) => "internal",
         }
@@ -126,9 +134,9 @@ impl ApiError {
             | ApiError::Closed { .. }
             | ApiError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
-            ApiError::OwnerUnavailable { .. } | ApiError::ShardUnavailable { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::OwnerUnavailable { .. }
+            | ApiError::ShardUnavailable { .. }
+            | ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -152,6 +160,9 @@ impl ApiError {
             }),
             ApiError::IdempotencyConflict { message, key } => {
                 json!({"error": code, "message": message, "idempotency_key": key})
+            }
+            ApiError::Overloaded { message, limit, .. } => {
+                json!({"error": code, "message": message, "limit": limit})
             }
             ApiError::NotFound(m) | ApiError::Forbidden(m) | ApiError::Internal(m) => {
                 json!({"error": code, "message": m})
@@ -215,7 +226,9 @@ impl IntoResponse for ApiError {
         let mut resp = (self.status(), axum::Json(self.body())).into_response();
         if matches!(
             self,
-            ApiError::OwnerUnavailable { .. } | ApiError::ShardUnavailable { .. }
+            ApiError::OwnerUnavailable { .. }
+                | ApiError::ShardUnavailable { .. }
+                | ApiError::Overloaded { .. }
         ) {
             resp.headers_mut()
                 .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));

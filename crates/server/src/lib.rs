@@ -43,10 +43,18 @@ pub struct App {
     /// API requests being served right now (the store commits on a
     /// request's own thread only when it is alone).
     pub in_progress: Arc<AtomicUsize>,
+    /// `/readyz`: true once the node serves and, in a cluster, its first
+    /// round of peer probes has completed (every peer answered or timed
+    /// out), so it knows its peers' liveness and newer epochs.
     pub ready: AtomicBool,
     /// Turns true when the node starts shutting down: long-polls answer
     /// with what they have instead of holding the shutdown up.
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// Client connections open now, over every listener
+    /// (`limits.connections_max` bounds it).
+    pub connections: AtomicUsize,
+    /// Long-polls waiting now (`limits.long_polls_max` bounds it).
+    pub long_polls: AtomicUsize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -111,6 +119,8 @@ impl App {
             in_progress,
             ready: AtomicBool::new(false),
             stopping: tokio::sync::watch::channel(false).0,
+            connections: AtomicUsize::new(0),
+            long_polls: AtomicUsize::new(0),
             dir,
             store,
             cfg,
@@ -131,6 +141,16 @@ pub async fn run(
     cfg: ServerConfig,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
+    // Before the store opens anything: the connections' descriptors plus
+    // the store's reserve must fit, so that no connection can take the
+    // descriptor a shard's log rotation needs.
+    let fd_limit = config::reserve_file_descriptors(&cfg.limits)?;
+    tracing::info!(
+        open_file_limit = fd_limit,
+        connections_max = cfg.limits.connections_max,
+        reserved_for_store = config::FD_RESERVE,
+        "file descriptors"
+    );
     let app = App::open(cfg).await?;
     let bind = |addr: std::net::SocketAddr| async move {
         tokio::net::TcpListener::bind(addr)
@@ -163,14 +183,16 @@ pub async fn run(
         )));
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
+        // Ready once its first round of probes has completed.
         tokio::spawn(peer::probe_loop(app.clone(), stop_rx.clone()));
+    } else {
+        app.ready.store(true, Ordering::Release);
     }
-    app.ready.store(true, Ordering::Release);
     tracing::info!(
         node = %app.cfg.node_id, listen = %app.cfg.listen, peer = ?app.cfg.peer_listen,
         shards = app.cfg.shard_count.get(), data_dir = %app.cfg.data_dir.display(),
         owned = ?(0..app.cfg.shard_count.get()).filter(|s| app.dir.owns(ShardId(*s))).collect::<Vec<_>>(),
-        "forkless node ready"
+        "forkless node serving"
     );
     for t in tasks {
         if let Err(e) = t.await {
@@ -183,7 +205,9 @@ pub async fn run(
 
 /// Accepts connections until `stop`, then waits for every connection it
 /// accepted to finish (idle ones close at once; a request in progress is
-/// answered first).
+/// answered first, and a client that does not take its answer is dropped
+/// after [`conn::SHUTDOWN_WRITE_GRACE`]). A connection over
+/// `limits.connections_max` is answered 503 and closed at once.
 async fn accept_loop<S>(
     app: Arc<App>,
     listener: tokio::net::TcpListener,
@@ -210,10 +234,15 @@ async fn accept_loop<S>(
         match accepted {
             Ok((tcp, _peer)) => {
                 let _ = tcp.set_nodelay(true);
+                let Some(slot) = ConnectionSlot::take(&app) else {
+                    refuse_connection(&app, tcp);
+                    continue;
+                };
                 let open = open_tx.clone();
                 let (app, service, stop) = (app.clone(), service.clone(), stop.clone());
                 tokio::spawn(async move {
                     conn::serve(app, tcp, service, stop).await;
+                    drop(slot);
                     drop(open);
                 });
             }
@@ -230,6 +259,57 @@ async fn accept_loop<S>(
     drop(listener);
     drop(open_tx);
     let _ = open_rx.recv().await;
+}
+
+/// One open connection counted in [`App::connections`] until dropped.
+struct ConnectionSlot(Arc<App>);
+
+impl ConnectionSlot {
+    fn take(app: &Arc<App>) -> Option<ConnectionSlot> {
+        let max = app.cfg.limits.connections_max;
+        let taken = app
+            .connections
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok();
+        if !taken {
+            return None;
+        }
+        app.metrics.connections_open.inc();
+        Some(ConnectionSlot(app.clone()))
+    }
+}
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.connections_open.dec();
+    }
+}
+
+/// Answers a connection over `limits.connections_max` with a 503 (if the
+/// socket takes it at once: a fresh socket always has room for it) and
+/// closes it, never waiting on the client.
+fn refuse_connection(app: &App, tcp: tokio::net::TcpStream) {
+    app.metrics.connections_refused.inc();
+    app.metrics.response(503);
+    let body = format!(
+        "{{\"error\":\"too_many_connections\",\"message\":\"this node has {} client connections open, its limit (limits.connections_max); retry later\",\"limit\":{}}}",
+        app.cfg.limits.connections_max, app.cfg.limits.connections_max
+    );
+    let answer = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n{}: {}\r\ncontent-length: {}\r\n\r\n{body}",
+        NODE_HEADER,
+        app.cfg.node_id.get(),
+        body.len()
+    );
+    let _ = tcp.try_write(answer.as_bytes());
+    tracing::debug!(
+        limit = app.cfg.limits.connections_max,
+        "refused a connection over limits.connections_max"
+    );
+    // Dropped: closed.
 }
 
 fn is_connection_error(e: &std::io::Error) -> bool {

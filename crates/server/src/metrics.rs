@@ -26,6 +26,11 @@ pub struct StatusLabel {
     pub status: u16,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
 /// Routing outcomes, as label values of `forkless_route_total`.
 pub mod outcome {
     pub const LOCAL: &str = "owned_locally";
@@ -61,6 +66,18 @@ pub struct Metrics {
     pub executions_started: Counter,
     pub responses: Family<StatusLabel, Counter>,
     pub peer_up: Family<NodeLabel, Gauge>,
+    /// Client connections open now (API and peer listeners).
+    pub connections_open: Gauge,
+    /// Connections refused for being over `limits.connections_max`.
+    pub connections_refused: Counter,
+    /// Connections closed by a timeout, by kind (idle, write, shutdown).
+    pub connection_timeouts: Family<KindLabel, Counter>,
+    /// Long-polls waiting now.
+    pub long_polls_waiting: Gauge,
+    /// Long-polls refused for being over `limits.long_polls_max`.
+    pub long_polls_refused: Counter,
+    /// Times a waiting long-poll was woken by a commit of its execution.
+    pub long_poll_wakeups: Counter,
 }
 
 impl Metrics {
@@ -101,7 +118,49 @@ impl Metrics {
             "1 if the peer answered its last probe",
             peer_up.clone(),
         );
+        let connections_open = Gauge::default();
+        registry.register(
+            "connections_open",
+            "Client connections open now",
+            connections_open.clone(),
+        );
+        let connections_refused = Counter::default();
+        registry.register(
+            "connections_refused",
+            "Connections refused (503 and closed) for being over limits.connections_max",
+            connections_refused.clone(),
+        );
+        let connection_timeouts = Family::<KindLabel, Counter>::default();
+        registry.register(
+            "connection_timeouts",
+            "Connections closed by a timeout: idle (kept alive with no request), write (the client took no answer), shutdown (still busy after the grace)",
+            connection_timeouts.clone(),
+        );
+        let long_polls_waiting = Gauge::default();
+        registry.register(
+            "long_polls_waiting",
+            "Long-polls waiting now",
+            long_polls_waiting.clone(),
+        );
+        let long_polls_refused = Counter::default();
+        registry.register(
+            "long_polls_refused",
+            "Long-polls refused (503) for being over limits.long_polls_max",
+            long_polls_refused.clone(),
+        );
+        let long_poll_wakeups = Counter::default();
+        registry.register(
+            "long_poll_wakeups",
+            "Times a waiting long-poll was woken by a commit of its own execution",
+            long_poll_wakeups.clone(),
+        );
         Metrics {
+            connections_open,
+            connections_refused,
+            connection_timeouts,
+            long_polls_waiting,
+            long_polls_refused,
+            long_poll_wakeups,
             registry,
             by_status: (0..STATUS_CODES).map(|_| OnceLock::new()).collect(),
             by_outcome: Default::default(),
@@ -112,6 +171,13 @@ impl Metrics {
             responses,
             peer_up,
         }
+    }
+
+    /// Counts a connection closed by a timeout of `kind`.
+    pub fn connection_timeout(&self, kind: &'static str) {
+        self.connection_timeouts
+            .get_or_create(&KindLabel { kind })
+            .inc();
     }
 
     pub fn outcome(&self, outcome: &'static str) {

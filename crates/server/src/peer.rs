@@ -1,10 +1,13 @@
 //! Peers: the internal status endpoint and the prober that keeps liveness
 //! and learned epochs up to date.
 //!
-//! Each node probes every peer every `probe_interval_ms`. A peer that does
-//! not answer within `probe_timeout_ms` is believed down, and its shards
-//! resolve `Unknown` (requests for them fail closed at once instead of
-//! waiting for a forward timeout). A peer's answer lists the shards it owns
+//! Each node probes every peer every `probe_interval_ms`. A peer that has
+//! answered once and then does not answer within `probe_timeout_ms` is
+//! believed down, and its shards resolve `Unknown` (requests for them fail
+//! closed at once instead of waiting for a forward timeout); a peer that
+//! has never answered is not believed down, and is tried. The node says
+//! it is ready (`/readyz`) once its first round has completed: every peer
+//! answered or timed out. A peer's answer lists the shards it owns
 //! and their epochs; an epoch newer than this node's map moves the map, and
 //! fences this node's own copy of that shard, if it has one.
 
@@ -14,10 +17,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use forkless_routing::{Directory, Observation};
+use forkless_routing::{Directory, Observation, PeerState};
 use forkless_types::{Epoch, NodeId, ShardId};
 use serde::Deserialize;
 use serde_json::json;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -59,6 +63,7 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
         .filter(|n| n.id != app.cfg.node_id)
         .cloned()
         .collect();
+    let mut ready = false;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -92,18 +97,34 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                 },
                 Err(_) => false,
             };
-            let was = app.dir.liveness().set(node, alive);
+            let (was, now) = app.dir.liveness().record(node, alive);
             app.metrics
                 .peer_up
                 .get_or_create(&crate::metrics::NodeLabel { node: node.get() })
                 .set(alive as i64);
-            if was != alive {
-                if alive {
-                    tracing::info!(peer = %node, "peer is up");
-                } else {
-                    tracing::warn!(peer = %node, "peer stopped answering probes; its shards fail closed until it returns");
+            match (was, now) {
+                (PeerState::Up, PeerState::Up) | (PeerState::Down, PeerState::Down) => {}
+                (_, PeerState::Up) => tracing::info!(peer = %node, "peer is up"),
+                (_, PeerState::Down) => {
+                    tracing::warn!(peer = %node, "peer stopped answering probes; its shards fail closed until it returns")
                 }
+                (_, PeerState::NeverAnswered) if !ready => tracing::info!(
+                    peer = %node,
+                    "peer has not answered its first probe; requests for its shards are still tried until it has answered once"
+                ),
+                (_, PeerState::NeverAnswered) => {}
             }
+        }
+        // One round done: every peer answered or timed out. Only now does
+        // the node know its peers' liveness and the newer epochs they own
+        // shards at, so only now is it ready.
+        if !ready {
+            ready = true;
+            app.ready.store(true, Ordering::Release);
+            tracing::info!(
+                peers = peers.len(),
+                "first probe round of every peer completed: ready"
+            );
         }
     }
 }

@@ -248,6 +248,7 @@ pub fn encode_events_page(
     status: &str,
     last_seq: u64,
     events: &[forkless_store::StoredEvent],
+    next_after: Option<u64>,
 ) -> Vec<u8> {
     let mut out =
         Vec::with_capacity(96 + events.iter().map(|e| e.payload.len() + 128).sum::<usize>());
@@ -276,7 +277,10 @@ pub fn encode_events_page(
         push_str(&mut out, &rfc3339(e.recorded_at_ms));
         out.push(b'}');
     }
-    out.extend_from_slice(b"]}");
+    match next_after {
+        Some(n) => out.extend_from_slice(format!("],\"next_after\":{n}}}").as_bytes()),
+        None => out.extend_from_slice(b"],\"next_after\":null}"),
+    }
     out
 }
 
@@ -368,15 +372,18 @@ mod tests {
             ev(2, r#""\ud800""#, Some("k")),
             ev(3, &deep, None),
         ];
-        let out = String::from_utf8(encode_events_page("7", "running", 3, &events)).unwrap();
+        let out = String::from_utf8(encode_events_page("7", "running", 3, &events, None)).unwrap();
         assert!(out.starts_with(r#"{"execution_id":"7","status":"running","last_seq":3,"events":[{"seq":1,"type":"t\"q","payload":1e400,"recorded_at":"1970-01-01T00:00:00.000Z"}"#), "{out}");
         assert!(out.contains(r#""payload":"\ud800","idempotency_key":"k""#));
         assert!(out.contains(&format!(r#""payload":{deep},"recorded_at""#)));
-        assert!(out.ends_with("}]}"));
-        let empty = encode_events_page("7", "completed", 0, &[]);
+        assert!(out.ends_with(r#"}],"next_after":null}"#));
+        let empty = encode_events_page("7", "completed", 0, &[], None);
         assert_eq!(
             empty,
-            br#"{"execution_id":"7","status":"completed","last_seq":0,"events":[]}"#
+            br#"{"execution_id":"7","status":"completed","last_seq":0,"events":[],"next_after":null}"#
         );
+        let more =
+            String::from_utf8(encode_events_page("7", "running", 9, &events, Some(3))).unwrap();
+        assert!(more.ends_with(r#"}],"next_after":3}"#), "{more}");
     }
 }

@@ -19,10 +19,12 @@ mod index;
 mod latency;
 mod log;
 mod shard;
+mod waiters;
 mod writer;
 
 pub use latency::LatencySnapshot;
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
+pub use waiters::Interest;
 pub use writer::CommitStats;
 
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};

@@ -643,6 +643,46 @@ impl ShardStore {
         Ok(Some((meta, events)))
     }
 
+    /// Like [`ShardStore::read_events`], but the page also stops once the
+    /// payloads of the events in it add up to `bytes_max` or more: always
+    /// at least one event (if any follows `after`), and never more than
+    /// `limit`. A caller continues after the last event returned.
+    pub fn read_events_within(
+        &self,
+        id: ExecutionId,
+        after: u64,
+        limit: usize,
+        bytes_max: usize,
+    ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
+        let (snap, tail) = view(&self.ks, &self.tail, id, after, limit);
+        let Some(meta) = read_meta(&self.ks, &snap, id, tail.as_ref())? else {
+            return Ok(None);
+        };
+        let mut events = Vec::new();
+        if after < meta.last_seq && limit > 0 {
+            let through = meta.last_seq.min(after.saturating_add(limit as u64));
+            let locs = index::locations(&self.ks, &snap, id, after, through, tail.as_ref())?;
+            let mut bytes = 0usize;
+            for (seq, loc) in locs {
+                let value = self.segments.read_event(loc, id, seq)?;
+                let event = codec::decode_event(seq, &value)?;
+                bytes = bytes.saturating_add(event.payload.len());
+                events.push(event);
+                if bytes >= bytes_max {
+                    break;
+                }
+            }
+        }
+        Ok(Some((meta, events)))
+    }
+
+    /// Registers interest in `id`'s new events: the handle's
+    /// [`crate::Interest::notified`] resolves after a durable commit that
+    /// wrote `id` (not after commits of other executions of the shard).
+    pub fn watch_execution(&self, id: ExecutionId) -> crate::Interest {
+        self.writer.shared.waiters.register(id)
+    }
+
     /// The executions started with this routing key (oldest id first).
     pub fn executions_for_key(
         &self,

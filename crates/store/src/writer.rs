@@ -127,6 +127,9 @@ pub(crate) struct Shared {
     /// Why the shard stopped taking writes, once it has (set by the
     /// writer when a write or sync fails, or when a commit panicked).
     pub(crate) failure: Arc<OnceLock<String>>,
+    /// Readers waiting on an execution's new events; the writer wakes
+    /// them (see `waiters.rs`).
+    pub(crate) waiters: Arc<crate::waiters::Waiters>,
 }
 
 /// Checkpoints made and the time they took, in microseconds: building and
@@ -427,7 +430,9 @@ pub(crate) fn spawn(
 ) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
     let checkpoints = Arc::new(CheckpointCounters::default());
     let failure = Arc::new(OnceLock::new());
+    let waiters = Arc::new(crate::waiters::Waiters::default());
     let writer = Writer {
+        waiters: waiters.clone(),
         checkpoints: checkpoints.clone(),
         failure: failure.clone(),
         shard,
@@ -472,6 +477,7 @@ pub(crate) fn spawn(
         commands: AtomicU64::new(0),
         checkpoints,
         failure,
+        waiters,
     });
     handover
         .send(shared.clone())
@@ -494,6 +500,8 @@ struct Writer {
     checkpoint_bytes: u64,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
+    /// Woken for the executions each durable group wrote.
+    waiters: Arc<crate::waiters::Waiters>,
     /// Set after a failed commit: every later write is refused with it
     /// (a [`StoreError::ShardFailed`]).
     failed: Option<StoreError>,
@@ -647,6 +655,7 @@ impl Writer {
             if let Some(e) = overlay.epoch {
                 self.epoch.store(e.get(), Ordering::Release);
             }
+            self.waiters.wake(overlay.metas.keys());
             self.cache.extend(overlay.metas.drain());
             self.commits.send_modify(|c| *c += 1);
             if self.since_checkpoint >= self.checkpoint_bytes {

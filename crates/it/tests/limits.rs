@@ -1,0 +1,329 @@
+//! Bounds on what a client can hold: read pages by bytes, connections,
+//! idle and stuck connections, long-poll waiters. Real `forkless`
+//! processes on loopback.
+
+use forkless_it::*;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+fn id_of(v: &Value) -> String {
+    v["execution_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
+        .to_string()
+}
+
+/// A page of events stops once its payloads reach the page budget (4 MiB
+/// by default), with at least one event, and says where to continue
+/// (`next_after`); following it reads every event exactly once.
+#[test]
+fn a_read_page_stops_at_its_byte_budget_and_says_where_to_continue() {
+    let _d = deadline("a_read_page_stops_at_its_byte_budget", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = Node::start_single(&dir.path().join("data"), &[]);
+    let c = n.client;
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    // Six events of about 900 KB each: 5.4 MB in all, over the budget.
+    let big = "x".repeat(900_000);
+    for _ in 0..2 {
+        c.post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [
+                {"type": "big", "payload": big},
+                {"type": "big", "payload": big},
+                {"type": "big", "payload": big},
+            ]}),
+        )
+        .expect(200);
+    }
+    let r = c.get(&format!("/api/executions/{id}/events?limit=1000"));
+    r.expect(200);
+    let v = r.json();
+    let events = v["events"].as_array().expect("events");
+    assert_eq!(v["last_seq"], 7, "{}", &r.text()[..200]);
+    assert!(
+        events.len() < 7,
+        "one page held all {} events ({} bytes): no byte budget",
+        events.len(),
+        r.body.len()
+    );
+    assert!(r.body.len() < 6 * 1024 * 1024, "{} bytes", r.body.len());
+    let last = events.last().expect("at least one event")["seq"].clone();
+    assert_eq!(v["next_after"], last, "where to continue");
+    // Following next_after reads the rest, each event once.
+    let mut seqs: Vec<u64> = events.iter().filter_map(|e| e["seq"].as_u64()).collect();
+    let mut after = last.as_u64().expect("seq");
+    loop {
+        let r = c.get(&format!(
+            "/api/executions/{id}/events?after={after}&limit=1000"
+        ));
+        r.expect(200);
+        let v = r.json();
+        let page = v["events"].as_array().expect("events");
+        assert!(!page.is_empty(), "a page after {after} was empty: {v}");
+        seqs.extend(page.iter().filter_map(|e| e["seq"].as_u64()));
+        match v["next_after"].as_u64() {
+            Some(next) => after = next,
+            None => break,
+        }
+    }
+    assert_eq!(seqs, (1..=7).collect::<Vec<u64>>());
+}
+
+/// Over `--connections-max`, a new connection is answered 503 (or just
+/// closed) at once, the node keeps serving the connections it has, and
+/// takes new ones again once one closes.
+#[test]
+fn connections_over_the_limit_are_refused_and_the_node_keeps_serving() {
+    let _d = deadline("connections_over_the_limit_are_refused", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = Node::start_single(&dir.path().join("data"), &["--connections-max", "3"]);
+    let c = n.client;
+    // The harness's readiness checks have closed their connections; wait
+    // until the node has counted them closed.
+    wait_until("no connection open but the probe's", READY_TIMEOUT, || {
+        (c.metric("forkless_connections_open") <= 1.0).then_some(())
+    });
+    let mut held: Vec<RawConn> = (0..3).map(|_| RawConn::open(c.addr)).collect();
+    for h in held.iter_mut() {
+        h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+        h.read().expect(200);
+    }
+    for _ in 0..3 {
+        let t = Instant::now();
+        match c.try_req("GET", "/healthz", &[], None, Duration::from_secs(5)) {
+            Ok(r) => {
+                let v = r.expect_error(503, "too_many_connections");
+                assert_eq!(r.header("retry-after"), Some("1"));
+                assert_eq!(v["limit"], 3);
+            }
+            // Closed before the answer could be read: refused all the same.
+            Err(e) => assert!(
+                matches!(
+                    e.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::UnexpectedEof
+                        | std::io::ErrorKind::BrokenPipe
+                ),
+                "{e}"
+            ),
+        }
+        assert!(t.elapsed() < Duration::from_secs(3), "refused at once");
+    }
+    // The held connections still work.
+    for h in held.iter_mut() {
+        h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+        h.read().expect(200);
+    }
+    drop(held.pop());
+    wait_until("a new connection to be served again", READY_TIMEOUT, || {
+        c.try_req("GET", "/healthz", &[], None, Duration::from_secs(2))
+            .ok()
+            .filter(|r| r.status == 200)
+    });
+    drop(held);
+    assert!(c.metric("forkless_connections_refused_total") >= 3.0);
+}
+
+/// A connection limit that does not fit in the open-file limit with the
+/// store's reserve is refused at start, naming the field.
+#[test]
+fn a_connection_limit_over_the_file_descriptor_limit_is_refused_at_start() {
+    let _d = deadline("a_connection_limit_over_the_fd_limit", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data").display().to_string();
+    let listen = format!("127.0.0.1:{}", free_ports(1)[0]);
+    let (code, _out, err) = run_cli(
+        &[
+            "serve",
+            "--listen",
+            &listen,
+            "--data-dir",
+            &data,
+            "--connections-max",
+            "2000000000",
+        ],
+        Duration::from_secs(20),
+    );
+    assert!(code.is_some_and(|c| c != 0), "started: {err}");
+    assert!(err.contains("limits.connections_max"), "{err}");
+    assert!(err.contains("RLIMIT_NOFILE"), "{err}");
+}
+
+/// A kept-alive connection with no request for `--idle-timeout-ms` is
+/// closed by the node.
+#[test]
+fn an_idle_kept_alive_connection_is_closed_after_the_idle_timeout() {
+    let _d = deadline("an_idle_kept_alive_connection_is_closed", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = Node::start_single(&dir.path().join("data"), &["--idle-timeout-ms", "300"]);
+    let mut conn = RawConn::open(n.client.addr);
+    conn.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    conn.read().expect(200);
+    let t = Instant::now();
+    // Blocks until the node closes (or the harness's 15 s read timeout).
+    assert!(
+        conn.closed_by_node(),
+        "the node sent more on an idle connection"
+    );
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(5),
+        "closed after {took:?}, want about 300 ms"
+    );
+    assert!(
+        n.client
+            .metric("forkless_connection_timeouts_total{kind=\"idle\"}")
+            >= 1.0
+    );
+}
+
+/// An execution with six ~900 KB events, so that each page of events is a
+/// few MB: a client that asks for many and reads none fills the sockets.
+fn big_execution(c: &Client) -> String {
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    let big = "y".repeat(900_000);
+    for _ in 0..2 {
+        c.post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [
+                {"type": "big", "payload": big},
+                {"type": "big", "payload": big},
+                {"type": "big", "payload": big},
+            ]}),
+        )
+        .expect(200);
+    }
+    id
+}
+
+/// Sends `n` pipelined page reads of `id` on a new connection and never
+/// reads the answers: the node's writes block once the socket buffers are
+/// full. Returns the connection (dropping it closes it).
+fn stuck_reader(c: &Client, id: &str, n: usize) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(c.addr).expect("connect");
+    let one = format!("GET /api/executions/{id}/events?limit=1000 HTTP/1.1\r\nHost: x\r\n\r\n");
+    s.write_all(one.repeat(n).as_bytes()).expect("send");
+    s
+}
+
+/// A client that does not read its answers is disconnected after
+/// `--write-timeout-ms`.
+#[test]
+fn a_client_that_does_not_read_is_dropped_after_the_write_timeout() {
+    let _d = deadline("a_client_that_does_not_read_is_dropped", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = Node::start_single(&dir.path().join("data"), &["--write-timeout-ms", "500"]);
+    let c = n.client;
+    let id = big_execution(&c);
+    let mut s = stuck_reader(&c, &id, 40);
+    wait_until(
+        "the node to drop the connection that does not read",
+        Duration::from_secs(30),
+        || (c.metric("forkless_connection_timeouts_total{kind=\"write\"}") >= 1.0).then_some(()),
+    );
+    // What the socket holds is some of the answers, then the end.
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut got = 0usize;
+    let mut chunk = vec![0u8; 1 << 20];
+    loop {
+        match s.read(&mut chunk) {
+            Ok(0) => break,
+            Ok(k) => got += k,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => panic!("reading what the node sent: {e} after {got} bytes"),
+        }
+    }
+    assert!(
+        got < 40 * 4 * 1024 * 1024,
+        "{got} bytes: every answer was sent"
+    );
+    // The node serves on.
+    c.get("/healthz").expect(200);
+}
+
+/// A client that asks for answers and never reads them does not hold a
+/// node's shutdown up (default timeouts: the write timeout is 30 s).
+#[test]
+fn a_client_that_does_not_read_does_not_hold_up_a_stop() {
+    let _d = deadline(
+        "a_client_that_does_not_read_does_not_hold_up_a_stop",
+        TEST_DEADLINE,
+    );
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut n = Node::start_single(&dir.path().join("data"), &[]);
+    let c = n.client;
+    let id = big_execution(&c);
+    let _s = stuck_reader(&c, &id, 40);
+    // Once several pages have been made, the socket buffers are full and
+    // the node is blocked writing the next.
+    wait_until(
+        "the node to have answered several pages",
+        Duration::from_secs(30),
+        || (c.metric("forkless_responses_total{status=\"200\"}") >= 10.0).then_some(()),
+    );
+    n.sigterm_expect_prompt_exit(" with a client that does not read its answers");
+}
+
+/// Over `--long-polls-max`, a long-poll is refused with 503 and
+/// `Retry-After`; a waiting long-poll is woken by its own execution's
+/// appends, not by other executions' appends on the same shard.
+#[test]
+fn long_polls_are_bounded_and_woken_only_by_their_execution() {
+    let _d = deadline("long_polls_are_bounded", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let n = Node::start_single(&dir.path().join("data"), &["--long-polls-max", "2"]);
+    let c = n.client;
+    let a = id_of(&c.start(&json!({"workflow": "w"})));
+    let b = id_of(&c.start(&json!({"workflow": "w"})));
+    let poll = move |id: String| {
+        std::thread::spawn(move || {
+            c.try_req(
+                "GET",
+                &format!("/api/executions/{id}/events?after=1&wait_ms=20000"),
+                &[],
+                None,
+                Duration::from_secs(30),
+            )
+        })
+    };
+    let first = poll(a.clone());
+    let second = poll(a.clone());
+    wait_until("two long-polls waiting", Duration::from_secs(10), || {
+        (c.metric("forkless_long_polls_waiting") == 2.0).then_some(())
+    });
+    let r = c.get(&format!("/api/executions/{b}/events?after=1&wait_ms=20000"));
+    let v = r.expect_error(503, "too_many_long_polls");
+    assert_eq!(r.header("retry-after"), Some("1"), "{:?}", r.headers);
+    assert_eq!(v["limit"], 2);
+    // A read that does not wait is not a long-poll: served.
+    c.get(&format!("/api/executions/{b}/events?after=1"))
+        .expect(200);
+    // Twenty appends to B (same shard: one shard) wake neither poll on A.
+    for i in 0..20 {
+        c.post(
+            &format!("/api/executions/{b}/events"),
+            &json!({"events": [{"type": "b", "payload": i}]}),
+        )
+        .expect(200);
+    }
+    assert_eq!(c.metric("forkless_long_poll_wakeups_total"), 0.0);
+    assert_eq!(c.metric("forkless_long_polls_waiting"), 2.0);
+    c.post(
+        &format!("/api/executions/{a}/events"),
+        &json!({"events": [{"type": "a"}]}),
+    )
+    .expect(200);
+    for h in [first, second] {
+        let r = h.join().expect("poll thread").expect("poll answered");
+        r.expect(200);
+        assert_eq!(r.json()["events"][0]["seq"], 2);
+    }
+    assert_eq!(c.metric("forkless_long_poll_wakeups_total"), 2.0);
+    wait_until("no long-poll waiting", Duration::from_secs(10), || {
+        (c.metric("forkless_long_polls_waiting") == 0.0).then_some(())
+    });
+}
