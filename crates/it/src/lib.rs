@@ -572,27 +572,37 @@ impl RawConn {
 
     /// The next whole answer (an interim 1xx counts as one).
     pub fn read(&mut self) -> Resp {
+        self.try_read().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The next answer, or why there is none (the node closed or reset
+    /// the connection, or sent something unreadable).
+    pub fn try_read(&mut self) -> Result<Resp, String> {
         let mut chunk = [0u8; 64 * 1024];
         loop {
             match parse_response(&self.buf, false) {
                 Ok(Some((r, used))) => {
                     self.buf.drain(..used);
-                    return r;
+                    return Ok(r);
                 }
                 Ok(None) => {}
-                Err(e) => panic!(
-                    "unreadable answer ({e}): {:?}",
-                    String::from_utf8_lossy(&self.buf)
-                ),
+                Err(e) => {
+                    return Err(format!(
+                        "unreadable answer ({e}): {:?}",
+                        String::from_utf8_lossy(&self.buf)
+                    ))
+                }
             }
             match self.s.read(&mut chunk) {
-                Ok(0) => panic!(
-                    "the node closed the connection mid-answer: {:?}",
-                    String::from_utf8_lossy(&self.buf)
-                ),
+                Ok(0) => {
+                    return Err(format!(
+                        "the node closed the connection mid-answer: {:?}",
+                        String::from_utf8_lossy(&self.buf)
+                    ))
+                }
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => panic!("reading from the node: {e}"),
+                Err(e) => return Err(format!("reading from the node: {e}")),
             }
         }
     }

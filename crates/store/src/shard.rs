@@ -624,23 +624,7 @@ impl ShardStore {
         after: u64,
         limit: usize,
     ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
-        let (snap, tail) = view(&self.ks, &self.tail, id, after, limit);
-        let Some(meta) = read_meta(&self.ks, &snap, id, tail.as_ref())? else {
-            return Ok(None);
-        };
-        let mut events = Vec::new();
-        if after < meta.last_seq && limit > 0 {
-            let through = meta.last_seq.min(after.saturating_add(limit as u64));
-            // Logs are gap-free by construction; a gap in the index is
-            // corruption and must not be papered over.
-            let locs = index::locations(&self.ks, &snap, id, after, through, tail.as_ref())?;
-            events.reserve(locs.len());
-            for (seq, loc) in locs {
-                let value = self.segments.read_event(loc, id, seq)?;
-                events.push(codec::decode_event(seq, &value)?);
-            }
-        }
-        Ok(Some((meta, events)))
+        self.read_events_within(id, after, limit, usize::MAX)
     }
 
     /// Like [`ShardStore::read_events`], but the page also stops once the
@@ -661,7 +645,10 @@ impl ShardStore {
         let mut events = Vec::new();
         if after < meta.last_seq && limit > 0 {
             let through = meta.last_seq.min(after.saturating_add(limit as u64));
+            // Logs are gap-free by construction; a gap in the index is
+            // corruption and must not be papered over.
             let locs = index::locations(&self.ks, &snap, id, after, through, tail.as_ref())?;
+            events.reserve(locs.len());
             let mut bytes = 0usize;
             for (seq, loc) in locs {
                 let value = self.segments.read_event(loc, id, seq)?;
