@@ -13,7 +13,7 @@
 use crate::index;
 use crate::log::{self, Group, Position, Record};
 use crate::shard::Keyspaces;
-use crate::StoreError;
+use crate::{ExecutionStatus, StoreError};
 use fjall::{Database, KeyspaceCreateOptions, Readable};
 use forkless_types::{ExecutionId, ShardId};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -231,15 +231,35 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
         }
     };
     let log_dir = shard_dir.join(crate::shard::LOG_DIR);
-    // Each execution's last seq in the log, and the events before the
-    // checkpoint (known once the database is read, so counted per segment
-    // position afterwards).
-    let mut last_seq: HashMap<ExecutionId, u64> = HashMap::new();
-    let mut event_positions: Vec<(Position, u64)> = Vec::new();
-    // Executions whose record the log writes (a replay puts them back into
-    // the database even if it lost them).
-    let mut logged_records: HashSet<ExecutionId> = HashSet::new();
-    let ids = match log::list_segments_read_only(&log_dir) {
+    let scan = scan_log(&log_dir, None, &mut r)?;
+    r.executions = scan.last.len();
+    check_database(shard_dir, &log_dir, &scan, &mut r)?;
+    Ok(r)
+}
+
+/// What a scan of a shard's log found, up to where it stopped.
+#[derive(Default)]
+struct LogScan {
+    segments: usize,
+    /// Each execution's last event: its seq and the status it leaves the
+    /// execution in.
+    last: HashMap<ExecutionId, (u64, ExecutionStatus)>,
+    /// The end of each whole group and the events it holds.
+    event_positions: Vec<(Position, u64)>,
+    /// Executions whose record a put in the log writes (a replay puts them
+    /// back into the database even if it lost them).
+    records: HashSet<ExecutionId>,
+}
+
+/// Reads the log from its start, checking every group and record, up to
+/// the first damage (reported in `r`) or `until` (a group boundary).
+fn scan_log(
+    log_dir: &Path,
+    until: Option<Position>,
+    r: &mut ShardReport,
+) -> Result<LogScan, StoreError> {
+    let mut scan = LogScan::default();
+    let ids = match log::list_segments_read_only(log_dir) {
         Ok(ids) => ids,
         Err(e) => {
             r.problems.push(e.to_string());
@@ -247,9 +267,10 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
         }
     };
     r.segments = ids.len();
+    scan.segments = ids.len();
     let mut payload = Vec::new();
     'segments: for &segment in &ids {
-        let path = log::segment_path(&log_dir, segment);
+        let path = log::segment_path(log_dir, segment);
         let f =
             File::open(&path).map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
         let size = f
@@ -259,6 +280,16 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
         let mut at = 0;
         let mut events_here = 0u64;
         while at < size {
+            if until.is_some_and(|u| {
+                Position {
+                    segment,
+                    offset: at,
+                } >= u
+            }) {
+                r.log_bytes += at;
+                r.events += events_here;
+                break 'segments;
+            }
             match log::read_group(&f, at, size, &mut payload, &path)? {
                 Group::End => break,
                 Group::Whole(len) => {
@@ -266,29 +297,42 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
                     let mut in_group = 0u64;
                     while pos < payload.len() {
                         match log::parse_record(&payload, pos, segment, at + 8) {
-                            Ok((record, used)) => {
-                                if let Record::Put {
+                            Ok((
+                                Record::Put {
                                     keyspace: crate::shard::keyspace_id::EXECUTIONS,
                                     key,
                                     ..
-                                } = record
-                                {
-                                    if let Some(id) = key.get(4..).and_then(|k| {
-                                        crate::codec::decode_execution_id(k, "execution key").ok()
-                                    }) {
-                                        logged_records.insert(id);
-                                    }
-                                } else if let Record::Event { id, seq, .. } = record {
-                                    let prev = last_seq.insert(id, seq).unwrap_or(0);
-                                    if seq != prev + 1 {
-                                        r.problems.push(format!(
-                                            "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
-                                        ));
-                                    }
-                                    in_group += 1;
+                                },
+                                used,
+                            )) => {
+                                if let Some(id) = key.get(4..).and_then(|k| {
+                                    crate::codec::decode_execution_id(k, "execution key").ok()
+                                }) {
+                                    scan.records.insert(id);
                                 }
                                 pos += used;
                             }
+                            Ok((Record::Event { id, seq, value, .. }, used)) => {
+                                let status = match crate::codec::decode_event(seq, value) {
+                                    Ok(e) => crate::terminal_status(&e.event_type)
+                                        .unwrap_or(ExecutionStatus::Running),
+                                    Err(e) => {
+                                        r.problems.push(format!(
+                                            "segment {segment}, offset {at}: execution {id} event {seq}: {e}"
+                                        ));
+                                        ExecutionStatus::Running
+                                    }
+                                };
+                                let prev = scan.last.insert(id, (seq, status)).map_or(0, |p| p.0);
+                                if seq != prev + 1 {
+                                    r.problems.push(format!(
+                                        "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
+                                    ));
+                                }
+                                in_group += 1;
+                                pos += used;
+                            }
+                            Ok((_, used)) => pos += used,
                             Err(e) => {
                                 r.problems.push(e.to_string());
                                 r.events += events_here + in_group;
@@ -300,7 +344,7 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
                     at += len;
                     r.last_good = Some((segment, at));
                     events_here += in_group;
-                    event_positions.push((
+                    scan.event_positions.push((
                         Position {
                             segment,
                             offset: at,
@@ -335,37 +379,17 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
             r.last_good = Some((segment, 0));
         }
     }
-    r.executions = last_seq.len();
-    let log = LogFacts {
-        segments: ids.len(),
-        last_seq: &last_seq,
-        event_positions: &event_positions,
-        records: &logged_records,
-    };
-    check_database(shard_dir, &log_dir, &log, &mut r)?;
-    Ok(r)
+    Ok(scan)
 }
 
 /// Reads a copy of the shard's database and checks it against the log.
-/// What the scan of a shard's log found.
-struct LogFacts<'a> {
-    segments: usize,
-    /// Each execution's last seq.
-    last_seq: &'a HashMap<ExecutionId, u64>,
-    /// The end of each whole group and the events it holds.
-    event_positions: &'a [(Position, u64)],
-    /// Executions whose record a put in the log writes.
-    records: &'a HashSet<ExecutionId>,
-}
-
 fn check_database(
     shard_dir: &Path,
     log_dir: &Path,
-    log: &LogFacts<'_>,
+    log: &LogScan,
     r: &mut ShardReport,
 ) -> Result<(), StoreError> {
-    let (segments, log_last_seq, event_positions) =
-        (log.segments, log.last_seq, log.event_positions);
+    let (segments, log_last_seq, event_positions) = (log.segments, &log.last, &log.event_positions);
     let copy = tempfile_lite::TempDir::new()?;
     copy_tree(shard_dir, copy.path(), true)?;
     let db = match Database::builder(copy.path()).open() {
@@ -550,10 +574,11 @@ mod tempfile_lite {
 }
 
 /// Cuts shard `shard`'s log after `at` (the end of a whole group, at or
-/// after the database's checkpoint): zeroes the rest of that segment and
-/// removes the segments after it. The next open replays the log from the
-/// checkpoint to the cut. Refuses anything else, and a running node.
-/// Returns what it did.
+/// after the database's checkpoint): zeroes the rest of that segment,
+/// removes the segments after it, and makes the database's records and
+/// indexes agree with the log that is left ([`reconcile`]). The next open
+/// replays the log from the checkpoint to the cut. Refuses anything else,
+/// and a running node. Returns what it did.
 pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<String, StoreError> {
     let shard_dir = dir.join("shards").join(shard.get().to_string());
     let refuse = |m: String| Err(StoreError::Invalid(m));
@@ -617,8 +642,14 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
     File::open(&log_dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| StoreError::Io(format!("{}: {e}", log_dir.display())))?;
+    // The database may hold what the dropped groups wrote (fjall applied
+    // their puts after they were durable in the log): make it agree with
+    // the log that is left.
+    let mut scratch = ShardReport::default();
+    let scan = scan_log(&log_dir, Some(cut), &mut scratch)?;
+    let fixed = reconcile(&shard_dir, &scan)?;
     Ok(format!(
-        "shard {shard}: cut the log after {}:{} ({} bytes zeroed in segment {}{})",
+        "shard {shard}: cut the log after {}:{} ({} bytes zeroed in segment {}{}); {fixed}",
         at.0,
         at.1,
         size - at.1,
@@ -629,6 +660,103 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
             format!(", {} later segments removed", removed.len())
         }
     ))
+}
+
+/// What [`reconcile`] changed.
+#[derive(Debug, Default)]
+struct Reconciled {
+    records_removed: usize,
+    records_reopened: usize,
+    index_entries_removed: usize,
+}
+
+impl std::fmt::Display for Reconciled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the database now agrees with the log: {} execution records of executions that no longer have events removed, {} records of executions whose closing event was dropped reopened, {} idempotency and routing-key entries naming dropped events removed",
+            self.records_removed, self.records_reopened, self.index_entries_removed
+        )
+    }
+}
+
+/// Makes the shard's records and indexes agree with its log as scanned:
+/// a record of an execution with no events left is removed (its start
+/// was dropped), and so are its routing-key and start idempotency entries;
+/// a record whose status its last event left does not say is given that
+/// status; an event idempotency entry naming a seq past its execution's
+/// last is removed. The next open replays the log from the checkpoint to
+/// the cut, which agrees with all of this.
+fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, StoreError> {
+    use crate::codec;
+    let db = Database::builder(shard_dir).open().map_err(|e| match e {
+        fjall::Error::Locked => StoreError::InUse(shard_dir.display().to_string()),
+        e => StoreError::from(e),
+    })?;
+    let opts = KeyspaceCreateOptions::default;
+    let executions = db.keyspace("executions", opts)?;
+    let event_idem = db.keyspace("event_idem", opts)?;
+    let routing_keys = db.keyspace("routing_keys", opts)?;
+    let start_idem = db.keyspace("start_idem", opts)?;
+    let mut batch = db.batch().durability(Some(fjall::PersistMode::SyncAll));
+    let mut n = Reconciled::default();
+    let id_at =
+        |bytes: Option<&[u8]>| bytes.and_then(|b| codec::decode_execution_id(b, "key").ok());
+    for item in executions.iter() {
+        let (k, v) = item.into_inner()?;
+        let Some(id) = id_at(k.get(4..12)) else {
+            continue;
+        };
+        match scan.last.get(&id) {
+            None => {
+                batch.remove(&executions, k.to_vec());
+                n.records_removed += 1;
+            }
+            Some((seq, status)) => {
+                let mut meta = codec::decode_meta(id, &v, (*seq, 0))?;
+                if meta.status != *status {
+                    meta.status = *status;
+                    batch.insert(&executions, k.to_vec(), codec::encode_meta(&meta));
+                    n.records_reopened += 1;
+                }
+            }
+        }
+    }
+    for item in event_idem.iter() {
+        let (k, v) = item.into_inner()?;
+        let seq = codec::decode_u64(&v, "event idempotency index").unwrap_or(u64::MAX);
+        let live = id_at(k.get(4..12))
+            .and_then(|id| scan.last.get(&id))
+            .is_some_and(|(last, _)| seq <= *last);
+        if !live {
+            batch.remove(&event_idem, k.to_vec());
+            n.index_entries_removed += 1;
+        }
+    }
+    for item in routing_keys.iter() {
+        let k = item.key()?;
+        let live = k
+            .len()
+            .checked_sub(8)
+            .and_then(|at| id_at(k.get(at..)))
+            .is_some_and(|id| scan.last.contains_key(&id));
+        if !live {
+            batch.remove(&routing_keys, k.to_vec());
+            n.index_entries_removed += 1;
+        }
+    }
+    for item in start_idem.iter() {
+        let (k, v) = item.into_inner()?;
+        if !id_at(Some(&v)).is_some_and(|id| scan.last.contains_key(&id)) {
+            batch.remove(&start_idem, k.to_vec());
+            n.index_entries_removed += 1;
+        }
+    }
+    if !batch.is_empty() {
+        batch.commit()?;
+    }
+    db.persist(fjall::PersistMode::SyncAll)?;
+    Ok(n)
 }
 
 /// Where each whole group of a segment ends, up to the first bad one.

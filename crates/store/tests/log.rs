@@ -899,6 +899,45 @@ async fn the_offline_check_finds_damage_and_changes_nothing() {
     );
     assert_eq!(before, snapshot_files(&damaged), "the check changed a file");
 
+    // What fjall may hold of the groups the cut drops (it applies a
+    // group's puts once the group is durable, and its journal reaches the
+    // disk on its own schedule): the record of an execution started in a
+    // dropped group, the closed status of an execution whose closing event
+    // is dropped, and an idempotency key of a dropped event. Planted here
+    // as such a crash would have left them.
+    let ghost = id(99);
+    let reopened = *model.logs.keys().next().expect("an execution");
+    {
+        let db = fjall::Database::builder(damaged.join("shards/0"))
+            .open()
+            .expect("fjall opens");
+        let opts = fjall::KeyspaceCreateOptions::default;
+        let executions = db.keyspace("executions", opts).expect("keyspace");
+        let event_idem = db.keyspace("event_idem", opts).expect("keyspace");
+        let key = |x: ExecutionId| {
+            let mut k = x.partition().get().to_be_bytes().to_vec();
+            k.extend_from_slice(&(x.get() as u64).to_be_bytes());
+            k
+        };
+        let record = |status: u8| {
+            let mut r = vec![1u8, status];
+            r.extend_from_slice(&5u64.to_be_bytes());
+            r.extend_from_slice(&1u16.to_be_bytes());
+            r.push(b'w');
+            r.push(0);
+            r
+        };
+        executions.insert(key(ghost), record(0)).expect("insert");
+        executions
+            .insert(key(id(reopened)), record(1))
+            .expect("insert");
+        let mut idem = key(id(reopened));
+        idem.extend_from_slice(b"ghost-key");
+        event_idem
+            .insert(idem, 10_000u64.to_be_bytes())
+            .expect("insert");
+        db.persist(fjall::PersistMode::SyncAll).expect("persist");
+    }
     // Cutting elsewhere than a group's end is refused.
     let refused = check::truncate_after(&damaged, ShardId(0), (0, g30 as u64 + 1));
     assert!(
@@ -910,6 +949,14 @@ async fn the_offline_check_finds_damage_and_changes_nothing() {
     // of every execution's log, and the check is clean.
     let done = check::truncate_after(&damaged, ShardId(0), (0, g30 as u64)).expect("cut");
     assert!(done.contains(&format!("after 0:{g30}")), "{done}");
+    // Every start is before the cut and nothing was closed; the dropped
+    // groups' own idempotency keys may have reached fjall too.
+    assert!(
+        done.contains(": 1 execution records of executions that no longer have events removed")
+            && done.contains(", 1 records of executions whose closing event was dropped reopened"),
+        "{done}"
+    );
+    assert!(!done.contains(", 0 idempotency"), "{done}");
     let report = check::check(&damaged).expect("the check runs");
     assert!(report.is_healthy(), "{report}");
     let (_store, s) = open(&damaged, config);
@@ -925,4 +972,22 @@ async fn the_offline_check_finds_damage_and_changes_nothing() {
         kept += got.len();
     }
     assert!(kept > 0 && kept < events, "{kept} of {events} events kept");
+    // What the dropped groups left in the database is gone.
+    assert!(s.execution(ghost).expect("read").is_none());
+    let meta = s.execution(id(reopened)).expect("read").expect("exists");
+    assert_eq!(meta.status, ExecutionStatus::Running);
+    let out = s
+        .append(AppendRequest {
+            epoch: Epoch(1),
+            id: id(reopened),
+            events: vec![NewEvent {
+                event_type: "t".into(),
+                payload: b"{}".to_vec(),
+                idempotency_key: Some("ghost-key".into()),
+            }],
+            expected_last_seq: None,
+        })
+        .await
+        .expect("an append with the dropped event's key");
+    assert!(!out.deduplicated && out.first_seq == meta.last_seq + 1);
 }
