@@ -228,7 +228,9 @@ def single_node_cases(t: Runner) -> None:
     t.check("append", EV, "POST", f"{p}/events",
             b'{"events":[{"type":"x","payload":{"a":[1,2]},"idempotency_key":"k1"}],"expected_last_seq":1}', expect=200)
     t.check("append, deduplicated", EV, "POST", f"{p}/events",
-            b'{"events":[{"type":"x","idempotency_key":"k1"}]}', expect=200)
+            b'{"events":[{"type":"x","payload":{"a":[1,2]},"idempotency_key":"k1"}]}', expect=200)
+    t.check("used idempotency key, another payload", EV, "POST", f"{p}/events",
+            b'{"events":[{"type":"x","idempotency_key":"k1"}]}', expect=409)
     t.check("short long-poll, nothing new", EV, "GET", f"{p}/events?after=2&wait_ms=50", expect=200)
     t.check("cancel with an empty body", "/api/executions/{id}/cancel", "POST", f"{p}/cancel", b"", expect=200)
     t.check("append after cancel", EV, "POST", f"{p}/events", b'{"events":[{"type":"x"}]}', expect=409)
