@@ -344,3 +344,79 @@ fn long_polls_are_bounded_and_woken_only_by_their_execution() {
         (c.metric("forkless_long_polls_waiting") == 0.0).then_some(())
     });
 }
+
+/// Clients that fill a node's client listener (`--connections-max`) do not
+/// take the connections its peers forward on: the peer address, a listener
+/// of its own, has a budget of its own, so requests forwarded to the node
+/// through another node are still served.
+#[test]
+fn clients_at_the_connection_limit_do_not_shut_out_the_peers() {
+    let _d = deadline(
+        "clients_at_the_connection_limit_do_not_shut_out_the_peers",
+        TEST_DEADLINE,
+    );
+    let mut cl = Cluster::prepare(2, 2, PeerTiming::relaxed());
+    // Shard 0 on node 1, shard 1 on node 2; each node takes 4 connections
+    // a listener.
+    let cfg = cl.write_config("limited.toml", &[(0, 1, 1), (1, 2, 1)]);
+    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    text.push_str("\n[limits]\nconnections_max = 4\n");
+    std::fs::write(&cfg, text).expect("config");
+    for id in [1, 2] {
+        cl.spawn(id, &cfg);
+    }
+    for id in [1, 2] {
+        cl.wait_ready(id);
+    }
+    cl.wait_all_alive();
+    let (c1, c2) = (cl.client(1), cl.client(2));
+    // Hold node 1's whole client budget (retrying while the readiness
+    // checks' connections are still being counted closed).
+    let held: Vec<RawConn> = wait_until(
+        "four client connections held on node 1",
+        READY_TIMEOUT,
+        || {
+            let mut held: Vec<RawConn> = (0..4).map(|_| RawConn::open(c1.addr)).collect();
+            for h in held.iter_mut() {
+                h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+                if h.try_read().map_or(true, |r| r.status != 200) {
+                    return None;
+                }
+            }
+            Some(held)
+        },
+    );
+    // Node 1's client listener is full...
+    let refused = c1.try_req("GET", "/healthz", &[], None, Duration::from_secs(5));
+    assert!(
+        refused.as_ref().map_or(true, |r| r.status == 503),
+        "{:?}",
+        refused.map(|r| r.text())
+    );
+    // ...and starts on shard 0 sent through node 2 are forwarded to node 1's
+    // peer listener and served, several at once (so the forwarder opens
+    // new connections, not only its pooled one; three, within node 2's own
+    // client budget of four).
+    let two = forkless_sharding::ShardCount::new(2).expect("2 shards");
+    let starts: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn(move || {
+                // Routing keys that land on shard 0 (of 2).
+                let key = (0..)
+                    .map(|k| format!("peer-{i}-{k}"))
+                    .find(|k| forkless_sharding::shard_for_key(k, two) == 0)
+                    .expect("a key on shard 0");
+                c2.post(
+                    "/api/executions",
+                    &json!({"workflow": "w", "routing_key": key}),
+                )
+            })
+        })
+        .collect();
+    for s in starts {
+        let r = s.join().expect("a start");
+        r.expect(201);
+        assert_eq!(r.header("x-forkless-node"), Some("1"), "{r:?}");
+    }
+    drop(held);
+}

@@ -40,10 +40,12 @@ pub struct Limits {
     /// and its body get this bound each. An idle kept-alive connection has
     /// no limit (see `idle_timeout_ms`).
     pub request_read_timeout_ms: u64,
-    /// Most client connections open at once, over the API and peer
-    /// listeners together; a connection over it is answered 503
-    /// `too_many_connections` and closed. With [`FD_RESERVE`] it must fit
-    /// in the process's open-file limit (checked at start).
+    /// Most connections open at once on each listener (the client API's,
+    /// and the peer address's when it is a listener of its own, counted
+    /// apart so that clients cannot take the peers' connections); one over
+    /// it is answered 503 `too_many_connections` and closed. Times the
+    /// listeners, plus [`FD_RESERVE`], it must fit in the process's
+    /// open-file limit (checked at start).
     pub connections_max: usize,
     /// A kept-alive connection with no request begun for this long is
     /// closed, milliseconds.
@@ -590,26 +592,36 @@ pub fn resolve(
 /// Raises the soft open-file limit (RLIMIT_NOFILE) to the hard one and
 /// checks that `limits.connections_max` plus [`FD_RESERVE`] fit in it.
 /// Returns the limit now in force.
-pub fn reserve_file_descriptors(limits: &Limits) -> Result<u64, ConfigError> {
+/// `listeners` is how many listeners take connections (the client API's,
+/// and the peer address's when it has its own), each up to
+/// `limits.connections_max`.
+pub fn reserve_file_descriptors(limits: &Limits, listeners: usize) -> Result<u64, ConfigError> {
     let limit = raise_nofile_limit().map_err(|e| {
         ConfigError::Invalid(format!(
             "cannot read the open-file limit (RLIMIT_NOFILE): {e}"
         ))
     })?;
-    check_fd_budget(limits.connections_max, limit)?;
+    check_fd_budget(limits.connections_max, listeners, limit)?;
     Ok(limit)
 }
 
-/// Whether `connections_max` connections plus [`FD_RESERVE`] fit in an
-/// open-file limit of `limit`.
-pub fn check_fd_budget(connections_max: usize, limit: u64) -> Result<(), ConfigError> {
-    let need = (connections_max as u64).saturating_add(FD_RESERVE);
+/// Whether `connections_max` connections on each of `listeners` listeners
+/// plus [`FD_RESERVE`] fit in an open-file limit of `limit`.
+pub fn check_fd_budget(
+    connections_max: usize,
+    listeners: usize,
+    limit: u64,
+) -> Result<(), ConfigError> {
+    let listeners = listeners.max(1) as u64;
+    let need = (connections_max as u64)
+        .saturating_mul(listeners)
+        .saturating_add(FD_RESERVE);
     if need > limit {
         return Err(ConfigError::Invalid(format!(
-            "limits.connections_max {connections_max} plus {FD_RESERVE} file descriptors kept for the store \
-             is {need}, over the open-file limit (RLIMIT_NOFILE) of {limit}: lower limits.connections_max \
-             (--connections-max) to at most {} or raise the limit (ulimit -n)",
-            limit.saturating_sub(FD_RESERVE)
+            "limits.connections_max {connections_max} on each of {listeners} listeners plus {FD_RESERVE} file \
+             descriptors kept for the store is {need}, over the open-file limit (RLIMIT_NOFILE) of {limit}: \
+             lower limits.connections_max (--connections-max) to at most {} or raise the limit (ulimit -n)",
+            limit.saturating_sub(FD_RESERVE) / listeners
         )));
     }
     Ok(())
@@ -895,12 +907,19 @@ peer_addr = "127.0.0.1:7172"
         ] {
             check(&format!("[limits]\n{bad}\n"), None, Some(want));
         }
-        assert!(check_fd_budget(1024, 1280).is_ok());
-        let e = check_fd_budget(1025, 1280).unwrap_err().to_string();
+        assert!(check_fd_budget(1024, 1, 1280).is_ok());
+        let e = check_fd_budget(1025, 1, 1280).unwrap_err().to_string();
         assert!(e.contains("limits.connections_max 1025"), "{e}");
         assert!(e.contains("RLIMIT_NOFILE"), "{e}");
         assert!(e.contains("at most 1024"), "{e}");
-        assert!(check_fd_budget(usize::MAX, u64::MAX - 1).is_err());
+        assert!(check_fd_budget(usize::MAX, 1, u64::MAX - 1).is_err());
+        // A peer listener of its own takes as many again.
+        assert!(check_fd_budget(512, 2, 1280).is_ok());
+        let e = check_fd_budget(1024, 2, 1280).unwrap_err().to_string();
+        assert!(
+            e.contains("each of 2 listeners") && e.contains("at most 512"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -50,9 +50,11 @@ pub struct App {
     /// Turns true when the node starts shutting down: long-polls answer
     /// with what they have instead of holding the shutdown up.
     pub stopping: tokio::sync::watch::Sender<bool>,
-    /// Client connections open now, over every listener
-    /// (`limits.connections_max` bounds it).
-    pub connections: AtomicUsize,
+    /// Connections open now on each listener: the client API's, and the
+    /// peer address's when it is a listener of its own. Each is bounded by
+    /// `limits.connections_max` on its own, so clients that fill their
+    /// listener cannot take the connections peers forward and probe on.
+    pub connections: [AtomicUsize; 2],
     /// Long-polls waiting now (`limits.long_polls_max` bounds it).
     pub long_polls: AtomicUsize,
 }
@@ -119,7 +121,7 @@ impl App {
             in_progress,
             ready: AtomicBool::new(false),
             stopping: tokio::sync::watch::channel(false).0,
-            connections: AtomicUsize::new(0),
+            connections: Default::default(),
             long_polls: AtomicUsize::new(0),
             dir,
             store,
@@ -144,7 +146,8 @@ pub async fn run(
     // Before the store opens anything: the connections' descriptors plus
     // the store's reserve must fit, so that no connection can take the
     // descriptor a shard's log rotation needs.
-    let fd_limit = config::reserve_file_descriptors(&cfg.limits)?;
+    let listeners = if cfg.peer_listen.is_some() { 2 } else { 1 };
+    let fd_limit = config::reserve_file_descriptors(&cfg.limits, listeners)?;
     tracing::info!(
         open_file_limit = fd_limit,
         connections_max = cfg.limits.connections_max,
@@ -174,10 +177,13 @@ pub async fn run(
     });
     let service = api::service(app.clone());
     let mut tasks = Vec::new();
-    for listener in std::iter::once(api_listener).chain(peer_listener) {
+    for (listener, which) in std::iter::once((api_listener, Listener::Api))
+        .chain(peer_listener.map(|l| (l, Listener::Peer)))
+    {
         tasks.push(tokio::spawn(accept_loop(
             app.clone(),
             listener,
+            which,
             service.clone(),
             stop_rx.clone(),
         )));
@@ -211,6 +217,7 @@ pub async fn run(
 async fn accept_loop<S>(
     app: Arc<App>,
     listener: tokio::net::TcpListener,
+    which: Listener,
     service: S,
     stop: tokio::sync::watch::Receiver<bool>,
 ) where
@@ -234,8 +241,8 @@ async fn accept_loop<S>(
         match accepted {
             Ok((tcp, _peer)) => {
                 let _ = tcp.set_nodelay(true);
-                let Some(slot) = ConnectionSlot::take(&app) else {
-                    refuse_connection(&app, tcp);
+                let Some(slot) = ConnectionSlot::take(&app, which) else {
+                    refuse_connection(&app, tcp, which);
                     continue;
                 };
                 let open = open_tx.clone();
@@ -261,14 +268,31 @@ async fn accept_loop<S>(
     let _ = open_rx.recv().await;
 }
 
+/// Which listener a connection came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Listener {
+    /// The client API address (also the peers', when they share it).
+    Api = 0,
+    /// The peer address, when it is a listener of its own.
+    Peer = 1,
+}
+
+impl Listener {
+    fn what(self) -> &'static str {
+        match self {
+            Listener::Api => "client",
+            Listener::Peer => "peer",
+        }
+    }
+}
+
 /// One open connection counted in [`App::connections`] until dropped.
-struct ConnectionSlot(Arc<App>);
+struct ConnectionSlot(Arc<App>, Listener);
 
 impl ConnectionSlot {
-    fn take(app: &Arc<App>) -> Option<ConnectionSlot> {
+    fn take(app: &Arc<App>, which: Listener) -> Option<ConnectionSlot> {
         let max = app.cfg.limits.connections_max;
-        let taken = app
-            .connections
+        let taken = app.connections[which as usize]
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
@@ -277,13 +301,13 @@ impl ConnectionSlot {
             return None;
         }
         app.metrics.connections_open.inc();
-        Some(ConnectionSlot(app.clone()))
+        Some(ConnectionSlot(app.clone(), which))
     }
 }
 
 impl Drop for ConnectionSlot {
     fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.0.connections[self.1 as usize].fetch_sub(1, Ordering::AcqRel);
         self.0.metrics.connections_open.dec();
     }
 }
@@ -291,12 +315,14 @@ impl Drop for ConnectionSlot {
 /// Answers a connection over `limits.connections_max` with a 503 (if the
 /// socket takes it at once: a fresh socket always has room for it) and
 /// closes it, never waiting on the client.
-fn refuse_connection(app: &App, tcp: tokio::net::TcpStream) {
+fn refuse_connection(app: &App, tcp: tokio::net::TcpStream, which: Listener) {
     app.metrics.connections_refused.inc();
     app.metrics.response(503);
     let body = format!(
-        "{{\"error\":\"too_many_connections\",\"message\":\"this node has {} client connections open, its limit (limits.connections_max); retry later\",\"limit\":{}}}",
-        app.cfg.limits.connections_max, app.cfg.limits.connections_max
+        "{{\"error\":\"too_many_connections\",\"message\":\"this node has {} {} connections open, its limit (limits.connections_max); retry later\",\"limit\":{}}}",
+        app.cfg.limits.connections_max,
+        which.what(),
+        app.cfg.limits.connections_max
     );
     let answer = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\n{}: {}\r\ncontent-length: {}\r\n\r\n{body}",
