@@ -14,7 +14,7 @@ use crate::index;
 use crate::log::{self, Group, Position, Record};
 use crate::shard::Keyspaces;
 use crate::{ExecutionStatus, StoreError};
-use fjall::{Database, KeyspaceCreateOptions, Readable};
+use fjall::{Database, Readable};
 use forkless_types::{ExecutionId, ShardId};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
@@ -171,8 +171,7 @@ pub fn check(dir: &Path) -> Result<Report, StoreError> {
             .push(format!("the layout file cannot be read: {e}")),
     }
     let shards_dir = dir.join("shards");
-    let entries = std::fs::read_dir(&shards_dir)
-        .map_err(|e| StoreError::Io(format!("{}: {e}", shards_dir.display())))?;
+    let entries = std::fs::read_dir(&shards_dir).map_err(|e| log::io(&shards_dir, "listing", e))?;
     let mut shards = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|e| StoreError::Io(e.to_string()))?;
@@ -218,6 +217,14 @@ fn lock_database(shard_dir: &Path) -> Result<Option<File>, String> {
 }
 
 fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> {
+    Ok(check_shard_and_scan(shard_dir, shard)?.0)
+}
+
+/// [`check_shard`], with the scan of the log it made.
+fn check_shard_and_scan(
+    shard_dir: &Path,
+    shard: u32,
+) -> Result<(ShardReport, LogScan), StoreError> {
     let mut r = ShardReport {
         shard,
         ..ShardReport::default()
@@ -227,14 +234,14 @@ fn check_shard(shard_dir: &Path, shard: u32) -> Result<ShardReport, StoreError> 
         Err(p) => {
             r.problems.push(p);
             r.in_use = true;
-            return Ok(r);
+            return Ok((r, LogScan::default()));
         }
     };
     let log_dir = shard_dir.join(crate::shard::LOG_DIR);
     let scan = scan_log(&log_dir, None, &mut r)?;
     r.executions = scan.last.len();
     check_database(shard_dir, &log_dir, &scan, &mut r)?;
-    Ok(r)
+    Ok((r, scan))
 }
 
 /// What a scan of a shard's log found, up to where it stopped.
@@ -271,11 +278,10 @@ fn scan_log(
     let mut payload = Vec::new();
     'segments: for &segment in &ids {
         let path = log::segment_path(log_dir, segment);
-        let f =
-            File::open(&path).map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+        let f = File::open(&path).map_err(|e| log::io(&path, "opening", e))?;
         let size = f
             .metadata()
-            .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?
+            .map_err(|e| log::io(&path, "reading metadata", e))?
             .len();
         let mut at = 0;
         let mut events_here = 0u64;
@@ -390,7 +396,10 @@ fn check_database(
     r: &mut ShardReport,
 ) -> Result<(), StoreError> {
     let (segments, log_last_seq, event_positions) = (log.segments, &log.last, &log.event_positions);
-    let copy = tempfile_lite::TempDir::new()?;
+    let copy = tempfile::Builder::new()
+        .prefix("forkless-check-")
+        .tempdir()
+        .map_err(|e| log::io(&std::env::temp_dir(), "creating a folder for the copy", e))?;
     copy_tree(shard_dir, copy.path(), true)?;
     let db = match Database::builder(copy.path()).open() {
         Ok(db) => db,
@@ -399,16 +408,7 @@ fn check_database(
             return Ok(());
         }
     };
-    let opts = KeyspaceCreateOptions::default;
-    let ks = Keyspaces {
-        meta: db.keyspace("meta", opts)?,
-        executions: db.keyspace("executions", opts)?,
-        event_index: db.keyspace("event_index", opts)?,
-        event_idem: db.keyspace("event_idem", opts)?,
-        routing_keys: db.keyspace("routing_keys", opts)?,
-        start_idem: db.keyspace("start_idem", opts)?,
-        db,
-    };
+    let ks = Keyspaces::open(db)?;
     let checkpoint = match ks.meta.get(index::CHECKPOINT_KEY)? {
         Some(v) => match Position::decode(&v) {
             Ok(p) => p,
@@ -524,53 +524,26 @@ fn check_database(
 
 /// Copies the shard's database files (all but its log).
 fn copy_tree(from: &Path, to: &Path, top: bool) -> Result<(), StoreError> {
-    let io = |p: &Path, e: std::io::Error| StoreError::Io(format!("{}: {e}", p.display()));
-    std::fs::create_dir_all(to).map_err(|e| io(to, e))?;
-    for entry in std::fs::read_dir(from).map_err(|e| io(from, e))? {
-        let entry = entry.map_err(|e| io(from, e))?;
+    std::fs::create_dir_all(to).map_err(|e| log::io(to, "creating", e))?;
+    for entry in std::fs::read_dir(from).map_err(|e| log::io(from, "listing", e))? {
+        let entry = entry.map_err(|e| log::io(from, "listing", e))?;
         let name = entry.file_name();
         if top && name == crate::shard::LOG_DIR {
             continue;
         }
         let src = entry.path();
         let dst = to.join(&name);
-        if entry.file_type().map_err(|e| io(&src, e))?.is_dir() {
+        if entry
+            .file_type()
+            .map_err(|e| log::io(&src, "reading", e))?
+            .is_dir()
+        {
             copy_tree(&src, &dst, false)?;
         } else {
-            std::fs::copy(&src, &dst).map_err(|e| io(&src, e))?;
+            std::fs::copy(&src, &dst).map_err(|e| log::io(&src, "copying", e))?;
         }
     }
     Ok(())
-}
-
-/// A temporary folder removed on drop (the check's copy of a database).
-mod tempfile_lite {
-    use crate::StoreError;
-    use std::path::{Path, PathBuf};
-
-    pub struct TempDir(PathBuf);
-
-    impl TempDir {
-        pub fn new() -> Result<TempDir, StoreError> {
-            static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let path =
-                std::env::temp_dir().join(format!("forkless-check-{}-{n}", std::process::id()));
-            std::fs::create_dir_all(&path)
-                .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
-            Ok(TempDir(path))
-        }
-
-        pub fn path(&self) -> &Path {
-            &self.0
-        }
-    }
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
 }
 
 /// Cuts shard `shard`'s log after `at` (the end of a whole group, at or
@@ -582,8 +555,8 @@ mod tempfile_lite {
 pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<String, StoreError> {
     let shard_dir = dir.join("shards").join(shard.get().to_string());
     let refuse = |m: String| Err(StoreError::Invalid(m));
-    let report = check_shard(&shard_dir, shard.get())?;
-    if report.problems.iter().any(|p| p.contains("is locked")) {
+    let (report, scan) = check_shard_and_scan(&shard_dir, shard.get())?;
+    if report.in_use {
         return refuse(report.problems.join("; "));
     }
     let cut = Position {
@@ -609,10 +582,9 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
     // The cut must be the end of a whole group found by the check (or the
     // start of a segment).
     let log_dir = shard_dir.join(crate::shard::LOG_DIR);
-    let boundary = at.1 == 0 || group_ends(&log_dir, at.0)?.contains(&at.1);
-    if !boundary {
+    if at.1 != 0 && !scan.event_positions.iter().any(|(end, _)| *end == cut) {
         return refuse(format!(
-            "{}:{} is not the end of a whole group of segment {}",
+            "{}:{} is not the end of a whole group of segment {} before any damage",
             at.0, at.1, at.0
         ));
     }
@@ -624,24 +596,22 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(&path)
-        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+        .map_err(|e| log::io(&path, "opening", e))?;
     let size = f
         .metadata()
-        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?
+        .map_err(|e| log::io(&path, "reading metadata", e))?
         .len();
     f.set_len(at.1)
         .and_then(|()| f.set_len(size))
         .and_then(|()| f.sync_all())
-        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
+        .map_err(|e| log::io(&path, "cutting", e))?;
     let mut removed = Vec::new();
     for id in ids.iter().copied().filter(|id| *id > at.0).rev() {
         let p = log::segment_path(&log_dir, id);
-        std::fs::remove_file(&p).map_err(|e| StoreError::Io(format!("{}: {e}", p.display())))?;
+        std::fs::remove_file(&p).map_err(|e| log::io(&p, "removing", e))?;
         removed.push(id);
     }
-    File::open(&log_dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| StoreError::Io(format!("{}: {e}", log_dir.display())))?;
+    log::sync_dir(&log_dir)?;
     // The database may hold what the dropped groups wrote (fjall applied
     // their puts after they were durable in the log): make it agree with
     // the log that is left.
@@ -693,11 +663,14 @@ fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, StoreError>
         fjall::Error::Locked => StoreError::InUse(shard_dir.display().to_string()),
         e => StoreError::from(e),
     })?;
-    let opts = KeyspaceCreateOptions::default;
-    let executions = db.keyspace("executions", opts)?;
-    let event_idem = db.keyspace("event_idem", opts)?;
-    let routing_keys = db.keyspace("routing_keys", opts)?;
-    let start_idem = db.keyspace("start_idem", opts)?;
+    let Keyspaces {
+        executions,
+        event_idem,
+        routing_keys,
+        start_idem,
+        db,
+        ..
+    } = Keyspaces::open(db)?;
     let mut batch = db.batch().durability(Some(fjall::PersistMode::SyncAll));
     let mut n = Reconciled::default();
     let id_at =
@@ -757,27 +730,4 @@ fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, StoreError>
     }
     db.persist(fjall::PersistMode::SyncAll)?;
     Ok(n)
-}
-
-/// Where each whole group of a segment ends, up to the first bad one.
-fn group_ends(log_dir: &Path, segment: u32) -> Result<Vec<u64>, StoreError> {
-    let path = log::segment_path(log_dir, segment);
-    let f = File::open(&path).map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?;
-    let size = f
-        .metadata()
-        .map_err(|e| StoreError::Io(format!("{}: {e}", path.display())))?
-        .len();
-    let mut out = Vec::new();
-    let mut at = 0;
-    let mut payload = Vec::new();
-    while at < size {
-        match log::read_group(&f, at, size, &mut payload, &path)? {
-            Group::Whole(len) => {
-                at += len;
-                out.push(at);
-            }
-            _ => break,
-        }
-    }
-    Ok(out)
 }

@@ -318,7 +318,7 @@ impl Store {
         shard_count: ShardCount,
         config: StoreConfig,
     ) -> Result<Store, StoreError> {
-        create_dir_durably(&dir.join("shards"))?;
+        log::create_dir_durably(&dir.join("shards"))?;
         let layout = dir.join(LAYOUT_FILE);
         match std::fs::read_to_string(&layout) {
             Ok(text) => {
@@ -455,15 +455,10 @@ impl Store {
                 reason: reason.clone(),
             });
         }
-        let shards = self.dir.join("shards");
-        let path = shards.join(shard.get().to_string());
-        if !path.exists() {
-            // The shard's folder must survive a crash before the shard
-            // takes a write.
-            std::fs::create_dir(&path)
-                .and_then(|()| sync_dir(&shards))
-                .map_err(|e| StoreError::Io(format!("{}: creating: {e}", path.display())))?;
-        }
+        let path = self.dir.join("shards").join(shard.get().to_string());
+        // The shard's folder must survive a crash before the shard takes
+        // a write.
+        log::create_dir_durably(&path)?;
         let s = Arc::new(
             ShardStore::open(&path, shard, initial_epoch, &self.config).map_err(|e| match e {
                 StoreError::Corrupt(m) => StoreError::Corrupt(format!("shard {shard}: {m}")),
@@ -517,32 +512,6 @@ pub(crate) fn parse_layout(text: &str) -> Option<u32> {
         .and_then(|(_, v)| v.trim().parse().ok())
 }
 
-fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    std::fs::File::open(dir).and_then(|d| d.sync_all())
-}
-
-/// Creates `dir` and every missing folder above it, each synced into its
-/// parent, so that none of them can vanish in a crash after the call.
-fn create_dir_durably(dir: &Path) -> Result<(), StoreError> {
-    if dir.is_dir() {
-        return Ok(());
-    }
-    let io = |e: std::io::Error| StoreError::Io(format!("{}: creating: {e}", dir.display()));
-    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-        create_dir_durably(parent)?;
-    }
-    match std::fs::create_dir(dir) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(io(e)),
-    }
-    let parent = dir
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    sync_dir(parent).map_err(io)
-}
-
 fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     use std::io::Write;
     let tmp = path.with_extension("tmp");
@@ -552,9 +521,7 @@ fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     f.sync_all().map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)?;
     if let Some(parent) = path.parent() {
-        std::fs::File::open(parent)
-            .and_then(|d| d.sync_all())
-            .map_err(io)?;
+        log::sync_dir(parent)?;
     }
     Ok(())
 }

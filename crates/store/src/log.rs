@@ -449,14 +449,33 @@ pub(crate) fn segment_path(dir: &Path, segment: u32) -> PathBuf {
     dir.join(format!("{segment:010}.seg"))
 }
 
-fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
+pub(crate) fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
     StoreError::Io(format!("{}: {what}: {e}", path.display()))
 }
 
-fn sync_dir(dir: &Path) -> Result<(), StoreError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|e| io(dir, "syncing the directory", e))
+}
+
+/// Creates `dir` and every missing folder above it, each synced into its
+/// parent, so that none of them can vanish in a crash after the call.
+pub(crate) fn create_dir_durably(dir: &Path) -> Result<(), StoreError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    create_dir_durably(parent)?;
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(dir, "creating", e)),
+    }
+    sync_dir(parent)
 }
 
 /// Creates a new file for reading and writing; an existing one is an
@@ -650,12 +669,7 @@ pub(crate) fn open(
     segment_bytes: u64,
     mut apply: impl FnMut(Record<'_>) -> Result<(), StoreError>,
 ) -> Result<LogWriter, StoreError> {
-    if !dir.exists() {
-        std::fs::create_dir_all(dir).map_err(|e| io(dir, "creating", e))?;
-        if let Some(parent) = dir.parent() {
-            sync_dir(parent)?;
-        }
-    }
+    create_dir_durably(dir)?;
     let ids = list_segments(dir)?;
     if ids.is_empty() {
         if from != Position::default() {

@@ -115,6 +115,25 @@ pub(crate) mod keyspace_id {
 }
 
 impl Keyspaces {
+    /// Opens (or creates) the shard's keyspaces in `db`.
+    pub(crate) fn open(db: Database) -> Result<Keyspaces, StoreError> {
+        let opts = KeyspaceCreateOptions::default;
+        Ok(Keyspaces {
+            meta: db.keyspace("meta", opts)?,
+            executions: db.keyspace("executions", opts)?,
+            // Index entries are only ever read by range (an execution's
+            // runs, its last run), never by point lookup, so a bloom
+            // filter would be built at every flush and never consulted.
+            event_index: db.keyspace("event_index", || {
+                opts().filter_policy(fjall::config::FilterPolicy::disabled())
+            })?,
+            event_idem: db.keyspace("event_idem", opts)?,
+            routing_keys: db.keyspace("routing_keys", opts)?,
+            start_idem: db.keyspace("start_idem", opts)?,
+            db,
+        })
+    }
+
     /// The keyspace a put in the log names.
     pub(crate) fn by_id(&self, id: u8) -> Option<&Keyspace> {
         use keyspace_id::*;
@@ -483,21 +502,7 @@ impl ShardStore {
             .worker_threads(config.worker_threads_per_shard.max(1))
             .max_journaling_size(config.journal_bytes_max.max(JOURNAL_BYTES_MIN));
         let db = open_below(builder, config.background_nice, path)?;
-        let opts = KeyspaceCreateOptions::default;
-        let ks = Keyspaces {
-            meta: db.keyspace("meta", opts)?,
-            executions: db.keyspace("executions", opts)?,
-            // Index entries are only ever read by range (an execution's
-            // runs, its last run), never by point lookup, so a bloom
-            // filter would be built at every flush and never consulted.
-            event_index: db.keyspace("event_index", || {
-                opts().filter_policy(fjall::config::FilterPolicy::disabled())
-            })?,
-            event_idem: db.keyspace("event_idem", opts)?,
-            routing_keys: db.keyspace("routing_keys", opts)?,
-            start_idem: db.keyspace("start_idem", opts)?,
-            db,
-        };
+        let ks = Keyspaces::open(db)?;
         let (log, tail) = recover(&ks, &path.join(LOG_DIR), config.log_segment_bytes)?;
         let epoch = match ks.meta.get(EPOCH_KEY)? {
             Some(v) => Epoch(codec::decode_u64(&v, "shard epoch")?),
