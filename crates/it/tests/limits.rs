@@ -22,20 +22,8 @@ fn a_read_page_stops_at_its_byte_budget_and_says_where_to_continue() {
     let dir = tempfile::tempdir().expect("tempdir");
     let n = Node::start_single(&dir.path().join("data"), &[]);
     let c = n.client;
-    let id = id_of(&c.start(&json!({"workflow": "w"})));
     // Six events of about 900 KB each: 5.4 MB in all, over the budget.
-    let big = "x".repeat(900_000);
-    for _ in 0..2 {
-        c.post(
-            &format!("/api/executions/{id}/events"),
-            &json!({"events": [
-                {"type": "big", "payload": big},
-                {"type": "big", "payload": big},
-                {"type": "big", "payload": big},
-            ]}),
-        )
-        .expect(200);
-    }
+    let id = big_execution(&c);
     let r = c.get(&format!("/api/executions/{id}/events?limit=1000"));
     r.expect(200);
     let v = r.json();
@@ -84,20 +72,7 @@ fn connections_over_the_limit_are_refused_and_the_node_keeps_serving() {
     wait_until("no connection open but the probe's", READY_TIMEOUT, || {
         (c.metric("forkless_connections_open") <= 1.0).then_some(())
     });
-    // The node counts a closed connection gone only once its task ends,
-    // which may be just after the client saw the close: hold three once
-    // all three are served (a lingering one makes the third refused; then
-    // try again).
-    let mut held: Vec<RawConn> = wait_until("three connections held", READY_TIMEOUT, || {
-        let mut held: Vec<RawConn> = (0..3).map(|_| RawConn::open(c.addr)).collect();
-        for h in held.iter_mut() {
-            h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
-            if h.try_read().map_or(true, |r| r.status != 200) {
-                return None;
-            }
-        }
-        Some(held)
-    });
+    let mut held = hold_connections(&c, 3);
     for _ in 0..3 {
         let t = Instant::now();
         match c.try_req("GET", "/healthz", &[], None, Duration::from_secs(5)) {
@@ -193,6 +168,24 @@ fn an_idle_kept_alive_connection_is_closed_after_the_idle_timeout() {
             .metric("forkless_connection_timeouts_total{kind=\"idle\"}")
             >= 1.0
     );
+}
+
+/// `n` connections to the node, each served once. The node counts a
+/// closed connection gone only once its task ends, which may be just after
+/// the client saw the close, so a lingering one can make the last of the
+/// `n` refused: then all are dropped and opened again, until the node has
+/// room for `n`.
+fn hold_connections(c: &Client, n: usize) -> Vec<RawConn> {
+    wait_until(&format!("{n} connections held"), READY_TIMEOUT, || {
+        let mut held: Vec<RawConn> = (0..n).map(|_| RawConn::open(c.addr)).collect();
+        for h in held.iter_mut() {
+            h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+            if h.try_read().map_or(true, |r| r.status != 200) {
+                return None;
+            }
+        }
+        Some(held)
+    })
 }
 
 /// An execution with six ~900 KB events, so that each page of events is a
@@ -370,22 +363,8 @@ fn clients_at_the_connection_limit_do_not_shut_out_the_peers() {
     }
     cl.wait_all_alive();
     let (c1, c2) = (cl.client(1), cl.client(2));
-    // Hold node 1's whole client budget (retrying while the readiness
-    // checks' connections are still being counted closed).
-    let held: Vec<RawConn> = wait_until(
-        "four client connections held on node 1",
-        READY_TIMEOUT,
-        || {
-            let mut held: Vec<RawConn> = (0..4).map(|_| RawConn::open(c1.addr)).collect();
-            for h in held.iter_mut() {
-                h.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
-                if h.try_read().map_or(true, |r| r.status != 200) {
-                    return None;
-                }
-            }
-            Some(held)
-        },
-    );
+    // Hold node 1's whole client budget.
+    let held = hold_connections(&c1, 4);
     // Node 1's client listener is full...
     let refused = c1.try_req("GET", "/healthz", &[], None, Duration::from_secs(5));
     assert!(

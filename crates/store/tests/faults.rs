@@ -92,22 +92,25 @@ async fn append(s: &ShardStore, t: &str, payload: Vec<u8>) -> Result<AppendOutco
     .await
 }
 
-#[tokio::test]
-async fn a_write_that_failed_on_a_full_disk_is_never_committed_later() {
-    let fs = Tmpfs::new(24 * 1024 * 1024);
-    let data = fs.mount.join("data");
-    let store = Store::open(&data, ShardCount::ONE, StoreConfig::default()).expect("opens");
-    let s = store.open_shard(ShardId(0), Epoch(1)).expect("opens");
+async fn start(s: &ShardStore, n: i64) -> Result<StartOutcome, StoreError> {
     s.start(StartRequest {
         epoch: Epoch(1),
-        id: id(1),
+        id: id(n),
         workflow: "w".into(),
         started_payload: b"{}".to_vec(),
         routing_key: None,
         idempotency_key: None,
     })
     .await
-    .expect("start");
+}
+
+#[tokio::test]
+async fn a_write_that_failed_on_a_full_disk_is_never_committed_later() {
+    let fs = Tmpfs::new(24 * 1024 * 1024);
+    let data = fs.mount.join("data");
+    let store = Store::open(&data, ShardCount::ONE, StoreConfig::default()).expect("opens");
+    let s = store.open_shard(ShardId(0), Epoch(1)).expect("opens");
+    start(&s, 1).await.expect("start");
     let acked = append(&s, "before", b"{\"n\":1}".to_vec())
         .await
         .expect("an append with room to spare");
@@ -136,19 +139,10 @@ async fn a_write_that_failed_on_a_full_disk_is_never_committed_later() {
         matches!(&after_free, Err(StoreError::ShardFailed { .. })),
         "{after_free:?}"
     );
-    let start = s
-        .start(StartRequest {
-            epoch: Epoch(1),
-            id: id(2),
-            workflow: "w".into(),
-            started_payload: b"{}".to_vec(),
-            routing_key: None,
-            idempotency_key: None,
-        })
-        .await;
+    let started = start(&s, 2).await;
     assert!(
-        matches!(&start, Err(StoreError::ShardFailed { .. })),
-        "{start:?}"
+        matches!(&started, Err(StoreError::ShardFailed { .. })),
+        "{started:?}"
     );
     let why = store
         .failures()
@@ -186,16 +180,7 @@ async fn zero_filling_ahead_never_takes_the_space_appends_need() {
     let data = fs.mount.join("data");
     let store = Store::open(&data, ShardCount::ONE, StoreConfig::default()).expect("opens");
     let s = store.open_shard(ShardId(0), Epoch(1)).expect("opens");
-    s.start(StartRequest {
-        epoch: Epoch(1),
-        id: id(1),
-        workflow: "w".into(),
-        started_payload: b"{}".to_vec(),
-        routing_key: None,
-        idempotency_key: None,
-    })
-    .await
-    .expect("start");
+    start(&s, 1).await.expect("start");
     // 12 MiB of appends: past the point (1 MiB) where the next segment
     // starts being zero-filled, and well within the filesystem.
     let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(256 * 1024)).into_bytes();

@@ -585,6 +585,42 @@ fn open_damaged(dir: &Path, config: StoreConfig) -> Result<(Store, Arc<ShardStor
     }
 }
 
+/// Default sizes, but no checkpoint after the one at open: a crash image
+/// replays the whole log.
+fn never_checkpointed() -> StoreConfig {
+    StoreConfig {
+        log_checkpoint_bytes: u64::MAX,
+        ..StoreConfig::default()
+    }
+}
+
+/// Writes `starts` executions and `steps` random appends into `<dir>/live`,
+/// takes a crash image of it while it is open (`<dir>/image`), then closes
+/// it cleanly. Returns both folders and what was acknowledged.
+async fn written_then_imaged(
+    dir: &Path,
+    config: &StoreConfig,
+    seed: u64,
+    starts: i64,
+    steps: u64,
+) -> (PathBuf, PathBuf, Model) {
+    let live = dir.join("live");
+    let (store, s) = open(&live, config.clone());
+    let mut model = Model::default();
+    let mut rng = Rng(seed);
+    for n in 1..=starts {
+        start(&s, &mut model, n).await;
+    }
+    for step in 0..steps {
+        append_some(&s, &mut model, &mut rng, step).await;
+    }
+    let image = dir.join("image");
+    crash_image(&live, &image);
+    drop(s);
+    drop(store);
+    (live, image, model)
+}
+
 /// One flipped byte in a group of the last segment with groups written
 /// after it is damage, not a torn tail: whatever byte it is (a length, a
 /// checksum, a record), the shard never opens with an acknowledged event
@@ -593,25 +629,8 @@ fn open_damaged(dir: &Path, config: StoreConfig) -> Result<(Store, Arc<ShardStor
 #[tokio::test]
 async fn a_damaged_group_followed_by_others_in_the_last_segment_is_never_cut() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let live = dir.path().join("live");
-    // No checkpoint after the start: a crash image replays the whole log.
-    let config = StoreConfig {
-        log_checkpoint_bytes: u64::MAX,
-        ..StoreConfig::default()
-    };
-    let (store, s) = open(&live, config.clone());
-    let mut model = Model::default();
-    let mut rng = Rng(23);
-    for n in 1..=4 {
-        start(&s, &mut model, n).await;
-    }
-    for step in 0..60 {
-        append_some(&s, &mut model, &mut rng, step).await;
-    }
-    let base = dir.path().join("base");
-    crash_image(&live, &base);
-    drop(s);
-    drop(store);
+    let config = never_checkpointed();
+    let (_live, base, model) = written_then_imaged(dir.path(), &config, 23, 4, 60).await;
     let last = segments(&base).pop().expect("a segment");
     let original = std::fs::read(&last).expect("read");
     let starts = group_starts(&original);
@@ -672,10 +691,7 @@ async fn a_damaged_shard_does_not_stop_the_others() {
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("data");
     let two = ShardCount::new(2).expect("2 shards");
-    let config = StoreConfig {
-        log_checkpoint_bytes: u64::MAX,
-        ..StoreConfig::default()
-    };
+    let config = never_checkpointed();
     // An execution on each shard.
     let ids: Vec<ExecutionId> = (1..)
         .map(id)
@@ -836,24 +852,8 @@ fn snapshot_files(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
 #[tokio::test]
 async fn the_offline_check_finds_damage_and_changes_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let live = dir.path().join("live");
-    let config = StoreConfig {
-        log_checkpoint_bytes: u64::MAX,
-        ..StoreConfig::default()
-    };
-    let (store, s) = open(&live, config.clone());
-    let mut model = Model::default();
-    let mut rng = Rng(31);
-    for n in 1..=5 {
-        start(&s, &mut model, n).await;
-    }
-    for step in 0..80 {
-        append_some(&s, &mut model, &mut rng, step).await;
-    }
-    let image = dir.path().join("image");
-    crash_image(&live, &image);
-    drop(s);
-    drop(store);
+    let config = never_checkpointed();
+    let (live, image, model) = written_then_imaged(dir.path(), &config, 31, 5, 80).await;
 
     // Closed cleanly: everything indexed, all ok.
     let report = check::check(&live).expect("the check runs");

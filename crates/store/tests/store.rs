@@ -562,25 +562,10 @@ async fn a_reused_idempotency_key_with_another_event_is_a_conflict() {
     let dir = tempfile::tempdir().unwrap();
     let (_store, s) = one_shard(dir.path());
     s.start(start(1, 30, None, None)).await.unwrap();
-    let first = s
-        .append(append(
-            1,
-            30,
-            vec![ev_with("pay", b"{\"a\":1}", Some("k1"))],
-            None,
-        ))
-        .await
-        .unwrap();
+    let pay = || append(1, 30, vec![ev_with("pay", b"{\"a\":1}", Some("k1"))], None);
+    let first = s.append(pay()).await.unwrap();
     assert_eq!(first.first_seq, 2);
-    let retry = s
-        .append(append(
-            1,
-            30,
-            vec![ev_with("pay", b"{\"a\":1}", Some("k1"))],
-            None,
-        ))
-        .await
-        .unwrap();
+    let retry = s.append(pay()).await.unwrap();
     assert!(retry.deduplicated && retry.first_seq == 2);
     for (t, payload, differs) in [
         ("pay", &b"{\"a\":2}"[..], "payload"),
