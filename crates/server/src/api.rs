@@ -3,9 +3,10 @@
 
 use crate::error::{from_store, ApiError, Executed};
 use crate::forward::ForwardRequest;
+use crate::headers::{self, route_header};
 use crate::metrics::outcome;
 use crate::wire::{self, check_name, parse, NAME_BYTES_MAX, ROUTING_KEY_BYTES_MAX};
-use crate::{App, HOPS_HEADER, NODE_HEADER, PEER_TOKEN_HEADER};
+use crate::{App, HOPS_HEADER, NODE_HEADER};
 use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Query, Request, State};
@@ -27,7 +28,6 @@ use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use subtle::ConstantTimeEq;
 
 type AppState = State<Arc<App>>;
 
@@ -188,35 +188,15 @@ fn hops_taken(app: &App, headers: &HeaderMap) -> Result<u8, ApiError> {
     let Some(h) = headers.get(HOPS_HEADER) else {
         return Ok(0);
     };
-    if !peer_authenticated(app, headers) {
+    if !headers::peer_authenticated(&app.secret, headers) {
         app.metrics.outcome(outcome::REFUSED_HOP_HEADER);
         tracing::warn!("refused a request carrying {HOPS_HEADER} without valid peer credentials");
         return Err(ApiError::Forbidden(format!(
             "{HOPS_HEADER} may only be set by cluster peers, and this request carries no valid peer credentials"
         )));
     }
-    hop_count(h.as_bytes())
+    headers::hop_count(h.as_bytes())
         .ok_or_else(|| ApiError::invalid(HOPS_HEADER, "must be a small non-negative integer"))
-}
-
-/// A hop header's value as a count, if it is one (the connection loop's
-/// hot path and [`hops_taken`] read it the same way).
-pub(crate) fn hop_count(v: &[u8]) -> Option<u8> {
-    std::str::from_utf8(v).ok()?.parse().ok()
-}
-
-pub(crate) fn peer_authenticated(app: &App, headers: &HeaderMap) -> bool {
-    peer_token_valid(
-        app,
-        headers.get(PEER_TOKEN_HEADER).map(HeaderValue::as_bytes),
-    )
-}
-
-/// Whether `token` (the peer token header's value, if any) is the
-/// cluster's secret (compared in constant time; a node with no secret
-/// has no peers and trusts none).
-pub(crate) fn peer_token_valid(app: &App, token: Option<&[u8]>) -> bool {
-    !app.secret.is_empty() && token.is_some_and(|t| bool::from(t.ct_eq(app.secret.as_bytes())))
 }
 
 /// A path segment, or a JSON 400 naming it (axum's own rejection is plain
@@ -318,18 +298,6 @@ fn number_header(n: u64) -> HeaderValue {
         Some(s) => HeaderValue::from_static(s),
         None => HeaderValue::from(n),
     }
-}
-
-/// The route headers on every routed answer, named once (the forwarder
-/// relays them by these names).
-pub(crate) mod route_header {
-    use axum::http::HeaderName;
-    pub const PARTITION: HeaderName = HeaderName::from_static("x-forkless-partition");
-    pub const SHARD: HeaderName = HeaderName::from_static("x-forkless-shard");
-    pub const OWNER: HeaderName = HeaderName::from_static("x-forkless-owner");
-    pub const EPOCH: HeaderName = HeaderName::from_static("x-forkless-epoch");
-    pub const MAP_VERSION: HeaderName = HeaderName::from_static("x-forkless-map-version");
-    pub const HOPS: HeaderName = HeaderName::from_static(crate::HOPS_HEADER);
 }
 
 /// This node's routing decision now for a request on `shard` that has taken

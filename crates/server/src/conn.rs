@@ -21,6 +21,7 @@
 //! requests are still answered in order.
 
 use crate::api::{self, Hot, RouteHeaders};
+use crate::headers::{self, content_length};
 use crate::App;
 use axum::body::Body;
 use axum::extract::Request;
@@ -383,8 +384,8 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
     let hops = match hops {
         None => Some(0),
         Some(_) if hops_repeated => None,
-        Some(v) => api::peer_token_valid(app, peer_token)
-            .then(|| api::hop_count(v))
+        Some(v) => headers::peer_token_valid(&app.secret, peer_token)
+            .then(|| headers::hop_count(v))
             .flatten(),
     };
     if let (Some(hops), "POST") = (hops, method) {
@@ -414,15 +415,6 @@ fn read_head(app: &App, buf: &[u8]) -> Parsed {
         }),
         None => Parsed::Other,
     }
-}
-
-/// A `Content-Length` value: decimal digits only (requests here, and the
-/// answers a forwarder reads).
-pub(crate) fn content_length(v: &[u8]) -> Option<usize> {
-    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    std::str::from_utf8(v).ok()?.parse().ok()
 }
 
 /// The id of `/api/executions/{id}/events` when it is plain digits that

@@ -99,7 +99,7 @@ fn relayed(name: &str) -> bool {
 /// `name` as a header name: the ones every answer carries come from a
 /// table of constants (no allocation per answer), any other is parsed.
 fn header_name(name: &str) -> Option<HeaderName> {
-    use crate::api::route_header as route;
+    use crate::headers::route_header as route;
     const KNOWN: [HeaderName; 9] = [
         http::header::CONTENT_TYPE,
         HeaderName::from_static(NODE_HEADER),
@@ -473,7 +473,7 @@ fn parse_head(buf: &[u8], limit: usize) -> Result<Option<Head>, Failure> {
     for h in resp.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
-            match (body_len, crate::conn::content_length(h.value)) {
+            match (body_len, crate::headers::content_length(h.value)) {
                 (None, Some(n)) => body_len = Some(n),
                 _ => {
                     return Err(unknown(

@@ -11,6 +11,7 @@ pub mod config;
 mod conn;
 pub mod error;
 pub mod forward;
+mod headers;
 pub mod metrics;
 pub mod peer;
 pub mod wire;

@@ -11,7 +11,7 @@
 //! and their epochs; an epoch newer than this node's map moves the map, and
 //! fences this node's own copy of that shard, if it has one.
 
-use crate::api::peer_authenticated;
+use crate::headers::peer_authenticated;
 use crate::App;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
-    if !peer_authenticated(&app, &headers) {
+    if !peer_authenticated(&app.secret, &headers) {
         return (
             StatusCode::FORBIDDEN,
             Json(json!({"error": "forbidden", "message": "peer credentials required"})),
