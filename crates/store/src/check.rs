@@ -11,8 +11,8 @@
 //! group at or after its checkpoint.
 
 use crate::index;
+use crate::keyspaces::Keyspaces;
 use crate::log::{self, Group, Position, Record};
-use crate::shard::Keyspaces;
 use crate::{ExecutionStatus, StoreError};
 use fjall::{Database, Readable};
 use forkless_types::{ExecutionId, ShardId};
@@ -305,7 +305,7 @@ fn scan_log(
                         match log::parse_record(&payload, pos, segment, at + 8) {
                             Ok((
                                 Record::Put {
-                                    keyspace: crate::shard::keyspace_id::EXECUTIONS,
+                                    keyspace: crate::keyspaces::keyspace_id::EXECUTIONS,
                                     key,
                                     ..
                                 },
@@ -592,26 +592,9 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
     if !ids.contains(&at.0) {
         return refuse(format!("shard {shard} has no segment {}", at.0));
     }
-    let path = log::segment_path(&log_dir, at.0);
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .map_err(|e| log::io(&path, "opening", e))?;
-    let size = f
-        .metadata()
-        .map_err(|e| log::io(&path, "reading metadata", e))?
-        .len();
-    f.set_len(at.1)
-        .and_then(|()| f.set_len(size))
-        .and_then(|()| f.sync_all())
-        .map_err(|e| log::io(&path, "cutting", e))?;
-    let mut removed = Vec::new();
-    for id in ids.iter().copied().filter(|id| *id > at.0).rev() {
-        let p = log::segment_path(&log_dir, id);
-        std::fs::remove_file(&p).map_err(|e| log::io(&p, "removing", e))?;
-        removed.push(id);
-    }
-    log::sync_dir(&log_dir)?;
+    let last = ids.last().copied().unwrap_or(at.0);
+    let zeroed = log::cut_after(&log_dir, cut, last)?;
+    let removed = last - at.0;
     // The database may hold what the dropped groups wrote (fjall applied
     // their puts after they were durable in the log): make it agree with
     // the log that is left.
@@ -619,15 +602,14 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
     let scan = scan_log(&log_dir, Some(cut), &mut scratch)?;
     let fixed = reconcile(&shard_dir, &scan)?;
     Ok(format!(
-        "shard {shard}: cut the log after {}:{} ({} bytes zeroed in segment {}{}); {fixed}",
+        "shard {shard}: cut the log after {}:{} ({zeroed} bytes zeroed in segment {}{}); {fixed}",
         at.0,
         at.1,
-        size - at.1,
         at.0,
-        if removed.is_empty() {
+        if removed == 0 {
             String::new()
         } else {
-            format!(", {} later segments removed", removed.len())
+            format!(", {removed} later segments removed")
         }
     ))
 }

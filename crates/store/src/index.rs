@@ -18,8 +18,8 @@
 //! either in the snapshot or still in the tail.
 
 use crate::codec;
+use crate::keyspaces::Keyspaces;
 use crate::log::{Loc, Position};
-use crate::shard::Keyspaces;
 use crate::StoreError;
 use fjall::{OwnedWriteBatch, Readable};
 use forkless_types::{ExecutionId, PartitionId};

@@ -16,8 +16,14 @@
 pub mod check;
 mod codec;
 mod index;
+mod keyspaces;
 mod latency;
 mod log;
+#[cfg(test)]
+mod log_conformance;
+mod machine;
+mod priority;
+mod read;
 mod shard;
 mod waiters;
 mod writer;

@@ -124,6 +124,126 @@ pub(crate) enum Record<'a> {
     },
 }
 
+/// A group made durable: where it ends, and how many bytes it took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Durable {
+    pub end: Position,
+    pub bytes: u64,
+}
+
+/// A whole group read back from the log.
+pub(crate) struct GroupRead<'a> {
+    /// Where the group starts and where it ends (the next one's start).
+    pub start: Position,
+    pub end: Position,
+    payload: &'a [u8],
+}
+
+impl<'a> GroupRead<'a> {
+    /// The group's records, in the order they were added.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "read by the conformance suite now, and by the Raft log storage next"
+        )
+    )]
+    pub(crate) fn records(&self) -> impl Iterator<Item = Result<Record<'a>, StoreError>> + '_ {
+        let base = self.start.offset + GROUP_HEADER as u64;
+        let segment = self.start.segment;
+        let payload = self.payload;
+        let mut pos = 0;
+        std::iter::from_fn(move || {
+            if pos >= payload.len() {
+                return None;
+            }
+            Some(
+                parse_record(payload, pos, segment, base).map(|(record, used)| {
+                    pos += used;
+                    record
+                }),
+            )
+        })
+    }
+}
+
+/// What a log of groups does, whatever keeps it: today's per-shard
+/// segment log ([`LogWriter`]) is the first implementation, and the
+/// node-wide log that Raft's entries go into is the next
+/// (`docs/replication.md`). Every implementation passes one conformance
+/// suite (`log_conformance.rs`).
+///
+/// A group is built record by record ([`Log::begin`], [`Log::event`],
+/// [`Log::put`]) and handed over whole ([`Log::append`]); the log tells
+/// when it is durable through a callback, and nothing the group holds may
+/// reach a reader before that. Positions are group boundaries.
+pub(crate) trait Log {
+    /// Starts a group, dropping whatever an unfinished one held.
+    fn begin(&mut self) -> Result<(), StoreError>;
+    /// Adds an event to the group; returns where it will lie.
+    fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc;
+    /// Adds a put into one of the shard's keyspaces to the group.
+    fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]);
+    /// The value of an event added to the group being built.
+    fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError>;
+    /// Whether the group holds no record.
+    fn is_empty(&self) -> bool;
+    /// Writes the group. `durable` is called exactly once: with where the
+    /// group ends once it is durable, or with why it failed (then the log
+    /// takes no more groups, and whether the group reached the disk is
+    /// unknown until a reopen). It may be called before `append` returns,
+    /// or later from another thread; groups become durable in the order
+    /// they were appended.
+    fn append<F>(&mut self, durable: F)
+    where
+        F: FnOnce(Result<Durable, StoreError>) + Send + 'static;
+    /// The end of the last group appended.
+    fn position(&self) -> Position;
+    /// The first position reads may start at (moved by [`Log::purge_before`]).
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "read by the conformance suite now, and by the Raft log storage next"
+        )
+    )]
+    fn first(&self) -> Position;
+    /// Calls `visit` on every durable group from `from` (a group boundary
+    /// at or after [`Log::first`]) to the end, in order, until it says
+    /// stop (`false`).
+    fn read<V>(&self, from: Position, visit: V) -> Result<(), StoreError>
+    where
+        V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>;
+    /// Cuts every group after `at`, a group boundary at or after
+    /// [`Log::first`] and at or before the end; the next group is
+    /// appended at `at`. Durable when it returns: a crash during the cut
+    /// leaves a prefix of the log as it was, at least as long as `at`.
+    /// The caller must not have published anything the cut groups hold.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "read by the conformance suite now, and by the Raft log storage next"
+        )
+    )]
+    fn truncate_after(&mut self, at: Position) -> Result<(), StoreError>;
+    /// Reads before `at` (a group boundary at or before the end) are
+    /// refused from now on. No space comes back: the events live in the
+    /// log and are read by their locations, whatever the mark. The mark
+    /// is not kept across a reopen; a caller that needs it (Raft's
+    /// `last_purged`) keeps it durable itself.
+    #[cfg_attr(
+        not(test),
+        expect(
+            dead_code,
+            reason = "read by the conformance suite now, and by the Raft log storage next"
+        )
+    )]
+    fn purge_before(&mut self, at: Position) -> Result<(), StoreError>;
+    /// Drops the group being built and refuses every later one.
+    fn fail_stop(&mut self);
+}
+
 /// Closed segments kept open for reading at most, per shard (a shard of
 /// 100 GiB has 1,600 segments, and a process's default limit on open files
 /// is often 1,024).
@@ -247,111 +367,13 @@ pub(crate) struct LogWriter {
     buf: Vec<u8>,
     /// Set once a write or sync failed: no group is written after it.
     failed: bool,
+    /// See [`Log::purge_before`].
+    first: Position,
 }
 
 impl LogWriter {
     pub(crate) fn segments(&self) -> &Arc<Segments> {
         &self.segments
-    }
-
-    /// The end of the last durable group.
-    pub(crate) fn position(&self) -> Position {
-        Position {
-            segment: self.segment,
-            offset: self.len,
-        }
-    }
-
-    /// Starts a group (dropping whatever an unfinished one held), first
-    /// moving to a new segment if the current one is full.
-    pub(crate) fn begin(&mut self) -> Result<(), StoreError> {
-        // A shard that has written a little starts getting its next
-        // segment ready (one that never does costs no zero-filling); a
-        // segment that was not zero-filled is left as soon as one is.
-        let prepare_at = (self.segment_bytes / 2).min(PREPARE_AFTER_BYTES);
-        if self.next.is_none() && self.len >= prepare_at {
-            let dir = self.segments.dir.clone();
-            let bytes = self.segment_bytes;
-            self.next = std::thread::Builder::new()
-                .name("log-prepare".into())
-                .spawn(move || prepare_segment(&dir, bytes))
-                .map_err(|e| {
-                    tracing::warn!(error = %e, "could not start zero-filling the next log segment");
-                })
-                .ok();
-        }
-        let ready = self.next.as_ref().is_some_and(|h| h.is_finished());
-        if self.len >= self.segment_bytes || (!self.zeroed && ready && self.len > 0) {
-            self.rotate()?;
-        }
-        self.buf.clear();
-        self.buf.resize(GROUP_HEADER, 0);
-        Ok(())
-    }
-
-    /// Whether the group holds no record.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.buf.len() <= GROUP_HEADER
-    }
-
-    /// Adds an event to the group; returns where it will lie once written.
-    pub(crate) fn event(
-        &mut self,
-        partition: PartitionId,
-        id: ExecutionId,
-        seq: u64,
-        value: &[u8],
-    ) -> Loc {
-        let start = self.buf.len();
-        self.buf.push(EVENT);
-        self.buf.extend_from_slice(&partition.get().to_be_bytes());
-        self.buf.extend_from_slice(&(id.get() as u64).to_be_bytes());
-        self.buf.extend_from_slice(&seq.to_be_bytes());
-        self.buf
-            .extend_from_slice(&(value.len() as u32).to_be_bytes());
-        self.buf
-            .extend_from_slice(&crc32fast::hash(value).to_be_bytes());
-        self.buf.extend_from_slice(value);
-        Loc {
-            segment: self.segment,
-            offset: self.len + start as u64,
-            len: (self.buf.len() - start) as u32,
-        }
-    }
-
-    /// The value of an event added to the group being built.
-    pub(crate) fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
-        let start = loc
-            .offset
-            .checked_sub(self.len)
-            .filter(|_| loc.segment == self.segment)
-            .map(|s| s as usize)
-            .filter(|s| *s < self.buf.len())
-            .ok_or_else(|| {
-                StoreError::Corrupt(format!(
-                    "{}:{} is not in the group being built",
-                    loc.segment, loc.offset
-                ))
-            })?;
-        match parse_record(&self.buf, start, loc.segment, self.len)? {
-            (Record::Event { value, .. }, _) => Ok(value),
-            _ => Err(StoreError::Corrupt(format!(
-                "{}:{} is not an event",
-                loc.segment, loc.offset
-            ))),
-        }
-    }
-
-    /// Adds a put to one of the shard's keyspaces to the group.
-    pub(crate) fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
-        self.buf.push(PUT);
-        self.buf.push(keyspace);
-        self.buf
-            .extend_from_slice(&(key.len() as u32).to_be_bytes());
-        self.buf.extend_from_slice(key);
-        self.buf
-            .extend_from_slice(&(value.len() as u32).to_be_bytes());
-        self.buf.extend_from_slice(value);
     }
 
     /// Writes the group and waits until it is durable. On error nothing
@@ -393,12 +415,6 @@ impl LogWriter {
     fn failed_io(&mut self, what: &str, e: std::io::Error) -> StoreError {
         self.fail_stop();
         io(&segment_path(&self.segments.dir, self.segment), what, e)
-    }
-
-    /// Drops the group being built and refuses every later one.
-    pub(crate) fn fail_stop(&mut self) {
-        self.failed = true;
-        self.buf.truncate(GROUP_HEADER);
     }
 
     /// Moves to a new segment: the zero-filled one if it is ready, else
@@ -443,6 +459,329 @@ impl LogWriter {
         self.len = 0;
         Ok(())
     }
+}
+
+impl Log for LogWriter {
+    /// The end of the last durable group.
+    fn position(&self) -> Position {
+        Position {
+            segment: self.segment,
+            offset: self.len,
+        }
+    }
+
+    /// Starts a group (dropping whatever an unfinished one held), first
+    /// moving to a new segment if the current one is full.
+    fn begin(&mut self) -> Result<(), StoreError> {
+        // A shard that has written a little starts getting its next
+        // segment ready (one that never does costs no zero-filling); a
+        // segment that was not zero-filled is left as soon as one is.
+        let prepare_at = (self.segment_bytes / 2).min(PREPARE_AFTER_BYTES);
+        if self.next.is_none() && self.len >= prepare_at {
+            let dir = self.segments.dir.clone();
+            let bytes = self.segment_bytes;
+            self.next = std::thread::Builder::new()
+                .name("log-prepare".into())
+                .spawn(move || prepare_segment(&dir, bytes))
+                .map_err(|e| {
+                    tracing::warn!(error = %e, "could not start zero-filling the next log segment");
+                })
+                .ok();
+        }
+        let ready = self.next.as_ref().is_some_and(|h| h.is_finished());
+        if self.len >= self.segment_bytes || (!self.zeroed && ready && self.len > 0) {
+            self.rotate()?;
+        }
+        self.buf.clear();
+        self.buf.resize(GROUP_HEADER, 0);
+        Ok(())
+    }
+
+    /// Whether the group holds no record.
+    fn is_empty(&self) -> bool {
+        self.buf.len() <= GROUP_HEADER
+    }
+
+    /// Adds an event to the group; returns where it will lie once written.
+    fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc {
+        let start = self.buf.len();
+        self.buf.push(EVENT);
+        self.buf.extend_from_slice(&partition.get().to_be_bytes());
+        self.buf.extend_from_slice(&(id.get() as u64).to_be_bytes());
+        self.buf.extend_from_slice(&seq.to_be_bytes());
+        self.buf
+            .extend_from_slice(&(value.len() as u32).to_be_bytes());
+        self.buf
+            .extend_from_slice(&crc32fast::hash(value).to_be_bytes());
+        self.buf.extend_from_slice(value);
+        Loc {
+            segment: self.segment,
+            offset: self.len + start as u64,
+            len: (self.buf.len() - start) as u32,
+        }
+    }
+
+    /// The value of an event added to the group being built.
+    fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
+        let start = loc
+            .offset
+            .checked_sub(self.len)
+            .filter(|_| loc.segment == self.segment)
+            .map(|s| s as usize)
+            .filter(|s| *s < self.buf.len())
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "{}:{} is not in the group being built",
+                    loc.segment, loc.offset
+                ))
+            })?;
+        match parse_record(&self.buf, start, loc.segment, self.len)? {
+            (Record::Event { value, .. }, _) => Ok(value),
+            _ => Err(StoreError::Corrupt(format!(
+                "{}:{} is not an event",
+                loc.segment, loc.offset
+            ))),
+        }
+    }
+
+    /// Adds a put to one of the shard's keyspaces to the group.
+    fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
+        self.buf.push(PUT);
+        self.buf.push(keyspace);
+        self.buf
+            .extend_from_slice(&(key.len() as u32).to_be_bytes());
+        self.buf.extend_from_slice(key);
+        self.buf
+            .extend_from_slice(&(value.len() as u32).to_be_bytes());
+        self.buf.extend_from_slice(value);
+    }
+
+    /// Drops the group being built and refuses every later one.
+    fn fail_stop(&mut self) {
+        self.failed = true;
+        self.buf.truncate(GROUP_HEADER);
+    }
+
+    /// Writes and syncs the group on the caller's thread: `durable` is
+    /// called before this returns.
+    fn append<F>(&mut self, durable: F)
+    where
+        F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
+    {
+        durable(self.commit().map(|bytes| Durable {
+            end: self.position(),
+            bytes,
+        }));
+    }
+
+    fn first(&self) -> Position {
+        self.first
+    }
+
+    fn read<V>(&self, from: Position, mut visit: V) -> Result<(), StoreError>
+    where
+        V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>,
+    {
+        if from < self.first {
+            return Err(StoreError::Invalid(format!(
+                "{}: {}:{} is before the log's first position {}:{} (purged)",
+                self.segments.dir.display(),
+                from.segment,
+                from.offset,
+                self.first.segment,
+                self.first.offset
+            )));
+        }
+        if from > self.position() {
+            return Err(StoreError::Invalid(format!(
+                "{}: {}:{} is past the log's end",
+                self.segments.dir.display(),
+                from.segment,
+                from.offset
+            )));
+        }
+        let mut payload = Vec::new();
+        for segment in from.segment..=self.segment {
+            let (file, end) = if segment == self.segment {
+                (self.file.clone(), self.len)
+            } else {
+                let file = self.segments.file(segment)?.ok_or_else(|| {
+                    StoreError::Corrupt(format!(
+                        "{}: segment {segment} is missing",
+                        self.segments.dir.display()
+                    ))
+                })?;
+                let path = segment_path(&self.segments.dir, segment);
+                let size = file
+                    .metadata()
+                    .map_err(|e| io(&path, "reading metadata", e))?
+                    .len();
+                (file, size)
+            };
+            let path = segment_path(&self.segments.dir, segment);
+            let mut at = if segment == from.segment {
+                from.offset
+            } else {
+                0
+            };
+            while at < end {
+                match read_group(&file, at, end, &mut payload, &path)? {
+                    Group::Whole(len) => {
+                        let group = GroupRead {
+                            start: Position {
+                                segment,
+                                offset: at,
+                            },
+                            end: Position {
+                                segment,
+                                offset: at + len,
+                            },
+                            payload: &payload,
+                        };
+                        if !visit(&group)? {
+                            return Ok(());
+                        }
+                        at += len;
+                    }
+                    // A closed segment's groups end where its zeros begin.
+                    Group::End if segment != self.segment => break,
+                    Group::End | Group::Bad => {
+                        return Err(StoreError::Corrupt(format!(
+                            "{}: offset {at}: not a whole group (a read must start at a group boundary)",
+                            path.display()
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn truncate_after(&mut self, at: Position) -> Result<(), StoreError> {
+        if self.failed {
+            return Err(StoreError::Io(
+                "an earlier write or sync of the log failed; it takes no more changes".into(),
+            ));
+        }
+        self.check_boundary(at, "cut after")?;
+        if at == self.position() {
+            return Ok(());
+        }
+        let dir = self.segments.dir.clone();
+        // Readers must not open what is about to go.
+        self.segments.count.store(at.segment + 1, Ordering::Release);
+        cut_after(&dir, at, self.segment)?;
+        let mut open = self.segments.open.lock().unwrap_or_else(|e| e.into_inner());
+        for id in at.segment + 1..=self.segment {
+            open.remove(&id);
+        }
+        if at.segment != self.segment {
+            let path = segment_path(&dir, at.segment);
+            let file = Arc::new(
+                OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| io(&path, "opening", e))?,
+            );
+            open.insert(at.segment, file.clone());
+            self.file = file;
+            self.segment = at.segment;
+        }
+        drop(open);
+        // As `open` counts them: the whole files before the last segment,
+        // and the last one's groups.
+        let mut bytes = at.offset;
+        for id in 0..at.segment {
+            let path = segment_path(&dir, id);
+            bytes += std::fs::metadata(&path)
+                .map_err(|e| io(&path, "reading metadata", e))?
+                .len();
+        }
+        self.segments.bytes.store(bytes, Ordering::Relaxed);
+        self.len = at.offset;
+        // The cut leaves a hole, not written zeros: the next rotation
+        // takes a zero-filled segment as soon as one is ready.
+        self.zeroed = false;
+        self.buf.truncate(GROUP_HEADER);
+        Ok(())
+    }
+
+    fn purge_before(&mut self, at: Position) -> Result<(), StoreError> {
+        self.check_boundary(at, "purge before")?;
+        self.first = at;
+        Ok(())
+    }
+}
+
+impl LogWriter {
+    /// Refuses `at` unless it is a group boundary of this log between its
+    /// first position and its end.
+    fn check_boundary(&self, at: Position, what: &str) -> Result<(), StoreError> {
+        let dir = self.segments.dir.display();
+        if at < self.first || at > self.position() {
+            return Err(StoreError::Invalid(format!(
+                "{dir}: cannot {what} {}:{}: the log holds {}:{} to {}:{}",
+                at.segment,
+                at.offset,
+                self.first.segment,
+                self.first.offset,
+                self.segment,
+                self.len
+            )));
+        }
+        if at.offset == 0 || at == self.position() {
+            return Ok(());
+        }
+        let mut boundary = false;
+        self.read(
+            Position {
+                segment: at.segment,
+                offset: 0,
+            }
+            .max(self.first),
+            |g| {
+                boundary = g.end == at;
+                Ok(g.end < at)
+            },
+        )?;
+        if !boundary {
+            return Err(StoreError::Invalid(format!(
+                "{dir}: cannot {what} {}:{}: not the end of a group",
+                at.segment, at.offset
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Cuts the log in `dir` after `at` (a group boundary), whose last
+/// segment is `last`: removes the later segments, last first, then zeroes
+/// `at`'s segment from `at` on, keeping its length, and syncs each step.
+/// In that order a crash at any point leaves a prefix of the log as it
+/// was: a segment is gone only after every later one, and the groups
+/// after `at` in its segment go last. Returns the bytes zeroed in `at`'s
+/// segment.
+pub(crate) fn cut_after(dir: &Path, at: Position, last: u32) -> Result<u64, StoreError> {
+    for id in (at.segment + 1..=last).rev() {
+        let path = segment_path(dir, id);
+        std::fs::remove_file(&path).map_err(|e| io(&path, "removing", e))?;
+        sync_dir(dir)?;
+    }
+    let path = segment_path(dir, at.segment);
+    let f = OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .map_err(|e| io(&path, "opening", e))?;
+    let size = f
+        .metadata()
+        .map_err(|e| io(&path, "reading metadata", e))?
+        .len();
+    f.set_len(at.offset)
+        .and_then(|()| f.set_len(size))
+        .and_then(|()| f.sync_all())
+        .map_err(|e| io(&path, "cutting", e))?;
+    Ok(size.saturating_sub(at.offset))
 }
 
 pub(crate) fn segment_path(dir: &Path, segment: u32) -> PathBuf {
@@ -512,7 +851,7 @@ const PREPARED_SUFFIX: &str = ".prepared";
 /// this kernel than either; BENCHMARKS.md).
 fn prepare_segment(dir: &Path, bytes: u64) -> Result<(PathBuf, File), StoreError> {
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    crate::shard::lower_own_priority(10);
+    crate::priority::lower_own_priority(10);
     let unique = format!(
         "{}-{}{PREPARED_SUFFIX}",
         std::process::id(),
@@ -791,6 +1130,7 @@ pub(crate) fn open(
         next: None,
         buf: Vec::new(),
         failed: false,
+        first: Position::default(),
     })
 }
 

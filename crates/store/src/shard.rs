@@ -4,14 +4,17 @@
 //! single writer thread (see `writer.rs`).
 
 use crate::codec;
-use crate::index::{self, Tail, TailView, CHECKPOINT_KEY};
-use crate::log::{self, Position, Record, Segments};
+use crate::index::{self, Tail, CHECKPOINT_KEY};
+use crate::keyspaces::{Keyspaces, EPOCH_KEY};
+use crate::log::{self, Log, Position, Record, Segments};
+use crate::priority::lower_own_priority;
+use crate::read::{read_meta, view, SharedTail};
 use crate::writer::{self, Command};
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
     StoredEvent, WRITER_QUEUE_DEPTH,
 };
-use fjall::{Database, Keyspace, KeyspaceCreateOptions, Readable};
+use fjall::{Database, KeyspaceCreateOptions};
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -82,92 +85,6 @@ impl Default for StoreConfig {
             writer_priority: 5,
         }
     }
-}
-
-/// The keyspaces of one shard.
-#[derive(Clone)]
-pub(crate) struct Keyspaces {
-    pub db: Database,
-    /// Shard-level facts: the epoch.
-    pub meta: Keyspace,
-    /// `partition | execution` -> execution metadata.
-    pub executions: Keyspace,
-    /// `partition | execution | first seq` -> where a run of the
-    /// execution's events lies in the log (see `index.rs`).
-    pub event_index: Keyspace,
-    /// `partition | execution | idempotency key` -> seq.
-    pub event_idem: Keyspace,
-    /// `key partition | len | routing key | execution` -> ().
-    pub routing_keys: Keyspace,
-    /// `key partition | len | routing key | idempotency key` -> execution.
-    pub start_idem: Keyspace,
-}
-
-pub(crate) const EPOCH_KEY: &[u8] = b"epoch";
-
-/// The keyspaces the log's puts name, by their number in the log.
-pub(crate) mod keyspace_id {
-    pub const META: u8 = 0;
-    pub const EXECUTIONS: u8 = 1;
-    pub const EVENT_IDEM: u8 = 2;
-    pub const ROUTING_KEYS: u8 = 3;
-    pub const START_IDEM: u8 = 4;
-}
-
-impl Keyspaces {
-    /// Opens (or creates) the shard's keyspaces in `db`.
-    pub(crate) fn open(db: Database) -> Result<Keyspaces, StoreError> {
-        let opts = KeyspaceCreateOptions::default;
-        Ok(Keyspaces {
-            meta: db.keyspace("meta", opts)?,
-            executions: db.keyspace("executions", opts)?,
-            // Index entries are only ever read by range (an execution's
-            // runs, its last run), never by point lookup, so a bloom
-            // filter would be built at every flush and never consulted.
-            event_index: db.keyspace("event_index", || {
-                opts().filter_policy(fjall::config::FilterPolicy::disabled())
-            })?,
-            event_idem: db.keyspace("event_idem", opts)?,
-            routing_keys: db.keyspace("routing_keys", opts)?,
-            start_idem: db.keyspace("start_idem", opts)?,
-            db,
-        })
-    }
-
-    /// The keyspace a put in the log names.
-    pub(crate) fn by_id(&self, id: u8) -> Option<&Keyspace> {
-        use keyspace_id::*;
-        Some(match id {
-            META => &self.meta,
-            EXECUTIONS => &self.executions,
-            EVENT_IDEM => &self.event_idem,
-            ROUTING_KEYS => &self.routing_keys,
-            START_IDEM => &self.start_idem,
-            _ => return None,
-        })
-    }
-}
-
-/// An execution's metadata as of `snap` and the tail view taken with it:
-/// its record plus its last event.
-pub(crate) fn read_meta(
-    ks: &Keyspaces,
-    snap: &impl Readable,
-    id: ExecutionId,
-    tail: Option<&TailView>,
-) -> Result<Option<ExecutionMeta>, StoreError> {
-    let key = codec::execution_key(id.partition(), id);
-    let Some(record) = snap.get(&ks.executions, key)? else {
-        return Ok(None);
-    };
-    // Every execution has at least its `execution.started` event, written
-    // in the same group as the record.
-    let Some(last) = index::last_event(ks, snap, id, tail)? else {
-        return Err(StoreError::Corrupt(format!(
-            "execution {id} has a record but no events"
-        )));
-    };
-    Ok(Some(codec::decode_meta(id, &record, last)?))
 }
 
 /// The log's folder inside the shard's. fjall leaves it alone: it reads
@@ -358,22 +275,6 @@ fn convert_legacy(
     Ok(())
 }
 
-/// The shard's in-memory index, shared by its writer and its readers.
-pub(crate) type SharedTail = Arc<RwLock<Tail>>;
-
-/// A consistent view for a reader: a snapshot of the keyspaces and what
-/// the tail has for `id`, taken together under the tail's lock.
-pub(crate) fn view(
-    ks: &Keyspaces,
-    tail: &SharedTail,
-    id: ExecutionId,
-    after: u64,
-    limit: usize,
-) -> (fjall::Snapshot, Option<TailView>) {
-    let t = tail.read().unwrap_or_else(|e| e.into_inner());
-    (ks.db.snapshot(), t.view(id, after, limit))
-}
-
 /// Opens the database on a short-lived thread `by` nice steps below the
 /// caller (at most 19), so that the flush and compaction threads fjall
 /// starts while opening inherit that priority (Linux: nice is per thread
@@ -399,61 +300,6 @@ fn open_below(
         fjall::Error::Locked => StoreError::InUse(path.display().to_string()),
         e => StoreError::from(e),
     })
-}
-
-/// Sets the calling thread's priority `by` nice steps below the process's
-/// main thread (whose priority the request path has; a negative `by` is
-/// above it), within Linux's -20..=19. Relative to the main thread, not to
-/// the caller's own, so that a thread started by a raised or lowered one
-/// (they inherit it) lands where it should.
-#[cfg(target_os = "linux")]
-pub(crate) fn adjust_own_priority(by: i32) -> std::io::Result<()> {
-    if by == 0 {
-        return Ok(());
-    }
-    // SAFETY: errno is thread-local; get/setpriority only read their
-    // integer arguments. With PRIO_PROCESS, Linux takes `who` as a thread
-    // id: the process id names the main thread, 0 the calling thread.
-    unsafe {
-        // -1 is both a nice value and getpriority's error: errno tells.
-        *libc::__errno_location() = 0;
-        let base = libc::getpriority(libc::PRIO_PROCESS, libc::getpid() as libc::id_t);
-        if base == -1 && *libc::__errno_location() != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if libc::setpriority(libc::PRIO_PROCESS, 0, (base + by).clamp(-20, 19)) != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-#[cfg(not(target_os = "linux"))]
-pub(crate) fn adjust_own_priority(_by: i32) -> std::io::Result<()> {
-    Ok(())
-}
-
-/// Lowers a background thread's priority; failing to is not worth more
-/// than a debug line.
-pub(crate) fn lower_own_priority(by: i32) {
-    if by > 0 {
-        if let Err(e) = adjust_own_priority(by) {
-            tracing::debug!(error = %e, "could not lower the storage threads' priority");
-        }
-    }
-}
-
-/// Raises a shard writer's priority, warning once per process if it may
-/// not.
-pub(crate) fn raise_own_priority(by: i32) {
-    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if by > 0 {
-        if let Err(e) = adjust_own_priority(-by) {
-            if !WARNED.swap(true, Ordering::Relaxed) {
-                tracing::warn!(error = %e, "could not raise the shard writers' priority (that takes root or CAP_SYS_NICE); they run at the request path's priority");
-            }
-        }
-    }
 }
 
 /// The writer's shared state and thread. Dropped (after the command

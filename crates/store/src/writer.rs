@@ -1,37 +1,32 @@
 //! The shard's single writer: drains its queue into one atomic batch and one
 //! fsync (group commit), then answers every command the batch covered.
 //!
-//! Being the only writer of its shard, it can check sequence numbers, the
-//! closed state, idempotency keys and the epoch against what is on disk plus
-//! what earlier commands of the same batch wrote (the overlay), with no locks.
-//! Answers go out only after the batch is durable; if the commit fails, every
+//! Being the only writer of its shard, it can check each command against
+//! what is on disk plus what earlier commands of the same batch wrote, with
+//! no locks: the checks and what a command writes are the state machine's
+//! ([`crate::machine`]), and the writer gives it the shard's committed state
+//! and the group being built ([`Group`]). Answers go out only after the
+//! batch is durable; if the commit fails, every
 //! command in it fails and the shard stops taking writes (the storage may be
 //! in an unknown state after a failed fsync, so it fails stop).
 
 use crate::codec;
 use crate::index;
-use crate::log::{Loc, LogWriter};
-use crate::shard::{keyspace_id, Keyspaces, SharedTail, EPOCH_KEY};
+use crate::keyspaces::Keyspaces;
+use crate::log::{Durable, Loc, Log, LogWriter};
+use crate::machine::{self, HashMap, Machine};
+use crate::read::SharedTail;
 use crate::{
-    terminal_status, AppendOutcome, AppendRequest, ExecutionMeta, ExecutionStatus, StartOutcome,
-    StartRequest, StoreError, StoredEvent, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX,
-    STARTED_EVENT_TYPE, STRING_BYTES_MAX,
+    AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
+    StoredEvent, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX,
 };
 use fjall::OwnedWriteBatch;
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, TryLockError};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::thread::Thread;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
-
-/// The writer's hash maps. Their keys are chosen by clients (execution ids,
-/// idempotency keys), so the hasher is randomly seeded at startup, like
-/// std's, and collisions cannot be precomputed; foldhash is much cheaper
-/// than std's SipHash on such short keys (hashing was ~2.5% of the
-/// writer's CPU with SipHash at 64 clients).
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 pub(crate) enum Command {
     Start(
@@ -446,8 +441,8 @@ pub(crate) fn spawn(
         commits,
         failed: None,
         cache: MetaCache::new(META_CACHE_GENERATION_ENTRIES),
-        overlay: Overlay::default(),
-        value: Vec::new(),
+        machine: Machine::default(),
+        durable: Arc::default(),
     };
     let core = Mutex::new(Some(Core {
         writer,
@@ -460,7 +455,7 @@ pub(crate) fn spawn(
     let handle = std::thread::Builder::new()
         .name(format!("shard-{shard}-writer"))
         .spawn(move || {
-            crate::shard::raise_own_priority(priority);
+            crate::priority::raise_own_priority(priority);
             if let Ok(shared) = received.recv() {
                 shared.thread_main();
             }
@@ -512,13 +507,38 @@ struct Writer {
     /// succeeded, so it can never be ahead of or behind the disk. Saves a
     /// memtable/table lookup per append on the hot path.
     cache: MetaCache,
-    /// What the group being built wrote so far (empty between groups; kept
-    /// for its tables' capacity).
-    overlay: Overlay,
-    /// The event value being encoded (kept for its capacity; the batch
-    /// copies it).
-    value: Vec<u8>,
+    /// What the commands do; it holds what the group being built wrote so
+    /// far (empty between groups; kept for its tables' capacity).
+    machine: Machine,
+    /// Where the log reports the group being committed durable.
+    durable: Arc<DurableSlot>,
     checkpoints: Arc<CheckpointCounters>,
+}
+
+/// Where the log reports a group durable ([`Log::append`]'s callback),
+/// for the writer that waits for it: the segment log calls back before
+/// `append` returns, a log with a syncer of its own from that thread.
+#[derive(Default)]
+struct DurableSlot {
+    made: Mutex<Option<Result<Durable, StoreError>>>,
+    filled: Condvar,
+}
+
+impl DurableSlot {
+    fn fill(&self, made: Result<Durable, StoreError>) {
+        *self.made.lock().unwrap_or_else(|e| e.into_inner()) = Some(made);
+        self.filled.notify_one();
+    }
+
+    fn wait(&self) -> Result<Durable, StoreError> {
+        let mut made = self.made.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(made) = made.take() {
+                return made;
+            }
+            made = self.filled.wait(made).unwrap_or_else(|e| e.into_inner());
+        }
+    }
 }
 
 /// An event of the group being built.
@@ -581,24 +601,6 @@ impl MetaCache {
     }
 }
 
-/// What earlier commands of the batch being built wrote.
-#[derive(Default)]
-struct Overlay {
-    metas: HashMap<ExecutionId, ExecutionMeta>,
-    event_idem: HashMap<Vec<u8>, u64>,
-    start_idem: HashMap<Vec<u8>, ExecutionId>,
-    epoch: Option<Epoch>,
-}
-
-impl Overlay {
-    fn clear(&mut self) {
-        self.metas.clear();
-        self.event_idem.clear();
-        self.start_idem.clear();
-        self.epoch = None;
-    }
-}
-
 impl Writer {
     /// Applies `cmds` as one atomic batch with one fsync and returns their
     /// answers, to be sent by the caller (after the commit, never before).
@@ -615,26 +617,45 @@ impl Writer {
         // Applied to the keyspaces only once the group is durable in the
         // log, which is what makes them durable: no sync of fjall's own.
         let mut batch = self.ks.db.batch().durability(None);
-        let mut overlay = std::mem::take(&mut self.overlay);
-        overlay.clear();
+        self.machine.begin();
+        let mut group = Group {
+            ks: &self.ks,
+            tail: &self.tail,
+            cache: &self.cache,
+            epoch: &self.epoch,
+            log: &mut self.log,
+            batch: &mut batch,
+            pending: &mut self.pending,
+        };
         let mut replies = Vec::with_capacity(cmds.len());
         for cmd in cmds.drain(..) {
+            // A failed disk is this replica's fact, not the shard's state:
+            // checked here, before the machine sees the command.
+            if let Some(e) = &self.failed {
+                replies.push(match cmd {
+                    Command::Start(_, tx) => Reply::Start(tx, Err(e.clone())),
+                    Command::Append(_, tx) => Reply::Append(tx, Err(e.clone())),
+                    Command::AdvanceEpoch(_, tx) => Reply::Epoch(tx, Err(e.clone())),
+                });
+                continue;
+            }
+            let machine = &mut self.machine;
             replies.push(match cmd {
-                Command::Start(req, tx) => {
-                    Reply::Start(tx, self.start(&mut batch, &mut overlay, req, now))
-                }
+                Command::Start(req, tx) => Reply::Start(tx, machine.start(&mut group, &req, now)),
                 Command::Append(req, tx) => {
-                    Reply::Append(tx, self.append(&mut batch, &mut overlay, req, now))
+                    Reply::Append(tx, machine.append(&mut group, &req, now))
                 }
                 Command::AdvanceEpoch(e, tx) => {
-                    Reply::Epoch(tx, self.advance_epoch(&mut batch, &mut overlay, e))
+                    Reply::Epoch(tx, machine.advance_epoch(&mut group, e))
                 }
             });
         }
         let wrote = !self.log.is_empty();
         if wrote {
-            let made = self.log.commit().and_then(|bytes| {
-                self.since_checkpoint += bytes;
+            let slot = self.durable.clone();
+            self.log.append(move |made| slot.fill(made));
+            let made = self.durable.wait().and_then(|durable| {
+                self.since_checkpoint += durable.bytes;
                 self.publish(batch)
             });
             if let Err(err) = made {
@@ -649,14 +670,13 @@ impl Writer {
                     .into_iter()
                     .map(|r| r.fail(unknown.clone()))
                     .collect();
-                self.overlay = overlay;
                 return (failed, false);
             }
-            if let Some(e) = overlay.epoch {
+            if let Some(e) = self.machine.epoch_moved() {
                 self.epoch.store(e.get(), Ordering::Release);
             }
-            self.waiters.wake(overlay.metas.keys());
-            self.cache.extend(overlay.metas.drain());
+            self.waiters.wake(self.machine.written());
+            self.cache.extend(self.machine.take_written());
             self.commits.send_modify(|c| *c += 1);
             if self.since_checkpoint >= self.checkpoint_bytes {
                 if let Err(e) = self.checkpoint() {
@@ -666,7 +686,6 @@ impl Writer {
                 }
             }
         }
-        self.overlay = overlay;
         (replies, wrote)
     }
 
@@ -757,375 +776,88 @@ impl Writer {
             }
         }
     }
+}
 
-    /// Adds a put to the group: to the log now, to the keyspaces once the
-    /// group is durable.
-    fn put(&mut self, batch: &mut OwnedWriteBatch, keyspace: u8, key: &[u8], value: &[u8]) {
-        self.log.put(keyspace, key, value);
-        if let Some(ks) = self.ks.by_id(keyspace) {
-            batch.insert(ks, key, value);
+/// The writer's side of the state machine for one group: the shard's
+/// committed state (the metadata cache, the keyspaces, the log) to check
+/// commands against, and the group being built to write them into.
+struct Group<'a> {
+    ks: &'a Keyspaces,
+    tail: &'a SharedTail,
+    cache: &'a MetaCache,
+    epoch: &'a AtomicU64,
+    log: &'a mut LogWriter,
+    batch: &'a mut OwnedWriteBatch,
+    pending: &'a mut Vec<PendingEvent>,
+}
+
+impl machine::State for Group<'_> {
+    fn epoch(&self) -> Epoch {
+        Epoch(self.epoch.load(Ordering::Acquire))
+    }
+
+    fn meta(&self, id: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
+        if let Some(m) = self.cache.get(&id) {
+            return Ok(Some(m.clone()));
         }
+        // Only this thread writes the shard, so the latest committed state
+        // is the state.
+        let (snap, tail) = crate::read::view(self.ks, self.tail, id, u64::MAX, 0);
+        crate::read::read_meta(self.ks, &snap, id, tail.as_ref())
     }
 
-    /// Adds the event in `self.value` to the group.
-    fn event(&mut self, id: ExecutionId, seq: u64, now: u64) {
-        let partition = id.partition();
-        let loc = self.log.event(partition, id, seq, &self.value);
-        self.pending.push(PendingEvent {
-            partition,
-            id,
-            seq,
-            loc,
-            recorded_at: now,
-        });
+    fn start_idem(&self, key: &[u8]) -> Result<Option<ExecutionId>, StoreError> {
+        self.ks
+            .start_idem
+            .get(key)?
+            .map(|v| codec::decode_execution_id(&v, "start idempotency index"))
+            .transpose()
     }
 
-    /// Event `seq` of `id` as written: from the group being built if an
-    /// earlier command of it wrote the event, else from the log.
+    fn event_idem(&self, key: &[u8]) -> Result<Option<u64>, StoreError> {
+        self.ks
+            .event_idem
+            .get(key)?
+            .map(|v| codec::decode_u64(&v, "event idempotency index"))
+            .transpose()
+    }
+
+    /// From the group being built if an earlier command of it wrote the
+    /// event, else from the log.
     fn stored_event(&self, id: ExecutionId, seq: u64) -> Result<StoredEvent, StoreError> {
         if let Some(p) = self.pending.iter().find(|p| p.id == id && p.seq == seq) {
             return codec::decode_event(seq, self.log.pending_event(p.loc)?);
         }
-        let (snap, tail) = crate::shard::view(&self.ks, &self.tail, id, seq - 1, 1);
-        let locs = index::locations(&self.ks, &snap, id, seq - 1, seq, tail.as_ref())?;
+        let (snap, tail) = crate::read::view(self.ks, self.tail, id, seq - 1, 1);
+        let locs = index::locations(self.ks, &snap, id, seq - 1, seq, tail.as_ref())?;
         let (_, loc) = locs.first().ok_or_else(|| {
             StoreError::Corrupt(format!("execution {id}: event {seq} is not indexed"))
         })?;
         let value = self.log.segments().read_event(*loc, id, seq)?;
         codec::decode_event(seq, &value)
     }
+}
 
-    fn current_epoch(&self, overlay: &Overlay) -> Epoch {
-        overlay
-            .epoch
-            .unwrap_or(Epoch(self.epoch.load(Ordering::Acquire)))
-    }
-
-    fn check_writable(&self, overlay: &Overlay, presented: Epoch) -> Result<(), StoreError> {
-        if let Some(e) = &self.failed {
-            return Err(e.clone());
-        }
-        let current = self.current_epoch(overlay);
-        if presented != current {
-            return Err(StoreError::Fenced { presented, current });
-        }
-        Ok(())
-    }
-
-    fn advance_epoch(
-        &mut self,
-        batch: &mut OwnedWriteBatch,
-        overlay: &mut Overlay,
-        e: Epoch,
-    ) -> Result<Epoch, StoreError> {
-        if let Some(err) = &self.failed {
-            return Err(err.clone());
-        }
-        let current = self.current_epoch(overlay);
-        if e < current {
-            return Err(StoreError::EpochRegression {
-                current,
-                requested: e,
-            });
-        }
-        if e > current {
-            self.put(
-                batch,
-                keyspace_id::META,
-                EPOCH_KEY,
-                &codec::u64_value(e.get()),
-            );
-            overlay.epoch = Some(e);
-        }
-        Ok(e)
-    }
-
-    fn meta(
-        &self,
-        overlay: &Overlay,
-        id: ExecutionId,
-    ) -> Result<Option<ExecutionMeta>, StoreError> {
-        if let Some(m) = overlay.metas.get(&id).or_else(|| self.cache.get(&id)) {
-            return Ok(Some(m.clone()));
-        }
-        // Only this thread writes the shard, so the latest committed state
-        // is the state.
-        let (snap, tail) = crate::shard::view(&self.ks, &self.tail, id, u64::MAX, 0);
-        crate::shard::read_meta(&self.ks, &snap, id, tail.as_ref())
-    }
-
-    fn start(
-        &mut self,
-        batch: &mut OwnedWriteBatch,
-        overlay: &mut Overlay,
-        req: StartRequest,
-        now: u64,
-    ) -> Result<StartOutcome, StoreError> {
-        self.check_writable(overlay, req.epoch)?;
-        for (field, s) in [
-            ("workflow", Some(req.workflow.as_str())),
-            ("routing_key", req.routing_key.as_deref()),
-            ("idempotency_key", req.idempotency_key.as_deref()),
-        ] {
-            if s.is_some_and(|s| s.len() > STRING_BYTES_MAX) {
-                return Err(StoreError::Invalid(format!(
-                    "{field} is longer than {STRING_BYTES_MAX} bytes"
-                )));
-            }
-        }
-        // The start idempotency index lives in the steering key's partition,
-        // which is on this shard (the edge routed the start here by it).
-        let idem_key = req.idempotency_key.as_deref().map(|idem| {
-            let steer = req.steering_key().unwrap_or(idem);
-            codec::start_idem_key(
-                PartitionId::for_key(steer),
-                req.routing_key.as_deref(),
-                idem,
-            )
+impl machine::Sink for Group<'_> {
+    fn event(&mut self, id: ExecutionId, seq: u64, recorded_at: u64, value: &[u8]) {
+        let partition = id.partition();
+        let loc = self.log.event(partition, id, seq, value);
+        self.pending.push(PendingEvent {
+            partition,
+            id,
+            seq,
+            loc,
+            recorded_at,
         });
-        if let Some(k) = &idem_key {
-            let existing = lookup(&overlay.start_idem, &self.ks.start_idem, k, |v| {
-                codec::decode_execution_id(v, "start idempotency index")
-            })?;
-            if let Some(id) = existing {
-                let meta = self.meta(overlay, id)?.ok_or_else(|| {
-                    StoreError::Corrupt(format!(
-                        "start idempotency index names missing execution {id}"
-                    ))
-                })?;
-                return Ok(StartOutcome {
-                    meta,
-                    existing: true,
-                });
-            }
-        }
-        if self.meta(overlay, req.id)?.is_some() {
-            return Err(StoreError::ExecutionExists(req.id));
-        }
-        let p = req.id.partition();
-        let meta = ExecutionMeta {
-            id: req.id,
-            status: ExecutionStatus::Running,
-            last_seq: 1,
-            created_at_ms: now,
-            updated_at_ms: now,
-            workflow: req.workflow.clone(),
-            routing_key: req.routing_key.clone(),
-        };
-        codec::encode_event_into(
-            &mut self.value,
-            now,
-            STARTED_EVENT_TYPE,
-            None,
-            &req.started_payload,
-        );
-        self.event(req.id, 1, now);
-        self.put(
-            batch,
-            keyspace_id::EXECUTIONS,
-            &codec::execution_key(p, req.id),
-            &codec::encode_meta(&meta),
-        );
-        if let Some(rk) = &req.routing_key {
-            self.put(
-                batch,
-                keyspace_id::ROUTING_KEYS,
-                &codec::routing_key_entry(PartitionId::for_key(rk), rk, req.id),
-                &[],
-            );
-        }
-        if let Some(k) = idem_key {
-            self.put(
-                batch,
-                keyspace_id::START_IDEM,
-                &k,
-                &codec::u64_value(req.id.get() as u64),
-            );
-            overlay.start_idem.insert(k, req.id);
-        }
-        overlay.metas.insert(req.id, meta.clone());
-        Ok(StartOutcome {
-            meta,
-            existing: false,
-        })
     }
 
-    fn append(
-        &mut self,
-        batch: &mut OwnedWriteBatch,
-        overlay: &mut Overlay,
-        req: AppendRequest,
-        now: u64,
-    ) -> Result<AppendOutcome, StoreError> {
-        self.check_writable(overlay, req.epoch)?;
-        validate_events(&req)?;
-        let Some(mut meta) = self.meta(overlay, req.id)? else {
-            return Err(StoreError::NotFound(req.id));
-        };
-        let p = req.id.partition();
-
-        // Idempotency first: a retry of a batch that was applied must get the
-        // original answer even though the log has moved on since.
-        let mut found = Vec::new();
-        for (i, e) in req.events.iter().enumerate() {
-            if let Some(idem) = &e.idempotency_key {
-                let k = codec::event_idem_key(p, req.id, idem);
-                let seq = lookup(&overlay.event_idem, &self.ks.event_idem, &k, |v| {
-                    codec::decode_u64(v, "event idempotency index")
-                })?;
-                if let Some(seq) = seq {
-                    found.push((i, idem.clone(), seq));
-                }
-            }
-        }
-        if !found.is_empty() {
-            if found.len() == req.events.len() {
-                // A retry must be the same batch: each key's event as it
-                // was written (type and payload bytes).
-                for (i, key, seq) in &found {
-                    let stored = self.stored_event(req.id, *seq)?;
-                    let e = &req.events[*i];
-                    let differs = if stored.event_type != e.event_type {
-                        "type"
-                    } else if stored.payload != e.payload {
-                        "payload"
-                    } else {
-                        continue;
-                    };
-                    return Err(StoreError::IdempotencyKeyReused {
-                        index: *i,
-                        key: key.clone(),
-                        seq: *seq,
-                        differs,
-                    });
-                }
-                let first_seq = found.iter().map(|f| f.2).min().unwrap_or(0);
-                let last_seq = found.iter().map(|f| f.2).max().unwrap_or(0);
-                return Ok(AppendOutcome {
-                    first_seq,
-                    last_seq,
-                    deduplicated: true,
-                    status: meta.status,
-                });
-            }
-            let (index, key, seq) = found.swap_remove(0);
-            let unkeyed = req.events.iter().position(|e| e.idempotency_key.is_none());
-            return Err(StoreError::IdempotencyConflict {
-                index,
-                key,
-                seq,
-                unkeyed,
-            });
-        }
-
-        if meta.status.is_terminal() {
-            return Err(StoreError::ExecutionClosed {
-                status: meta.status,
-                last_seq: meta.last_seq,
-            });
-        }
-        if let Some(expected) = req.expected_last_seq {
-            if expected != meta.last_seq {
-                return Err(StoreError::SequenceConflict {
-                    expected,
-                    last_seq: meta.last_seq,
-                });
-            }
-        }
-        let first_seq = meta.last_seq + 1;
-        for e in &req.events {
-            let seq = meta.last_seq + 1;
-            codec::encode_event_into(
-                &mut self.value,
-                now,
-                &e.event_type,
-                e.idempotency_key.as_deref(),
-                &e.payload,
-            );
-            self.event(req.id, seq, now);
-            if let Some(idem) = &e.idempotency_key {
-                let k = codec::event_idem_key(p, req.id, idem);
-                self.put(batch, keyspace_id::EVENT_IDEM, &k, &codec::u64_value(seq));
-                overlay.event_idem.insert(k, seq);
-            }
-            if let Some(status) = terminal_status(&e.event_type) {
-                meta.status = status;
-            }
-            meta.last_seq = seq;
-        }
-        meta.updated_at_ms = now;
-        // The record changes only when the status does (a terminal event):
-        // last_seq and updated_at are read off the last event.
-        if meta.status.is_terminal() {
-            self.put(
-                batch,
-                keyspace_id::EXECUTIONS,
-                &codec::execution_key(p, req.id),
-                &codec::encode_meta(&meta),
-            );
-        }
-        let (last_seq, status) = (meta.last_seq, meta.status);
-        overlay.metas.insert(req.id, meta);
-        Ok(AppendOutcome {
-            first_seq,
-            last_seq,
-            deduplicated: false,
-            status,
-        })
-    }
-}
-
-/// An index entry as of the batch being built: what an earlier command of
-/// the batch wrote, else what is on disk.
-fn lookup<T: Copy>(
-    pending: &HashMap<Vec<u8>, T>,
-    on_disk: &fjall::Keyspace,
-    key: &[u8],
-    decode: impl Fn(&[u8]) -> Result<T, StoreError>,
-) -> Result<Option<T>, StoreError> {
-    if let Some(v) = pending.get(key) {
-        return Ok(Some(*v));
-    }
-    on_disk.get(key)?.map(|v| decode(&v)).transpose()
-}
-
-/// The store's own checks of an append; the edge checks the same things
-/// first and answers with field names, so these firing means an edge bug.
-fn validate_events(req: &AppendRequest) -> Result<(), StoreError> {
-    if req.events.is_empty() {
-        return Err(StoreError::Invalid("events must not be empty".into()));
-    }
-    let mut keys = HashSet::new();
-    for (i, e) in req.events.iter().enumerate() {
-        if e.event_type.is_empty() || e.event_type.len() > STRING_BYTES_MAX {
-            return Err(StoreError::Invalid(format!(
-                "events[{i}].type must be 1 to {STRING_BYTES_MAX} bytes"
-            )));
-        }
-        if e.event_type == STARTED_EVENT_TYPE {
-            return Err(StoreError::Invalid(format!(
-                "events[{i}].type {STARTED_EVENT_TYPE} is written only by a start"
-            )));
-        }
-        if terminal_status(&e.event_type).is_some() && i + 1 != req.events.len() {
-            return Err(StoreError::Invalid(format!(
-                "events[{i}] ends the execution, so it must be the last event of the batch"
-            )));
-        }
-        if let Some(k) = &e.idempotency_key {
-            if k.is_empty() || k.len() > STRING_BYTES_MAX {
-                return Err(StoreError::Invalid(format!(
-                    "events[{i}].idempotency_key must be 1 to {STRING_BYTES_MAX} bytes"
-                )));
-            }
-            if !keys.insert(k.as_str()) {
-                return Err(StoreError::Invalid(format!(
-                    "events[{i}].idempotency_key repeats an earlier key of the batch"
-                )));
-            }
+    /// To the log now, to the keyspaces once the group is durable.
+    fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
+        self.log.put(keyspace, key, value);
+        if let Some(ks) = self.ks.by_id(keyspace) {
+            self.batch.insert(ks, key, value);
         }
     }
-    Ok(())
 }
 
 fn now_ms() -> u64 {
@@ -1138,6 +870,7 @@ fn now_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ExecutionStatus;
 
     fn id(n: u64) -> ExecutionId {
         ExecutionId::new(n as i64 + 1).expect("a valid execution id")
