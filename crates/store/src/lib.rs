@@ -15,6 +15,7 @@
 
 pub mod check;
 mod codec;
+mod commit;
 mod index;
 mod keyspaces;
 mod latency;
@@ -28,10 +29,10 @@ mod shard;
 mod waiters;
 mod writer;
 
+pub use commit::CommitStats;
 pub use latency::LatencySnapshot;
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use waiters::Interest;
-pub use writer::CommitStats;
 
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};
 use std::collections::BTreeMap;

@@ -4,12 +4,13 @@
 //! single writer thread (see `writer.rs`).
 
 use crate::codec;
+use crate::commit;
 use crate::index::{self, Tail, CHECKPOINT_KEY};
 use crate::keyspaces::{Keyspaces, EPOCH_KEY};
 use crate::log::{self, Log, Position, Record, Segments};
 use crate::priority::lower_own_priority;
 use crate::read::{read_meta, view, SharedTail};
-use crate::writer::{self, Command};
+use crate::writer::Command;
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
     StoredEvent, WRITER_QUEUE_DEPTH,
@@ -308,7 +309,7 @@ fn open_below(
 /// gone its log is checkpointed and its database released (a reopen right
 /// after would otherwise find it still locked).
 struct WriterRef {
-    shared: Arc<writer::Shared>,
+    shared: Arc<commit::Shared>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -368,7 +369,7 @@ impl ShardStore {
         let (commits_tx, commits) = watch::channel(0u64);
         let segments = log.segments().clone();
         let tail = Arc::new(RwLock::new(tail));
-        let (shared, thread) = writer::spawn(
+        let (shared, thread) = commit::spawn(
             shard,
             ks.clone(),
             log,
@@ -579,7 +580,7 @@ mod tests {
         tx.try_send(Command::AdvanceEpoch(Epoch(2), reply))
             .unwrap_or_else(|_| panic!("the queue has room"));
         let (commits_tx, _commits) = watch::channel(0u64);
-        let (writer, thread) = writer::spawn(
+        let (writer, thread) = commit::spawn(
             ShardId(0),
             shard.ks.clone(),
             second_log,

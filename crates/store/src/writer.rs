@@ -1,14 +1,16 @@
-//! The shard's single writer: drains its queue into one atomic batch and one
-//! fsync (group commit), then answers every command the batch covered.
+//! The shard's single writer: what committing one group does. The group's
+//! commands go through the state machine ([`crate::machine`]) into one log
+//! group, the log makes it durable (one fsync), and only then are its
+//! events published to the index and its puts to the keyspaces; the
+//! answers are handed back to the commit scheduler ([`crate::commit`]),
+//! which decides when groups are committed and sends the answers.
 //!
 //! Being the only writer of its shard, it can check each command against
 //! what is on disk plus what earlier commands of the same batch wrote, with
-//! no locks: the checks and what a command writes are the state machine's
-//! ([`crate::machine`]), and the writer gives it the shard's committed state
-//! and the group being built ([`Group`]). Answers go out only after the
-//! batch is durable; if the commit fails, every
-//! command in it fails and the shard stops taking writes (the storage may be
-//! in an unknown state after a failed fsync, so it fails stop).
+//! no locks: the writer gives the machine the shard's committed state and
+//! the group being built ([`Group`]). If the commit fails, every command in
+//! it fails and the shard stops taking writes (the storage may be in an
+//! unknown state after a failed fsync, so it fails stop).
 
 use crate::codec;
 use crate::index;
@@ -18,15 +20,14 @@ use crate::machine::{self, HashMap, Machine};
 use crate::read::SharedTail;
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
-    StoredEvent, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX,
+    StoredEvent,
 };
 use fjall::OwnedWriteBatch;
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
-use std::thread::Thread;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 pub(crate) enum Command {
     Start(
@@ -41,7 +42,7 @@ pub(crate) enum Command {
 }
 
 impl Command {
-    fn payload_bytes(&self) -> usize {
+    pub(crate) fn payload_bytes(&self) -> usize {
         match self {
             Command::Start(r, _) => r.started_payload.len() + r.workflow.len(),
             Command::Append(r, _) => r
@@ -54,7 +55,7 @@ impl Command {
     }
 }
 
-enum Reply {
+pub(crate) enum Reply {
     Start(
         oneshot::Sender<Result<StartOutcome, StoreError>>,
         Result<StartOutcome, StoreError>,
@@ -70,7 +71,7 @@ enum Reply {
 }
 
 impl Reply {
-    fn send(self) {
+    pub(crate) fn send(self) {
         // A caller that went away (client disconnected) is not an error: the
         // write is durable either way.
         match self {
@@ -90,397 +91,18 @@ impl Reply {
     }
 }
 
-/// The shard's writer state and its queue, shared by the writer thread and
-/// by a submitting task that finds the shard idle.
-///
-/// Commits happen only under `core`'s lock, so the shard still has exactly
-/// one writer at a time. Whoever holds the lock takes the next group off
-/// the queue, commits it, and answers it after letting go of the lock.
-/// Every queued command is committed by a caller that found the shard
-/// idle, or by the writer thread, which a submitter rings ([`Shared::ring`])
-/// whenever it does not see its command committed itself.
-pub(crate) struct Shared {
-    /// `None` after a commit panicked: the writer is gone and every queued
-    /// and later command fails with `WriterGone`.
-    core: Mutex<Option<Core>>,
-    thread: Thread,
-    /// Commands queued and not yet answered.
-    in_flight: AtomicUsize,
-    /// Lone commands committed in a row: a larger group, or a caller
-    /// finding another one in flight, means callers overlap, and the
-    /// writer thread should batch them, so the count starts again.
-    solo_streak: AtomicUsize,
-    /// See [`crate::StoreConfig::requests_in_progress`].
-    requests_in_progress: Option<Arc<AtomicUsize>>,
-    /// Groups committed by the writer thread and by callers, and the
-    /// commands they carried.
-    groups_by_thread: AtomicU64,
-    groups_by_caller: AtomicU64,
-    commands: AtomicU64,
-    /// Shared with the writer, which counts its checkpoints here.
-    checkpoints: Arc<CheckpointCounters>,
-    /// Why the shard stopped taking writes, once it has (set by the
-    /// writer when a write or sync fails, or when a commit panicked).
-    pub(crate) failure: Arc<OnceLock<String>>,
-    /// Readers waiting on an execution's new events; the writer wakes
-    /// them (see `waiters.rs`).
-    pub(crate) waiters: Arc<crate::waiters::Waiters>,
-}
-
 /// Checkpoints made and the time they took, in microseconds: building and
 /// committing the index batch (readers wait for the commit, under the
 /// tail's write lock) and syncing the keyspaces' journal after it (the
 /// shard's next group waits for both, on the writer thread).
 #[derive(Default)]
-struct CheckpointCounters {
-    made: AtomicU64,
-    index_micros: AtomicU64,
-    sync_micros: AtomicU64,
+pub(crate) struct CheckpointCounters {
+    pub(crate) made: AtomicU64,
+    pub(crate) index_micros: AtomicU64,
+    pub(crate) sync_micros: AtomicU64,
 }
 
-/// How a shard's commits were made, since it was opened. Only groups that
-/// wrote something count (a group of refused commands commits nothing).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct CommitStats {
-    /// Group commits (one atomic batch, one fsync each) made by the shard's
-    /// writer thread.
-    pub groups_by_writer_thread: u64,
-    /// Group commits made on an idle shard by the caller's own thread.
-    pub groups_by_caller: u64,
-    /// Commands (starts, appends, epoch moves, refused ones included) those
-    /// groups carried.
-    pub commands: u64,
-    /// Checkpoints of the log made (see
-    /// [`crate::StoreConfig::log_checkpoint_bytes`]).
-    pub checkpoints: u64,
-    /// Time those checkpoints spent writing the tail to the index (readers
-    /// wait for its commit only).
-    pub checkpoint_index_micros: u64,
-    /// Time they spent syncing the keyspaces' journal afterwards. The
-    /// shard's next group waits for both.
-    pub checkpoint_sync_micros: u64,
-}
-
-/// Lone commands in a row before a caller may commit on its own thread.
-const SOLO_STREAK_FOR_INLINE: usize = 32;
-
-struct Core {
-    writer: Writer,
-    rx: mpsc::Receiver<Command>,
-    /// The group being committed (empty between groups; kept for its
-    /// capacity).
-    group: Vec<Command>,
-}
-
-/// A command counted in flight before it is queued (so that the count
-/// never goes below the commands queued and unanswered). Dropped without
-/// [`Shared::submitted`] (the queue was gone, or the caller gave up while
-/// waiting for room in it), it takes the count back.
-pub(crate) struct Ticket<'a> {
-    shared: &'a Shared,
-    /// Nothing else was in flight.
-    first: bool,
-    queued: bool,
-}
-
-impl Drop for Ticket<'_> {
-    fn drop(&mut self) {
-        if !self.queued {
-            self.shared.in_flight.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
-
-/// If a commit panics, drops the writer and its queue (once the lock is
-/// released by the unwinding), so that every queued caller learns at once
-/// that the writer is gone instead of waiting for one that never comes.
-struct DropCoreOnPanic<'a>(&'a Shared);
-
-impl Drop for DropCoreOnPanic<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let _ = self.0.failure.set("a commit panicked".into());
-            let mut core = self.0.core.lock().unwrap_or_else(|p| p.into_inner());
-            drop(core.take());
-        }
-    }
-}
-
-#[derive(Clone, Copy)]
-enum Committer {
-    WriterThread,
-    Caller,
-}
-
-/// Why there was no group to commit.
-enum NoGroup {
-    /// The queue is empty.
-    Empty,
-    /// Every handle was dropped and the queue is empty: the writer stops.
-    Closed,
-}
-
-impl Shared {
-    /// Called after a command was queued. On an idle shard (nothing else in
-    /// flight, nobody committing, and the last groups were lone commands)
-    /// the caller commits the queue itself, on its own thread: at one
-    /// client a request then costs no hand-off to the writer thread and
-    /// back, two thread wake-ups that cost about as much as the fsync on
-    /// this kind of disk. The caller blocks for one group commit, which is
-    /// acceptable only because nothing else is waiting on this shard. As
-    /// soon as callers arrive together the writer thread commits for them
-    /// (measured: committing inline whenever nothing was in flight cost a
-    /// quarter of the throughput at 16 clients, and after a single lone
-    /// group a fifth at 4 clients; at 2 clients, inline commits that were
-    /// never overlapped still cost a sixth).
-    pub(crate) fn submitted(&self, mut ticket: Ticket<'_>) {
-        ticket.queued = true;
-        if !ticket.first {
-            // Another caller is waiting too: this shard has concurrent
-            // callers, whom the writer thread batches.
-            self.solo_streak.store(0, Ordering::Release);
-        } else if self.solo_streak.load(Ordering::Acquire) >= SOLO_STREAK_FOR_INLINE
-            && self
-                .requests_in_progress
-                .as_ref()
-                .is_none_or(|n| n.load(Ordering::Acquire) <= 1)
-        {
-            let _unwind = DropCoreOnPanic(self);
-            match self.core.try_lock() {
-                Ok(mut guard) => {
-                    let step = guard.as_mut().map(|core| {
-                        (
-                            core.commit_next(self, Committer::Caller),
-                            core.rx.is_empty(),
-                        )
-                    });
-                    // Answers go out once the lock is free (see thread_main).
-                    drop(guard);
-                    match step {
-                        Some((Ok(replies), empty)) => {
-                            answer(replies);
-                            // Ringing the writer thread for nothing costs
-                            // it a wake-up, and, woken, it would hold the
-                            // lock just when this caller's next command
-                            // tries for it.
-                            if empty {
-                                return;
-                            }
-                        }
-                        // Another committer took this command's group.
-                        Some((Err(_), _)) => return,
-                        None => {}
-                    }
-                }
-                Err(TryLockError::Poisoned(p)) => drop(p.into_inner().take()),
-                Err(TryLockError::WouldBlock) => {}
-            }
-        }
-        self.ring();
-    }
-
-    /// Counts a command as in flight; take it before queueing the command
-    /// and hand it to [`Shared::submitted`] once the command is queued.
-    pub(crate) fn ticket(&self) -> Ticket<'_> {
-        Ticket {
-            shared: self,
-            first: self.in_flight.fetch_add(1, Ordering::AcqRel) == 0,
-            queued: false,
-        }
-    }
-
-    pub(crate) fn stats(&self) -> CommitStats {
-        CommitStats {
-            groups_by_writer_thread: self.groups_by_thread.load(Ordering::Relaxed),
-            groups_by_caller: self.groups_by_caller.load(Ordering::Relaxed),
-            commands: self.commands.load(Ordering::Relaxed),
-            checkpoints: self.checkpoints.made.load(Ordering::Relaxed),
-            checkpoint_index_micros: self.checkpoints.index_micros.load(Ordering::Relaxed),
-            checkpoint_sync_micros: self.checkpoints.sync_micros.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Wakes the writer thread to drain the queue (or to see that every
-    /// handle is gone). A ring while it is busy is remembered.
-    pub(crate) fn ring(&self) {
-        self.thread.unpark();
-    }
-
-    /// Commits group after group until the queue is empty, then parks
-    /// until rung. It tries the queue before its first park: a ring is an
-    /// unpark, and a park anywhere else on this thread takes it (the
-    /// hand-over's `recv` in [`spawn`] did, when the first command was rung
-    /// while this thread was still waking from it, and a bounded channel
-    /// inside the storage engine could). Every ring follows its command's
-    /// queueing, so a look at the queue after a lost ring still finds the
-    /// command; only a ring after the last look must reach the park below,
-    /// and nothing else parks in between.
-    ///
-    /// Each group's answers go out after the lock is released: an answer
-    /// wakes its caller, and on a busy machine the wake-up can preempt this
-    /// thread on the spot. Holding the lock then would make a lone caller's
-    /// next command find it taken, ring, and be committed here, and so on
-    /// for every later one.
-    fn thread_main(&self) {
-        let _unwind = DropCoreOnPanic(self);
-        loop {
-            let mut guard = match self.core.lock() {
-                Ok(g) => g,
-                Err(p) => {
-                    // A commit panicked: drop the queue so that every caller
-                    // learns the writer is gone instead of waiting forever.
-                    drop(p.into_inner().take());
-                    return;
-                }
-            };
-            let Some(core) = guard.as_mut() else { return };
-            match core.commit_next(self, Committer::WriterThread) {
-                Ok(replies) => {
-                    drop(guard);
-                    answer(replies);
-                }
-                Err(NoGroup::Closed) => {
-                    core.writer.close();
-                    let shard = core.writer.shard;
-                    guard.take();
-                    tracing::debug!(shard = %shard, "writer stopped: every handle was dropped");
-                    return;
-                }
-                Err(NoGroup::Empty) => {
-                    drop(guard);
-                    std::thread::park();
-                }
-            }
-        }
-    }
-}
-
-fn answer(replies: Vec<Reply>) {
-    for r in replies {
-        r.send();
-    }
-}
-
-impl Core {
-    /// Takes the next group off the queue and commits it; the answers are
-    /// for the caller to send once it has released the lock. `Err` if the
-    /// queue is empty or closed.
-    fn commit_next(&mut self, shared: &Shared, by: Committer) -> Result<Vec<Reply>, NoGroup> {
-        let first = match self.rx.try_recv() {
-            Ok(c) => c,
-            Err(mpsc::error::TryRecvError::Empty) => return Err(NoGroup::Empty),
-            Err(mpsc::error::TryRecvError::Disconnected) => return Err(NoGroup::Closed),
-        };
-        let cmds = &mut self.group;
-        let mut bytes = first.payload_bytes();
-        cmds.push(first);
-        while cmds.len() < GROUP_COMMIT_COMMANDS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
-            match self.rx.try_recv() {
-                Ok(c) => {
-                    bytes += c.payload_bytes();
-                    cmds.push(c);
-                }
-                Err(_) => break,
-            }
-        }
-        if cmds.len() == 1 {
-            shared.solo_streak.fetch_add(1, Ordering::AcqRel);
-        } else {
-            shared.solo_streak.store(0, Ordering::Release);
-        }
-        let group = cmds.len() as u64;
-        let (replies, wrote) = self.writer.commit_group(cmds);
-        if wrote {
-            match by {
-                Committer::WriterThread => &shared.groups_by_thread,
-                Committer::Caller => &shared.groups_by_caller,
-            }
-            .fetch_add(1, Ordering::Relaxed);
-            shared.commands.fetch_add(group, Ordering::Relaxed);
-        }
-        // Counted down before the answers go out, so that a caller who
-        // submits again right after its answer can find the shard idle.
-        shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
-        Ok(replies)
-    }
-}
-
-/// Starts the shard's writer thread; submit commands on `tx`'s channel and
-/// then call [`Shared::submitted`]. The thread stops (after a checkpoint)
-/// once every sender is dropped and it is rung. It runs `priority` nice
-/// steps above the process's main thread if the process may (see
-/// [`crate::StoreConfig::writer_priority`]).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn spawn(
-    shard: ShardId,
-    ks: Keyspaces,
-    log: LogWriter,
-    tail: SharedTail,
-    checkpoint_bytes: u64,
-    priority: i32,
-    rx: mpsc::Receiver<Command>,
-    epoch: Arc<AtomicU64>,
-    commits: watch::Sender<u64>,
-    requests_in_progress: Option<Arc<AtomicUsize>>,
-) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
-    let checkpoints = Arc::new(CheckpointCounters::default());
-    let failure = Arc::new(OnceLock::new());
-    let waiters = Arc::new(crate::waiters::Waiters::default());
-    let writer = Writer {
-        waiters: waiters.clone(),
-        checkpoints: checkpoints.clone(),
-        failure: failure.clone(),
-        shard,
-        ks,
-        log,
-        tail,
-        pending: Vec::new(),
-        since_checkpoint: 0,
-        checkpoint_bytes: checkpoint_bytes.max(1),
-        epoch,
-        commits,
-        failed: None,
-        cache: MetaCache::new(META_CACHE_GENERATION_ENTRIES),
-        machine: Machine::default(),
-        durable: Arc::default(),
-    };
-    let core = Mutex::new(Some(Core {
-        writer,
-        rx,
-        group: Vec::new(),
-    }));
-    // The thread needs the shared state and the shared state names the
-    // thread: hand the state over once it exists.
-    let (handover, received) = std::sync::mpsc::sync_channel::<Arc<Shared>>(1);
-    let handle = std::thread::Builder::new()
-        .name(format!("shard-{shard}-writer"))
-        .spawn(move || {
-            crate::priority::raise_own_priority(priority);
-            if let Ok(shared) = received.recv() {
-                shared.thread_main();
-            }
-        })
-        .map_err(|e| StoreError::Io(format!("spawning writer thread: {e}")))?;
-    let shared = Arc::new(Shared {
-        core,
-        thread: handle.thread().clone(),
-        in_flight: AtomicUsize::new(0),
-        solo_streak: AtomicUsize::new(0),
-        requests_in_progress,
-        groups_by_thread: AtomicU64::new(0),
-        groups_by_caller: AtomicU64::new(0),
-        commands: AtomicU64::new(0),
-        checkpoints,
-        failure,
-        waiters,
-    });
-    handover
-        .send(shared.clone())
-        .map_err(|_| StoreError::Io("writer thread ended at start".into()))?;
-    Ok((shared, handle))
-}
-
-struct Writer {
+pub(crate) struct Writer {
     shard: ShardId,
     ks: Keyspaces,
     /// The shard's log: every group is written and synced here first.
@@ -602,11 +224,48 @@ impl MetaCache {
 }
 
 impl Writer {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        shard: ShardId,
+        ks: Keyspaces,
+        log: LogWriter,
+        tail: SharedTail,
+        checkpoint_bytes: u64,
+        epoch: Arc<AtomicU64>,
+        commits: watch::Sender<u64>,
+        checkpoints: Arc<CheckpointCounters>,
+        failure: Arc<OnceLock<String>>,
+        waiters: Arc<crate::waiters::Waiters>,
+    ) -> Writer {
+        Writer {
+            waiters,
+            checkpoints,
+            failure,
+            shard,
+            ks,
+            log,
+            tail,
+            pending: Vec::new(),
+            since_checkpoint: 0,
+            checkpoint_bytes: checkpoint_bytes.max(1),
+            epoch,
+            commits,
+            failed: None,
+            cache: MetaCache::new(META_CACHE_GENERATION_ENTRIES),
+            machine: Machine::default(),
+            durable: Arc::default(),
+        }
+    }
+
+    pub(crate) fn shard(&self) -> ShardId {
+        self.shard
+    }
+
     /// Applies `cmds` as one atomic batch with one fsync and returns their
     /// answers, to be sent by the caller (after the commit, never before).
     /// Also says whether the group wrote anything (a group of refused
     /// commands commits nothing and costs no fsync).
-    fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
+    pub(crate) fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
         let now = now_ms();
         if self.failed.is_none() {
             if let Err(e) = self.log.begin() {
@@ -769,7 +428,7 @@ impl Writer {
     }
 
     /// Checkpoints on the way out, so that the next open replays nothing.
-    fn close(&mut self) {
+    pub(crate) fn close(&mut self) {
         if self.failed.is_none() && self.since_checkpoint > 0 {
             if let Err(e) = self.checkpoint() {
                 tracing::warn!(shard = %self.shard, error = %e, "checkpoint at close failed; the next open replays the log");
