@@ -22,7 +22,10 @@ mod latency;
 mod log;
 #[cfg(test)]
 mod log_conformance;
+#[doc(hidden)]
+pub mod logbench;
 mod machine;
+mod node_log;
 mod priority;
 mod read;
 mod shard;

@@ -60,7 +60,7 @@ use std::time::Instant;
 /// By default a segment is closed once it holds this many bytes (the group
 /// that crosses the mark is the last one written to it).
 pub(crate) const SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
-const GROUP_HEADER: usize = 8;
+pub(crate) const GROUP_HEADER: usize = 8;
 const EVENT: u8 = 1;
 const PUT: u8 = 2;
 /// kind, partition, execution, seq, len, crc.
@@ -124,11 +124,26 @@ pub(crate) enum Record<'a> {
     },
 }
 
-/// A group made durable: where it ends, and how many bytes it took.
+/// A group made durable: where it starts and ends, and how many bytes it
+/// took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Durable {
+    /// Where the group landed: what [`Log::event`]'s locations are
+    /// relative to.
+    pub start: Position,
     pub end: Position,
     pub bytes: u64,
+}
+
+impl Durable {
+    /// Where an event that [`Log::event`] placed at `relative` lies.
+    pub(crate) fn locate(&self, relative: Loc) -> Loc {
+        Loc {
+            segment: self.start.segment,
+            offset: self.start.offset + relative.offset,
+            len: relative.len,
+        }
+    }
 }
 
 /// A whole group read back from the log.
@@ -140,14 +155,20 @@ pub(crate) struct GroupRead<'a> {
 }
 
 impl<'a> GroupRead<'a> {
+    pub(crate) fn new(start: Position, end: Position, payload: &'a [u8]) -> GroupRead<'a> {
+        GroupRead {
+            start,
+            end,
+            payload,
+        }
+    }
+
+    /// The group's bytes after its header.
+    pub(crate) fn payload(&self) -> &'a [u8] {
+        self.payload
+    }
+
     /// The group's records, in the order they were added.
-    #[cfg_attr(
-        not(test),
-        expect(
-            dead_code,
-            reason = "read by the conformance suite now, and by the Raft log storage next"
-        )
-    )]
     pub(crate) fn records(&self) -> impl Iterator<Item = Result<Record<'a>, StoreError>> + '_ {
         let base = self.start.offset + GROUP_HEADER as u64;
         let segment = self.start.segment;
@@ -180,11 +201,14 @@ impl<'a> GroupRead<'a> {
 pub(crate) trait Log {
     /// Starts a group, dropping whatever an unfinished one held.
     fn begin(&mut self) -> Result<(), StoreError>;
-    /// Adds an event to the group; returns where it will lie.
+    /// Adds an event to the group; returns where it lies within the group
+    /// (a log that places groups only when it writes them cannot say more
+    /// yet): [`Durable::locate`] turns it into its place in the log.
     fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc;
     /// Adds a put into one of the shard's keyspaces to the group.
     fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]);
-    /// The value of an event added to the group being built.
+    /// The value of an event added to the group being built, by the
+    /// location [`Log::event`] gave it.
     fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError>;
     /// Whether the group holds no record.
     fn is_empty(&self) -> bool;
@@ -331,6 +355,72 @@ impl Segments {
         }
     }
 
+    /// Calls `visit` on every group from `from` (a group boundary) to
+    /// `end` (the end of the last durable group), in order, until it says
+    /// stop (`false`).
+    pub(crate) fn read_groups<V>(
+        &self,
+        from: Position,
+        end: Position,
+        mut visit: V,
+    ) -> Result<(), StoreError>
+    where
+        V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>,
+    {
+        let mut payload = Vec::new();
+        for segment in from.segment..=end.segment {
+            let path = segment_path(&self.dir, segment);
+            let file = self.file(segment)?.ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "{}: segment {segment} is missing",
+                    self.dir.display()
+                ))
+            })?;
+            let limit = if segment == end.segment {
+                end.offset
+            } else {
+                file.metadata()
+                    .map_err(|e| io(&path, "reading metadata", e))?
+                    .len()
+            };
+            let mut at = if segment == from.segment {
+                from.offset
+            } else {
+                0
+            };
+            while at < limit {
+                match read_group(&file, at, limit, &mut payload, &path)? {
+                    Group::Whole(len) => {
+                        let group = GroupRead {
+                            start: Position {
+                                segment,
+                                offset: at,
+                            },
+                            end: Position {
+                                segment,
+                                offset: at + len,
+                            },
+                            payload: &payload,
+                        };
+                        if !visit(&group)? {
+                            return Ok(());
+                        }
+                        at += len;
+                    }
+                    // A closed segment's groups end where its zeros begin.
+                    Group::End if segment != end.segment => break,
+                    Group::End | Group::Bad => {
+                        return Err(StoreError::Corrupt(format!(
+                            "{}: offset {at}: not a whole group (a read must start at a group boundary)",
+                            path.display()
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes the segments take.
     pub(crate) fn disk_bytes(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
@@ -409,6 +499,15 @@ impl LogWriter {
         self.segments.bytes.fetch_add(written, Ordering::Relaxed);
         self.buf.truncate(GROUP_HEADER);
         Ok(written)
+    }
+
+    /// Adds bytes to the group being built as they are (a node log's
+    /// parts, `node_log.rs`); returns where they start, from the group's
+    /// first byte.
+    pub(crate) fn push_raw(&mut self, bytes: &[u8]) -> u64 {
+        let at = self.buf.len() as u64;
+        self.buf.extend_from_slice(bytes);
+        at
     }
 
     /// Fails stop after an I/O error of the current segment.
@@ -504,56 +603,32 @@ impl Log for LogWriter {
 
     /// Adds an event to the group; returns where it will lie once written.
     fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc {
-        let start = self.buf.len();
-        self.buf.push(EVENT);
-        self.buf.extend_from_slice(&partition.get().to_be_bytes());
-        self.buf.extend_from_slice(&(id.get() as u64).to_be_bytes());
-        self.buf.extend_from_slice(&seq.to_be_bytes());
-        self.buf
-            .extend_from_slice(&(value.len() as u32).to_be_bytes());
-        self.buf
-            .extend_from_slice(&crc32fast::hash(value).to_be_bytes());
-        self.buf.extend_from_slice(value);
-        Loc {
-            segment: self.segment,
-            offset: self.len + start as u64,
-            len: (self.buf.len() - start) as u32,
-        }
+        push_event(&mut self.buf, partition, id, seq, value)
     }
 
     /// The value of an event added to the group being built.
     fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
-        let start = loc
-            .offset
-            .checked_sub(self.len)
-            .filter(|_| loc.segment == self.segment)
-            .map(|s| s as usize)
+        let start = usize::try_from(loc.offset)
+            .ok()
             .filter(|s| *s < self.buf.len())
             .ok_or_else(|| {
                 StoreError::Corrupt(format!(
-                    "{}:{} is not in the group being built",
-                    loc.segment, loc.offset
+                    "offset {} is not in the group being built",
+                    loc.offset
                 ))
             })?;
-        match parse_record(&self.buf, start, loc.segment, self.len)? {
+        match parse_record(&self.buf, start, self.segment, self.len)? {
             (Record::Event { value, .. }, _) => Ok(value),
             _ => Err(StoreError::Corrupt(format!(
-                "{}:{} is not an event",
-                loc.segment, loc.offset
+                "offset {} of the group being built is not an event",
+                loc.offset
             ))),
         }
     }
 
     /// Adds a put to one of the shard's keyspaces to the group.
     fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
-        self.buf.push(PUT);
-        self.buf.push(keyspace);
-        self.buf
-            .extend_from_slice(&(key.len() as u32).to_be_bytes());
-        self.buf.extend_from_slice(key);
-        self.buf
-            .extend_from_slice(&(value.len() as u32).to_be_bytes());
-        self.buf.extend_from_slice(value);
+        push_put(&mut self.buf, keyspace, key, value);
     }
 
     /// Drops the group being built and refuses every later one.
@@ -568,7 +643,9 @@ impl Log for LogWriter {
     where
         F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
     {
+        let start = self.position();
         durable(self.commit().map(|bytes| Durable {
+            start,
             end: self.position(),
             bytes,
         }));
@@ -578,7 +655,7 @@ impl Log for LogWriter {
         self.first
     }
 
-    fn read<V>(&self, from: Position, mut visit: V) -> Result<(), StoreError>
+    fn read<V>(&self, from: Position, visit: V) -> Result<(), StoreError>
     where
         V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>,
     {
@@ -600,61 +677,7 @@ impl Log for LogWriter {
                 from.offset
             )));
         }
-        let mut payload = Vec::new();
-        for segment in from.segment..=self.segment {
-            let (file, end) = if segment == self.segment {
-                (self.file.clone(), self.len)
-            } else {
-                let file = self.segments.file(segment)?.ok_or_else(|| {
-                    StoreError::Corrupt(format!(
-                        "{}: segment {segment} is missing",
-                        self.segments.dir.display()
-                    ))
-                })?;
-                let path = segment_path(&self.segments.dir, segment);
-                let size = file
-                    .metadata()
-                    .map_err(|e| io(&path, "reading metadata", e))?
-                    .len();
-                (file, size)
-            };
-            let path = segment_path(&self.segments.dir, segment);
-            let mut at = if segment == from.segment {
-                from.offset
-            } else {
-                0
-            };
-            while at < end {
-                match read_group(&file, at, end, &mut payload, &path)? {
-                    Group::Whole(len) => {
-                        let group = GroupRead {
-                            start: Position {
-                                segment,
-                                offset: at,
-                            },
-                            end: Position {
-                                segment,
-                                offset: at + len,
-                            },
-                            payload: &payload,
-                        };
-                        if !visit(&group)? {
-                            return Ok(());
-                        }
-                        at += len;
-                    }
-                    // A closed segment's groups end where its zeros begin.
-                    Group::End if segment != self.segment => break,
-                    Group::End | Group::Bad => {
-                        return Err(StoreError::Corrupt(format!(
-                            "{}: offset {at}: not a whole group (a read must start at a group boundary)",
-                            path.display()
-                        )));
-                    }
-                }
-            }
-        }
-        Ok(())
+        self.segments.read_groups(from, self.position(), visit)
     }
 
     fn truncate_after(&mut self, at: Position) -> Result<(), StoreError> {
@@ -782,6 +805,39 @@ pub(crate) fn cut_after(dir: &Path, at: Position, last: u32) -> Result<u64, Stor
         .and_then(|()| f.sync_all())
         .map_err(|e| io(&path, "cutting", e))?;
     Ok(size.saturating_sub(at.offset))
+}
+
+/// Adds an event record to `buf`; returns where it lies in `buf`.
+pub(crate) fn push_event(
+    buf: &mut Vec<u8>,
+    partition: PartitionId,
+    id: ExecutionId,
+    seq: u64,
+    value: &[u8],
+) -> Loc {
+    let start = buf.len();
+    buf.push(EVENT);
+    buf.extend_from_slice(&partition.get().to_be_bytes());
+    buf.extend_from_slice(&(id.get() as u64).to_be_bytes());
+    buf.extend_from_slice(&seq.to_be_bytes());
+    buf.extend_from_slice(&(value.len() as u32).to_be_bytes());
+    buf.extend_from_slice(&crc32fast::hash(value).to_be_bytes());
+    buf.extend_from_slice(value);
+    Loc {
+        segment: 0,
+        offset: start as u64,
+        len: (buf.len() - start) as u32,
+    }
+}
+
+/// Adds a put record to `buf`.
+pub(crate) fn push_put(buf: &mut Vec<u8>, keyspace: u8, key: &[u8], value: &[u8]) {
+    buf.push(PUT);
+    buf.push(keyspace);
+    buf.extend_from_slice(&(key.len() as u32).to_be_bytes());
+    buf.extend_from_slice(key);
+    buf.extend_from_slice(&(value.len() as u32).to_be_bytes());
+    buf.extend_from_slice(value);
 }
 
 pub(crate) fn segment_path(dir: &Path, segment: u32) -> PathBuf {
@@ -1008,6 +1064,22 @@ pub(crate) fn open(
     segment_bytes: u64,
     mut apply: impl FnMut(Record<'_>) -> Result<(), StoreError>,
 ) -> Result<LogWriter, StoreError> {
+    open_groups(dir, from, segment_bytes, |group| {
+        for record in group.records() {
+            apply(record?)?;
+        }
+        Ok(())
+    })
+}
+
+/// [`open`], handing over whole groups (a node log's rounds, whose
+/// payload is parts of many groups' records: `node_log.rs`).
+pub(crate) fn open_groups(
+    dir: &Path,
+    from: Position,
+    segment_bytes: u64,
+    mut visit: impl FnMut(&GroupRead<'_>) -> Result<(), StoreError>,
+) -> Result<LogWriter, StoreError> {
     create_dir_durably(dir)?;
     let ids = list_segments(dir)?;
     if ids.is_empty() {
@@ -1066,13 +1138,17 @@ pub(crate) fn open(
             match read_group(&f, at, size, &mut payload, &path)? {
                 Group::End => break,
                 Group::Whole(len) => {
-                    let mut pos = 0;
-                    while pos < payload.len() {
-                        let (record, used) =
-                            parse_record(&payload, pos, segment, at + GROUP_HEADER as u64)?;
-                        apply(record)?;
-                        pos += used;
-                    }
+                    visit(&GroupRead {
+                        start: Position {
+                            segment,
+                            offset: at,
+                        },
+                        end: Position {
+                            segment,
+                            offset: at + len,
+                        },
+                        payload: &payload,
+                    })?;
                     at += len;
                 }
                 Group::Bad if segment == last => {

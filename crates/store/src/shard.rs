@@ -238,10 +238,16 @@ fn convert_legacy(
                  pending: &mut Vec<(PartitionId, ExecutionId, u64, log::Loc, u64)>|
      -> Result<(), StoreError> {
         if !log.is_empty() {
+            let start = log.position();
             log.commit()?;
-        }
-        for (p, id, seq, loc, at) in pending.drain(..) {
-            tail.push(p, id, seq, loc, at)?;
+            let durable = log::Durable {
+                start,
+                end: log.position(),
+                bytes: 0,
+            };
+            for (p, id, seq, loc, at) in pending.drain(..) {
+                tail.push(p, id, seq, durable.locate(loc), at)?;
+            }
         }
         log.begin()
     };

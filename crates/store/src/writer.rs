@@ -163,7 +163,8 @@ impl DurableSlot {
     }
 }
 
-/// An event of the group being built.
+/// An event of the group being built (`loc` within the group, see
+/// [`Log::event`]).
 struct PendingEvent {
     partition: PartitionId,
     id: ExecutionId,
@@ -315,7 +316,7 @@ impl Writer {
             self.log.append(move |made| slot.fill(made));
             let made = self.durable.wait().and_then(|durable| {
                 self.since_checkpoint += durable.bytes;
-                self.publish(batch)
+                self.publish(batch, &durable)
             });
             if let Err(err) = made {
                 self.fail_stop(err.clone());
@@ -351,10 +352,16 @@ impl Writer {
     /// Makes a durable group visible: its events in the tail and its puts
     /// in the keyspaces, together (readers take the tail's lock with their
     /// snapshot).
-    fn publish(&mut self, batch: OwnedWriteBatch) -> Result<(), StoreError> {
+    fn publish(&mut self, batch: OwnedWriteBatch, durable: &Durable) -> Result<(), StoreError> {
         let mut tail = self.tail.write().unwrap_or_else(|e| e.into_inner());
         for e in self.pending.drain(..) {
-            tail.push(e.partition, e.id, e.seq, e.loc, e.recorded_at)?;
+            tail.push(
+                e.partition,
+                e.id,
+                e.seq,
+                durable.locate(e.loc),
+                e.recorded_at,
+            )?;
         }
         if !batch.is_empty() {
             batch.commit()?;

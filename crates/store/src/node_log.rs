@@ -1,0 +1,733 @@
+//! The node-wide log: every group's appends (one group per shard replica)
+//! in one segment log, made durable by one syncer thread with one
+//! `fdatasync` a round for all of them (`docs/replication.md`, "One log
+//! per node" and "The node-wide log's format").
+//!
+//! The physical log is today's segment log ([`LogWriter`]), with one
+//! change of meaning: a checksummed frame is a **round**, and its payload
+//! is **parts**, each one group's records or a cut of one group:
+//!
+//! ```text
+//! part = 3 | group u32 | len u32 | record*                        (len: bytes of the records)
+//!      | 4 | group u32 | after_segment u32 | after_offset u64     (the group's parts after that are void)
+//! ```
+//!
+//! A crash tears only the last round, all of whose appends were never
+//! acknowledged (their callbacks run after its sync), so the torn tail
+//! and damage stay apart exactly as in a shard's log. A group's part is
+//! addressed by the end of its round, a frame boundary where a read can
+//! start; a group has at most one part per round (the syncer holds a
+//! group's second append back for the next round), so that position
+//! names the part. A cut cannot zero bytes other groups share: it is a
+//! part of its own, and reads (and a reopen) drop the group's parts
+//! between the cut's position and the cut.
+//!
+//! Built behind the [`Log`] trait and held to its conformance suite; the
+//! store does not use it yet (the switch is the next step).
+
+use crate::log::{self, Durable, GroupRead, Loc, Log, LogWriter, Position, Record, Segments};
+use crate::StoreError;
+use forkless_types::{ExecutionId, PartitionId};
+use std::collections::{HashMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+const PART: u8 = 3;
+const CUT: u8 = 4;
+/// kind, group, len.
+const PART_HEADER: usize = 1 + 4 + 4;
+/// kind, group, segment, offset.
+const CUT_BYTES: usize = 1 + 4 + 4 + 8;
+
+type Callback = Box<dyn FnOnce(Result<Durable, StoreError>) + Send>;
+
+/// What a group has in the log, as of its last durable part or cut.
+#[derive(Debug, Clone, Default)]
+struct GroupState {
+    /// The end of the round of its last part (or the position its last
+    /// cut cut after).
+    end: Position,
+    /// See [`Log::purge_before`].
+    first: Position,
+    /// Each cut: the position it cut after, and the end of its round.
+    cuts: Vec<(Position, Position)>,
+}
+
+impl GroupState {
+    /// Whether a part of this group in the round ending at `round_end`
+    /// was cut away.
+    fn cut_away(&self, round_end: Position) -> bool {
+        self.cuts
+            .iter()
+            .any(|(after, cut_end)| *after < round_end && round_end < *cut_end)
+    }
+}
+
+enum Body {
+    Records(Vec<u8>),
+    Cut(Position),
+}
+
+struct Queued {
+    group: u32,
+    body: Body,
+    done: Callback,
+}
+
+struct Queue {
+    waiting: VecDeque<Queued>,
+    groups: HashMap<u32, GroupState>,
+    /// The end of the last durable round.
+    end: Position,
+    /// Why the log takes no more rounds, once it does not.
+    failed: Option<StoreError>,
+    stop: bool,
+}
+
+struct Shared {
+    dir: PathBuf,
+    segments: Arc<Segments>,
+    queue: Mutex<Queue>,
+    wake: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Stops the syncer (after the rounds already queued) when the last
+/// handle is dropped.
+struct Keeper {
+    shared: Arc<Shared>,
+    syncer: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        self.shared.lock().stop = true;
+        self.shared.wake.notify_all();
+        let handle = self.syncer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+/// The node's log. [`NodeLog::group`] hands out one group's view of it.
+#[derive(Clone)]
+pub(crate) struct NodeLog {
+    keeper: Arc<Keeper>,
+}
+
+impl NodeLog {
+    /// Opens (or creates) the node log in `dir`: reads every round from
+    /// the start (cutting a torn last round, refusing damage, as a shard's
+    /// log does), learns each group's end and cuts, and starts the syncer.
+    pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<NodeLog, StoreError> {
+        let mut groups: HashMap<u32, GroupState> = HashMap::new();
+        let writer = log::open_groups(dir, Position::default(), segment_bytes, |round| {
+            for part in parts(round) {
+                let (group, body) = part?;
+                let g = groups.entry(group).or_default();
+                match body {
+                    PartRead::Records(_) => g.end = round.end,
+                    PartRead::Cut(after) => {
+                        g.end = after;
+                        g.cuts.push((after, round.end));
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            segments: writer.segments().clone(),
+            queue: Mutex::new(Queue {
+                waiting: VecDeque::new(),
+                groups,
+                end: writer.position(),
+                failed: None,
+                stop: false,
+            }),
+            wake: Condvar::new(),
+        });
+        let for_syncer = shared.clone();
+        let syncer = std::thread::Builder::new()
+            .name("node-log-syncer".into())
+            .spawn(move || sync_rounds(&for_syncer, writer))
+            .map_err(|e| StoreError::Io(format!("spawning the node log's syncer: {e}")))?;
+        Ok(NodeLog {
+            keeper: Arc::new(Keeper {
+                shared,
+                syncer: Mutex::new(Some(syncer)),
+            }),
+        })
+    }
+
+    /// Group `group`'s view of the log.
+    pub(crate) fn group(&self, group: u32) -> GroupLog {
+        GroupLog {
+            keeper: self.keeper.clone(),
+            group,
+            buf: Vec::new(),
+            failed: false,
+        }
+    }
+}
+
+/// One part of a round, as read back.
+enum PartRead<'a> {
+    Records(&'a [u8]),
+    Cut(Position),
+}
+
+/// The parts of a round, with where each part's records start in the log.
+fn parts<'a>(
+    round: &'a GroupRead<'a>,
+) -> impl Iterator<Item = Result<(u32, PartRead<'a>), StoreError>> + 'a {
+    part_offsets(round).map(|p| p.map(|(group, _, body)| (group, body)))
+}
+
+fn part_offsets<'a>(
+    round: &'a GroupRead<'a>,
+) -> impl Iterator<Item = Result<(u32, u64, PartRead<'a>), StoreError>> + 'a {
+    let payload = round.payload();
+    let base = round.start.offset + log::GROUP_HEADER as u64;
+    let mut pos = 0usize;
+    std::iter::from_fn(move || {
+        if pos >= payload.len() {
+            return None;
+        }
+        let bad = |what: &str| {
+            StoreError::Corrupt(format!(
+                "node log segment {}, offset {}: {what}",
+                round.start.segment,
+                base + pos as u64
+            ))
+        };
+        let rest = &payload[pos..];
+        let u32_at = |i: usize| {
+            rest.get(i..i + 4)
+                .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        let part = match rest[0] {
+            PART => {
+                let (Some(group), Some(len)) = (u32_at(1), u32_at(5)) else {
+                    return Some(Err(bad("truncated part header")));
+                };
+                let Some(records) = rest.get(PART_HEADER..PART_HEADER + len as usize) else {
+                    return Some(Err(bad("a part longer than its round")));
+                };
+                let at = base + (pos + PART_HEADER) as u64;
+                pos += PART_HEADER + len as usize;
+                (group, at, PartRead::Records(records))
+            }
+            CUT => {
+                let (Some(group), Some(segment), Some(offset)) = (
+                    u32_at(1),
+                    u32_at(5),
+                    rest.get(9..17).map(|b| {
+                        u64::from_be_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]])
+                    }),
+                ) else {
+                    return Some(Err(bad("truncated cut")));
+                };
+                pos += CUT_BYTES;
+                (group, 0, PartRead::Cut(Position { segment, offset }))
+            }
+            k => return Some(Err(bad(&format!("unknown part kind {k}")))),
+        };
+        Some(Ok(part))
+    })
+}
+
+/// The syncer: takes what the groups appended, at most one part per group
+/// a round, writes the round with one pwrite and one fdatasync, and only
+/// then records where each part landed and calls its callback.
+fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
+    let mut round: Vec<Queued> = Vec::new();
+    let mut later: VecDeque<Queued> = VecDeque::new();
+    loop {
+        {
+            let mut q = shared.lock();
+            while q.waiting.is_empty() && !q.stop {
+                q = shared.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            if q.waiting.is_empty() {
+                return;
+            }
+            let mut taken = std::collections::HashSet::new();
+            while let Some(item) = q.waiting.pop_front() {
+                if taken.insert(item.group) {
+                    round.push(item);
+                } else {
+                    later.push_back(item);
+                }
+            }
+            // Held back for the next round, in their order, ahead of
+            // anything appended meanwhile.
+            while let Some(item) = later.pop_back() {
+                q.waiting.push_front(item);
+            }
+        }
+        let placed = writer.begin().map(|()| {
+            let start = writer.position();
+            let mut header = Vec::with_capacity(CUT_BYTES);
+            let placed: Vec<u64> = round
+                .iter()
+                .map(|item| {
+                    header.clear();
+                    match &item.body {
+                        Body::Records(records) => {
+                            header.push(PART);
+                            header.extend_from_slice(&item.group.to_be_bytes());
+                            header.extend_from_slice(&(records.len() as u32).to_be_bytes());
+                            writer.push_raw(&header);
+                            writer.push_raw(records)
+                        }
+                        Body::Cut(after) => {
+                            header.push(CUT);
+                            header.extend_from_slice(&item.group.to_be_bytes());
+                            header.extend_from_slice(&after.segment.to_be_bytes());
+                            header.extend_from_slice(&after.offset.to_be_bytes());
+                            writer.push_raw(&header)
+                        }
+                    }
+                })
+                .collect();
+            (start, placed)
+        });
+        let made = placed.and_then(|(round_start, placed)| {
+            writer.commit().map(|bytes| (round_start, placed, bytes))
+        });
+        match made {
+            Ok((round_start, placed, bytes)) => {
+                let end = writer.position();
+                {
+                    let mut q = shared.lock();
+                    q.end = end;
+                    for item in &round {
+                        let g = q.groups.entry(item.group).or_default();
+                        match item.body {
+                            Body::Records(_) => g.end = end,
+                            Body::Cut(after) => {
+                                g.end = after;
+                                g.cuts.push((after, end));
+                            }
+                        }
+                    }
+                }
+                for (item, at) in round.drain(..).zip(placed) {
+                    let start = Position {
+                        segment: round_start.segment,
+                        offset: round_start.offset + at,
+                    };
+                    (item.done)(Ok(Durable { start, end, bytes }));
+                }
+            }
+            Err(e) => {
+                writer.fail_stop();
+                let failed: Vec<Queued> = {
+                    let mut q = shared.lock();
+                    q.failed = Some(e.clone());
+                    q.waiting.drain(..).collect()
+                };
+                tracing::error!(log = %shared.dir.display(), error = %e, "a round of the node log failed; it takes no more");
+                for item in round.drain(..).chain(failed) {
+                    (item.done)(Err(e.clone()));
+                }
+            }
+        }
+    }
+}
+
+/// One group's view of the node log: a [`Log`] of its own parts.
+pub(crate) struct GroupLog {
+    keeper: Arc<Keeper>,
+    group: u32,
+    /// The records of the group being built.
+    buf: Vec<u8>,
+    failed: bool,
+}
+
+impl GroupLog {
+    fn shared(&self) -> &Shared {
+        &self.keeper.shared
+    }
+
+    fn state(&self) -> GroupState {
+        self.shared()
+            .lock()
+            .groups
+            .get(&self.group)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn refused(&self) -> Option<StoreError> {
+        if self.failed {
+            return Some(StoreError::Io(
+                "this group's log failed; it takes no more groups".into(),
+            ));
+        }
+        self.shared().lock().failed.clone()
+    }
+
+    /// Queues a part and returns at once; `done` runs after its round.
+    fn queue(&self, body: Body, done: Callback) {
+        let refused = {
+            let mut q = self.shared().lock();
+            match &q.failed {
+                Some(e) => Some((e.clone(), done)),
+                None => {
+                    q.waiting.push_back(Queued {
+                        group: self.group,
+                        body,
+                        done,
+                    });
+                    None
+                }
+            }
+        };
+        match refused {
+            Some((e, done)) => done(Err(e)),
+            None => self.shared().wake.notify_one(),
+        }
+    }
+
+    /// Refuses `at` unless it is the group's first position, its end, or
+    /// the end of one of its parts.
+    fn check_boundary(&self, at: Position, what: &str) -> Result<(), StoreError> {
+        let state = self.state();
+        if at < state.first || at > state.end {
+            return Err(StoreError::Invalid(format!(
+                "{}: group {}: cannot {what} {}:{}: the group holds {}:{} to {}:{}",
+                self.shared().dir.display(),
+                self.group,
+                at.segment,
+                at.offset,
+                state.first.segment,
+                state.first.offset,
+                state.end.segment,
+                state.end.offset
+            )));
+        }
+        if at == state.first || at == state.end {
+            return Ok(());
+        }
+        let mut boundary = false;
+        self.read(state.first, |part| {
+            boundary = part.end == at;
+            Ok(part.end < at)
+        })?;
+        if !boundary {
+            return Err(StoreError::Invalid(format!(
+                "{}: group {}: cannot {what} {}:{}: not the end of one of its parts",
+                self.shared().dir.display(),
+                self.group,
+                at.segment,
+                at.offset
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Log for GroupLog {
+    fn begin(&mut self) -> Result<(), StoreError> {
+        self.buf.clear();
+        Ok(())
+    }
+
+    fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc {
+        log::push_event(&mut self.buf, partition, id, seq, value)
+    }
+
+    fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
+        log::push_put(&mut self.buf, keyspace, key, value);
+    }
+
+    fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
+        let start = usize::try_from(loc.offset)
+            .ok()
+            .filter(|s| *s < self.buf.len())
+            .ok_or_else(|| {
+                StoreError::Corrupt(format!(
+                    "offset {} is not in the group being built",
+                    loc.offset
+                ))
+            })?;
+        match log::parse_record(&self.buf, start, 0, 0)? {
+            (Record::Event { value, .. }, _) => Ok(value),
+            _ => Err(StoreError::Corrupt(format!(
+                "offset {} of the group being built is not an event",
+                loc.offset
+            ))),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+
+    fn append<F>(&mut self, durable: F)
+    where
+        F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
+    {
+        if let Some(e) = self.refused() {
+            self.buf.clear();
+            return durable(Err(e));
+        }
+        let records = std::mem::take(&mut self.buf);
+        self.queue(Body::Records(records), Box::new(durable));
+    }
+
+    fn position(&self) -> Position {
+        self.state().end
+    }
+
+    fn first(&self) -> Position {
+        self.state().first
+    }
+
+    fn read<V>(&self, from: Position, mut visit: V) -> Result<(), StoreError>
+    where
+        V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>,
+    {
+        let (state, end) = {
+            let q = self.shared().lock();
+            (
+                q.groups.get(&self.group).cloned().unwrap_or_default(),
+                q.end,
+            )
+        };
+        if from < state.first || from > state.end {
+            return Err(StoreError::Invalid(format!(
+                "{}: group {}: cannot read from {}:{}: the group holds {}:{} to {}:{}",
+                self.shared().dir.display(),
+                self.group,
+                from.segment,
+                from.offset,
+                state.first.segment,
+                state.first.offset,
+                state.end.segment,
+                state.end.offset
+            )));
+        }
+        let mut go_on = true;
+        self.shared().segments.read_groups(from, end, |round| {
+            for part in part_offsets(round) {
+                let (group, at, body) = part?;
+                if group != self.group || state.cut_away(round.end) {
+                    continue;
+                }
+                if let PartRead::Records(records) = body {
+                    let start = Position {
+                        segment: round.start.segment,
+                        offset: at,
+                    };
+                    go_on = visit(&GroupRead::new(start, round.end, records))?;
+                    if !go_on {
+                        break;
+                    }
+                }
+            }
+            Ok(go_on)
+        })
+    }
+
+    fn truncate_after(&mut self, at: Position) -> Result<(), StoreError> {
+        if let Some(e) = self.refused() {
+            return Err(e);
+        }
+        self.check_boundary(at, "cut after")?;
+        if at == self.state().end {
+            return Ok(());
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.queue(
+            Body::Cut(at),
+            Box::new(move |made| {
+                let _ = tx.send(made);
+            }),
+        );
+        self.buf.clear();
+        rx.recv()
+            .map_err(|_| StoreError::Io("the node log's syncer stopped".into()))?
+            .map(|_| ())
+    }
+
+    fn purge_before(&mut self, at: Position) -> Result<(), StoreError> {
+        self.check_boundary(at, "purge before")?;
+        self.shared()
+            .lock()
+            .groups
+            .entry(self.group)
+            .or_default()
+            .first = at;
+        Ok(())
+    }
+
+    fn fail_stop(&mut self) {
+        self.failed = true;
+        self.buf.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    fn id(n: i64) -> ExecutionId {
+        ExecutionId::new(n).expect("a valid execution id")
+    }
+
+    /// Appends one event (`n` of group `g`) and waits until it is durable.
+    fn append(log: &mut GroupLog, g: u32, n: u64) -> Durable {
+        append_async(log, g, n)
+            .recv_timeout(Duration::from_secs(10))
+            .expect("called back")
+            .expect("durable")
+    }
+
+    type Made = mpsc::Receiver<Result<Durable, StoreError>>;
+
+    fn append_async(log: &mut GroupLog, g: u32, n: u64) -> Made {
+        log.begin().expect("begun");
+        let e = id(i64::from(g) + 1);
+        log.event(
+            e.partition(),
+            e,
+            n + 1,
+            format!("group {g} event {n}").as_bytes(),
+        );
+        let (tx, rx) = mpsc::channel();
+        log.append(move |made| {
+            let _ = tx.send(made);
+        });
+        rx
+    }
+
+    /// The seqs of the events a group reads back, in order.
+    fn seqs(log: &GroupLog) -> Vec<u64> {
+        let mut out = Vec::new();
+        log.read(log.first(), |part| {
+            for r in part.records() {
+                match r? {
+                    Record::Event {
+                        id: e, seq, value, ..
+                    } => {
+                        let g = e.get() - 1;
+                        assert_eq!(value, format!("group {g} event {}", seq - 1).as_bytes());
+                        out.push(seq);
+                    }
+                    Record::Put { .. } => {}
+                }
+            }
+            Ok(true)
+        })
+        .expect("read");
+        out
+    }
+
+    #[test]
+    fn groups_appending_at_once_share_rounds_and_each_reads_only_its_own() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let node = NodeLog::open(&tmp.path().join("log"), 4096).expect("opened");
+        let threads: Vec<_> = (0..8u32)
+            .map(|g| {
+                let mut log = node.group(g);
+                std::thread::spawn(move || {
+                    for n in 0..40 {
+                        append(&mut log, g, n);
+                    }
+                    log
+                })
+            })
+            .collect();
+        let logs: Vec<GroupLog> = threads
+            .into_iter()
+            .map(|t| t.join().expect("appended"))
+            .collect();
+        for log in &logs {
+            assert_eq!(
+                seqs(log),
+                (1..=40).collect::<Vec<_>>(),
+                "group {}",
+                log.group
+            );
+        }
+        // Again after a reopen.
+        drop(logs);
+        drop(node);
+        let node = NodeLog::open(&tmp.path().join("log"), 4096).expect("reopened");
+        for g in 0..8 {
+            assert_eq!(
+                seqs(&node.group(g)),
+                (1..=40).collect::<Vec<_>>(),
+                "group {g}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_groups_second_append_goes_in_the_next_round() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let node = NodeLog::open(&tmp.path().join("log"), 1 << 20).expect("opened");
+        let mut log = node.group(1);
+        let first = append_async(&mut log, 1, 0);
+        let second = append_async(&mut log, 1, 1);
+        let wait = |rx: Made| {
+            rx.recv_timeout(Duration::from_secs(10))
+                .expect("called back")
+                .expect("durable")
+        };
+        let (first, second) = (wait(first), wait(second));
+        assert!(first.end < second.end, "{first:?} then {second:?}");
+        assert!(second.start > first.end);
+        assert_eq!(seqs(&log), vec![1, 2]);
+    }
+
+    #[test]
+    fn a_cut_of_one_group_leaves_the_others_alone() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let dir = tmp.path().join("log");
+        let node = NodeLog::open(&dir, 4096).expect("opened");
+        let (mut a, mut b) = (node.group(1), node.group(2));
+        let (mut a_ends, mut b_ends) = (Vec::new(), Vec::new());
+        for n in 0..20 {
+            a_ends.push(append(&mut a, 1, n).end);
+            b_ends.push(append(&mut b, 2, n).end);
+        }
+        a.truncate_after(a_ends[4]).expect("cut");
+        assert_eq!(seqs(&a), (1..=5).collect::<Vec<_>>());
+        assert_eq!(seqs(&b), (1..=20).collect::<Vec<_>>());
+        assert_eq!(a.position(), a_ends[4]);
+        // The group goes on after its cut: a new event 6, and later ones.
+        for n in 5..8 {
+            append(&mut a, 1, n);
+        }
+        append(&mut b, 2, 20);
+        assert_eq!(seqs(&a), (1..=8).collect::<Vec<_>>());
+        drop((a, b, node));
+        let node = NodeLog::open(&dir, 4096).expect("reopened");
+        assert_eq!(seqs(&node.group(1)), (1..=8).collect::<Vec<_>>());
+        assert_eq!(seqs(&node.group(2)), (1..=21).collect::<Vec<_>>());
+        // A cut refuses what is not one of the group's boundaries: the
+        // end of one of the other group's parts, and the end of one of its
+        // own parts that were cut away.
+        let mut a = node.group(1);
+        for at in [b_ends[10], a_ends[10]] {
+            assert!(at < a.position(), "{at:?} lies within the group's range");
+            assert!(
+                matches!(a.truncate_after(at), Err(StoreError::Invalid(_))),
+                "{at:?}"
+            );
+        }
+        assert_eq!(seqs(&a), (1..=8).collect::<Vec<_>>());
+    }
+}
