@@ -1542,3 +1542,50 @@ pub mod workload {
         h.into_iter().collect()
     }
 }
+
+/// A tmpfs of `bytes` mounted on a fresh temporary folder, unmounted on
+/// drop: a real filesystem to fill up, for real ENOSPC from the kernel.
+/// Needs root (as the suite runs in CI); as another user it fails,
+/// saying so, rather than skip.
+pub struct Tmpfs {
+    _dir: tempfile::TempDir,
+    pub mount: PathBuf,
+}
+
+impl Tmpfs {
+    pub fn new(bytes: u64) -> Tmpfs {
+        // SAFETY: geteuid reads the process's credentials and cannot fail.
+        assert!(
+            unsafe { libc::geteuid() } == 0,
+            "this test mounts a tmpfs to fill a real filesystem and needs root (CI runs as root)"
+        );
+        let dir = tempfile::tempdir().expect("a temporary folder");
+        let mount = dir.path().join("fs");
+        std::fs::create_dir(&mount).expect("a mount point");
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(&mount)
+            .status()
+            .expect("mount runs");
+        assert!(status.success(), "mount -t tmpfs failed: {status}");
+        Tmpfs { _dir: dir, mount }
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+    }
+}
+
+/// Fills the filesystem holding `dir` to the last byte; returns the filler
+/// file (remove it to free the space).
+pub fn fill(dir: &Path) -> PathBuf {
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).expect("a filler file");
+    let chunk = vec![0xa5u8; 4096];
+    while f.write(&chunk).is_ok_and(|n| n > 0) {}
+    // The last partial page too.
+    while f.write(&[0xa5]).is_ok_and(|n| n > 0) {}
+    path
+}

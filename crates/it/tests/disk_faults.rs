@@ -11,53 +11,7 @@
 
 use forkless_it::*;
 use serde_json::json;
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
-
-/// A tmpfs of `bytes` on a fresh folder, unmounted on drop.
-struct Tmpfs {
-    _dir: tempfile::TempDir,
-    mount: PathBuf,
-}
-
-impl Tmpfs {
-    fn new(bytes: u64) -> Tmpfs {
-        // SAFETY: geteuid reads the process's credentials and cannot fail.
-        assert!(
-            unsafe { libc::geteuid() } == 0,
-            "this test mounts a tmpfs to fill a real filesystem and needs root (CI runs as root)"
-        );
-        let dir = tempfile::tempdir().unwrap();
-        let mount = dir.path().join("fs");
-        std::fs::create_dir(&mount).unwrap();
-        let ok = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
-            .arg(&mount)
-            .status()
-            .expect("mount runs")
-            .success();
-        assert!(ok, "mount -t tmpfs failed");
-        Tmpfs { _dir: dir, mount }
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
-    }
-}
-
-/// Fills the filesystem of `dir` to the last byte; returns the filler.
-fn fill(dir: &Path) -> PathBuf {
-    use std::io::Write;
-    let path = dir.join("filler");
-    let mut f = std::fs::File::create(&path).unwrap();
-    let chunk = vec![0xa5u8; 4096];
-    while f.write(&chunk).is_ok_and(|n| n > 0) {}
-    while f.write(&[0xa5]).is_ok_and(|n| n > 0) {}
-    path
-}
 
 fn append(c: &Client, id: &str, t: &str, payload: &serde_json::Value) -> Resp {
     c.post(

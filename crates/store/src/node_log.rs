@@ -730,4 +730,49 @@ mod tests {
         }
         assert_eq!(seqs(&a), (1..=8).collect::<Vec<_>>());
     }
+
+    /// A real ENOSPC (a tmpfs filled up; needs root, as CI runs): the round
+    /// that fails is answered with the error, every later append of any
+    /// group is refused, even once space is back, and a reopen holds
+    /// exactly what was acknowledged.
+    #[test]
+    fn a_failed_round_fails_every_later_append_of_every_group() {
+        let fs = forkless_it::Tmpfs::new(8 << 20);
+        let dir = fs.mount.join("log");
+        let node = NodeLog::open(&dir, 1 << 20).expect("opened");
+        let (mut a, mut b) = (node.group(1), node.group(2));
+        append(&mut a, 1, 0);
+        append(&mut b, 2, 0);
+        let filler = forkless_it::fill(&fs.mount);
+        // The segment's last page still has room for a few appends.
+        let mut acked = 1;
+        let failed = loop {
+            assert!(acked < 1_000, "a full disk never failed an append");
+            match append_async(&mut a, 1, acked)
+                .recv_timeout(Duration::from_secs(10))
+                .expect("called back")
+            {
+                Ok(_) => acked += 1,
+                Err(e) => break e,
+            }
+        };
+        assert!(matches!(failed, StoreError::Io(_)), "{failed:?}");
+        let refused = |log: &mut GroupLog, g: u32, n: u64| {
+            append_async(log, g, n)
+                .recv_timeout(Duration::from_secs(10))
+                .expect("called back")
+                .is_err()
+        };
+        assert!(
+            refused(&mut b, 2, 1),
+            "another group's append after the failure"
+        );
+        std::fs::remove_file(filler).expect("space freed");
+        assert!(refused(&mut a, 1, acked), "an append once space is back");
+        assert!(a.truncate_after(Position::default()).is_err());
+        drop((a, b, node));
+        let node = NodeLog::open(&dir, 1 << 20).expect("reopened");
+        assert_eq!(seqs(&node.group(1)), (1..=acked).collect::<Vec<_>>());
+        assert_eq!(seqs(&node.group(2)), vec![1]);
+    }
 }

@@ -7,68 +7,9 @@
 //! Needs root (it mounts a tmpfs), as the test suite runs in CI; run as
 //! another user it fails, saying so, rather than skip.
 
+use forkless_it::{fill, Tmpfs};
 use forkless_store::*;
 use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
-/// A tmpfs of `bytes` mounted on a fresh temporary folder, unmounted on
-/// drop.
-struct Tmpfs {
-    _dir: tempfile::TempDir,
-    mount: PathBuf,
-}
-
-impl Tmpfs {
-    fn new(bytes: u64) -> Tmpfs {
-        // SAFETY: geteuid reads the process's credentials and cannot fail.
-        let root = unsafe { libc::geteuid() } == 0;
-        assert!(
-            root,
-            "this test mounts a tmpfs to fill a real filesystem and needs root (CI runs as root)"
-        );
-        let dir = tempfile::tempdir().expect("tempdir");
-        let mount = dir.path().join("fs");
-        std::fs::create_dir(&mount).expect("mkdir");
-        let status = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
-            .arg(&mount)
-            .status()
-            .expect("mount runs");
-        assert!(status.success(), "mount -t tmpfs failed: {status}");
-        Tmpfs { _dir: dir, mount }
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.mount).status();
-    }
-}
-
-/// Fills the filesystem holding `path` to the last byte; returns the
-/// filler file (remove it to free the space).
-fn fill(dir: &Path) -> PathBuf {
-    let path = dir.join("filler");
-    let mut f = std::fs::File::create(&path).expect("filler");
-    let chunk = vec![0xa5u8; 4096];
-    loop {
-        match f.write(&chunk) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
-            Err(e) => panic!("filling: {e}"),
-        }
-    }
-    // The last partial page too.
-    while let Ok(n) = f.write(&[0xa5]) {
-        if n == 0 {
-            break;
-        }
-    }
-    path
-}
 
 fn id(n: i64) -> ExecutionId {
     ExecutionId::new(n).expect("a valid execution id")
