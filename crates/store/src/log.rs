@@ -60,7 +60,7 @@ use std::time::Instant;
 /// By default a segment is closed once it holds this many bytes (the group
 /// that crosses the mark is the last one written to it).
 pub(crate) const SEGMENT_BYTES: u64 = 64 * 1024 * 1024;
-pub(crate) const GROUP_HEADER: usize = 8;
+const GROUP_HEADER: usize = 8;
 const EVENT: u8 = 1;
 const PUT: u8 = 2;
 /// kind, partition, execution, seq, len, crc.
@@ -151,16 +151,29 @@ pub(crate) struct GroupRead<'a> {
     /// Where the group starts and where it ends (the next one's start).
     pub start: Position,
     pub end: Position,
+    /// Where `payload` begins in `start`'s segment.
+    payload_at: u64,
     payload: &'a [u8],
 }
 
 impl<'a> GroupRead<'a> {
-    pub(crate) fn new(start: Position, end: Position, payload: &'a [u8]) -> GroupRead<'a> {
+    pub(crate) fn new(
+        start: Position,
+        end: Position,
+        payload_at: u64,
+        payload: &'a [u8],
+    ) -> GroupRead<'a> {
         GroupRead {
             start,
             end,
+            payload_at,
             payload,
         }
+    }
+
+    /// Where the payload begins in the group's segment.
+    pub(crate) fn payload_at(&self) -> u64 {
+        self.payload_at
     }
 
     /// The group's bytes after its header.
@@ -170,7 +183,7 @@ impl<'a> GroupRead<'a> {
 
     /// The group's records, in the order they were added.
     pub(crate) fn records(&self) -> impl Iterator<Item = Result<Record<'a>, StoreError>> + '_ {
-        let base = self.start.offset + GROUP_HEADER as u64;
+        let base = self.payload_at;
         let segment = self.start.segment;
         let payload = self.payload;
         let mut pos = 0;
@@ -212,6 +225,10 @@ pub(crate) trait Log {
     fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError>;
     /// Whether the group holds no record.
     fn is_empty(&self) -> bool;
+    /// The value of durable event `seq` of `id`, at `loc` (as
+    /// [`Durable::locate`] or a [`Log::read`] gave it), checked to be that
+    /// event.
+    fn read_event(&self, loc: Loc, id: ExecutionId, seq: u64) -> Result<Vec<u8>, StoreError>;
     /// Writes the group. `durable` is called exactly once: with where the
     /// group ends once it is durable, or with why it failed (then the log
     /// takes no more groups, and whether the group reached the disk is
@@ -400,6 +417,7 @@ impl Segments {
                                 segment,
                                 offset: at + len,
                             },
+                            payload_at: at + GROUP_HEADER as u64,
                             payload: &payload,
                         };
                         if !visit(&group)? {
@@ -653,6 +671,10 @@ impl Log for LogWriter {
 
     fn first(&self) -> Position {
         self.first
+    }
+
+    fn read_event(&self, loc: Loc, id: ExecutionId, seq: u64) -> Result<Vec<u8>, StoreError> {
+        self.segments.read_event(loc, id, seq)
     }
 
     fn read<V>(&self, from: Position, visit: V) -> Result<(), StoreError>
@@ -1147,6 +1169,7 @@ pub(crate) fn open_groups(
                             segment,
                             offset: at + len,
                         },
+                        payload_at: at + GROUP_HEADER as u64,
                         payload: &payload,
                     })?;
                     at += len;

@@ -58,9 +58,11 @@ fn id(n: i64) -> ExecutionId {
     ExecutionId::new(n).expect("a valid execution id")
 }
 
-/// Appends one group and waits until the log says it is durable.
+/// Appends one group and waits until the log says it is durable; then
+/// reads each of its events back where the callback says it landed.
 fn append<L: Log>(log: &mut L, recs: &[Rec]) -> Result<Durable, StoreError> {
     log.begin()?;
+    let mut events = Vec::new();
     for r in recs {
         match r {
             Rec::Event { id: n, seq, value } => {
@@ -70,6 +72,7 @@ fn append<L: Log>(log: &mut L, recs: &[Rec]) -> Result<Durable, StoreError> {
                     &value[..],
                     "an event added to the group reads back before the append"
                 );
+                events.push((loc, *n, *seq, value));
             }
             Rec::Put {
                 keyspace,
@@ -90,6 +93,15 @@ fn append<L: Log>(log: &mut L, recs: &[Rec]) -> Result<Durable, StoreError> {
         rx.recv_timeout(Duration::from_millis(1)).is_err(),
         "the durability callback is called once"
     );
+    if let Ok(durable) = &made {
+        for (loc, n, seq, value) in events {
+            assert_eq!(
+                &log.read_event(durable.locate(loc), id(n), seq)?,
+                value,
+                "event {n}:{seq} where the durability callback placed it"
+            );
+        }
+    }
     made
 }
 
@@ -116,16 +128,37 @@ fn records(g: &GroupRead<'_>) -> Result<Vec<Rec>, StoreError> {
         .collect()
 }
 
-/// Every group from `from`, with where it starts and ends.
+/// Every group from `from`, with where it starts and ends; each event is
+/// read back by the location the read gave it too.
 fn read_all<L: Log>(
     log: &L,
     from: Position,
 ) -> Result<Vec<(Position, Position, Vec<Rec>)>, StoreError> {
     let mut out = Vec::new();
+    let mut located = Vec::new();
     log.read(from, |g| {
+        for r in g.records() {
+            if let Record::Event {
+                id,
+                seq,
+                value,
+                loc,
+                ..
+            } = r?
+            {
+                located.push((loc, id, seq, value.to_vec()));
+            }
+        }
         out.push((g.start, g.end, records(g)?));
         Ok(true)
     })?;
+    for (loc, id, seq, value) in located {
+        assert_eq!(
+            log.read_event(loc, id, seq)?,
+            value,
+            "event {id}:{seq} where a read found it"
+        );
+    }
     Ok(out)
 }
 

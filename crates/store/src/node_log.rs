@@ -194,7 +194,7 @@ fn part_offsets<'a>(
     round: &'a GroupRead<'a>,
 ) -> impl Iterator<Item = Result<(u32, u64, PartRead<'a>), StoreError>> + 'a {
     let payload = round.payload();
-    let base = round.start.offset + log::GROUP_HEADER as u64;
+    let base = round.payload_at();
     let mut pos = 0usize;
     std::iter::from_fn(move || {
         if pos >= payload.len() {
@@ -488,6 +488,10 @@ impl Log for GroupLog {
         self.state().end
     }
 
+    fn read_event(&self, loc: Loc, id: ExecutionId, seq: u64) -> Result<Vec<u8>, StoreError> {
+        self.shared().segments.read_event(loc, id, seq)
+    }
+
     fn first(&self) -> Position {
         self.state().first
     }
@@ -528,7 +532,7 @@ impl Log for GroupLog {
                         segment: round.start.segment,
                         offset: at,
                     };
-                    go_on = visit(&GroupRead::new(start, round.end, records))?;
+                    go_on = visit(&GroupRead::new(start, round.end, at, records))?;
                     if !go_on {
                         break;
                     }

@@ -499,7 +499,7 @@ impl machine::State for Group<'_> {
         let (_, loc) = locs.first().ok_or_else(|| {
             StoreError::Corrupt(format!("execution {id}: event {seq} is not indexed"))
         })?;
-        let value = self.log.segments().read_event(*loc, id, seq)?;
+        let value = self.log.read_event(*loc, id, seq)?;
         codec::decode_event(seq, &value)
     }
 }
