@@ -23,6 +23,7 @@ use crate::{
     StartRequest, StoreError, StoredEvent, STARTED_EVENT_TYPE, STRING_BYTES_MAX,
 };
 use forkless_types::{Epoch, ExecutionId, PartitionId};
+use std::borrow::Cow;
 use std::collections::HashSet;
 
 /// The state machine's hash maps. Their keys are chosen by clients
@@ -51,11 +52,175 @@ pub(crate) trait State {
 /// Where the machine writes what a command does. Nothing in it may reach
 /// a reader before the group is durable.
 pub(crate) trait Sink {
+    /// A fact of the state that a command about to write rests on, as the
+    /// machine read it. Under replication every replica checks these
+    /// against its own state before it applies the command's records
+    /// ([`Checker`]); a single replica that evaluates and applies against
+    /// one state has nothing to check again.
+    fn precondition(&mut self, p: Precondition<'_>);
     /// Event `seq` of `id`, encoded (`codec::encode_event_into`), recorded
     /// at `recorded_at`.
     fn event(&mut self, id: ExecutionId, seq: u64, recorded_at: u64, value: &[u8]);
     /// A put into the keyspace numbered `keyspace` (`keyspace_id`).
     fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]);
+}
+
+/// A fact of the shard's state that a command's records rest on
+/// (`docs/replication.md`, "What an entry holds"). Emitted only by a
+/// command that writes, before its first record; a refused or
+/// deduplicated command writes nothing and rests on nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Precondition<'a> {
+    /// The shard's epoch was this (the command was sent under it).
+    Epoch(Epoch),
+    /// The execution was open at this last seq.
+    Open { id: ExecutionId, last_seq: u64 },
+    /// No execution had this id.
+    Absent(ExecutionId),
+    /// No event carried this idempotency key (`codec::event_idem_key`).
+    EventKeyUnused(Cow<'a, [u8]>),
+    /// No start used this idempotency key (`codec::start_idem_key`).
+    StartKeyUnused(Cow<'a, [u8]>),
+}
+
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "a replicated group's apply is its user; Raft comes next"
+    )
+)]
+impl Precondition<'_> {
+    pub(crate) fn into_owned(self) -> Precondition<'static> {
+        match self {
+            Precondition::Epoch(e) => Precondition::Epoch(e),
+            Precondition::Open { id, last_seq } => Precondition::Open { id, last_seq },
+            Precondition::Absent(id) => Precondition::Absent(id),
+            Precondition::EventKeyUnused(k) => {
+                Precondition::EventKeyUnused(Cow::Owned(k.into_owned()))
+            }
+            Precondition::StartKeyUnused(k) => {
+                Precondition::StartKeyUnused(Cow::Owned(k.into_owned()))
+            }
+        }
+    }
+}
+
+/// Checks commands' preconditions the way every replica does before it
+/// applies a command's records: against the replica's own state plus what
+/// the entry's earlier commands wrote (fed in with [`Checker::event`] and
+/// [`Checker::put`] as they are applied). Deterministic: the same state
+/// and entry give the same verdict on every replica.
+#[derive(Default)]
+pub(crate) struct Checker {
+    /// Each execution the entry wrote: its last seq, and whether it is
+    /// still open.
+    executions: HashMap<ExecutionId, (u64, bool)>,
+    event_keys: HashSet<Vec<u8>>,
+    start_keys: HashSet<Vec<u8>>,
+    epoch: Option<Epoch>,
+}
+
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "a replicated group's apply is its user; Raft comes next"
+    )
+)]
+impl Checker {
+    /// Starts an entry.
+    pub(crate) fn begin(&mut self) {
+        self.executions.clear();
+        self.event_keys.clear();
+        self.start_keys.clear();
+        self.epoch = None;
+    }
+
+    /// `Ok` if every precondition holds; else the first that does not, and
+    /// what the replica has instead.
+    pub(crate) fn check(&self, state: &impl State, pre: &[Precondition<'_>]) -> Result<(), String> {
+        for p in pre {
+            let holds = match p {
+                Precondition::Epoch(e) => {
+                    let current = self.epoch.unwrap_or_else(|| state.epoch());
+                    (current == *e)
+                        .then_some(())
+                        .ok_or_else(|| format!("the epoch is {current}, not {e}"))
+                }
+                Precondition::Open { id, last_seq } => {
+                    let now = match self.executions.get(id) {
+                        Some(&(seq, open)) => Some((seq, open)),
+                        None => state
+                            .meta(*id)
+                            .map_err(|e| e.to_string())?
+                            .map(|m| (m.last_seq, !m.status.is_terminal())),
+                    };
+                    match now {
+                        Some((seq, true)) if seq == *last_seq => Ok(()),
+                        Some((seq, open)) => Err(format!(
+                            "execution {id} is {} at seq {seq}, not open at {last_seq}",
+                            if open { "open" } else { "closed" }
+                        )),
+                        None => Err(format!("execution {id} does not exist")),
+                    }
+                }
+                Precondition::Absent(id) => {
+                    let exists = self.executions.contains_key(id)
+                        || state.meta(*id).map_err(|e| e.to_string())?.is_some();
+                    (!exists)
+                        .then_some(())
+                        .ok_or_else(|| format!("execution {id} exists"))
+                }
+                Precondition::EventKeyUnused(k) => {
+                    let used = self.event_keys.contains(k.as_ref())
+                        || state.event_idem(k).map_err(|e| e.to_string())?.is_some();
+                    (!used)
+                        .then_some(())
+                        .ok_or_else(|| "an event idempotency key is used".to_string())
+                }
+                Precondition::StartKeyUnused(k) => {
+                    let used = self.start_keys.contains(k.as_ref())
+                        || state.start_idem(k).map_err(|e| e.to_string())?.is_some();
+                    (!used)
+                        .then_some(())
+                        .ok_or_else(|| "a start idempotency key is used".to_string())
+                }
+            };
+            holds?;
+        }
+        Ok(())
+    }
+
+    /// An event the entry's command applied (its value as stored).
+    pub(crate) fn event(
+        &mut self,
+        id: ExecutionId,
+        seq: u64,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
+        let stored = codec::decode_event(seq, value)?;
+        let open = terminal_status(&stored.event_type).is_none();
+        self.executions.insert(id, (seq, open));
+        Ok(())
+    }
+
+    /// A put the entry's command applied.
+    pub(crate) fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+        match keyspace {
+            keyspace_id::EVENT_IDEM => {
+                self.event_keys.insert(key.to_vec());
+            }
+            keyspace_id::START_IDEM => {
+                self.start_keys.insert(key.to_vec());
+            }
+            keyspace_id::META if key == crate::keyspaces::EPOCH_KEY => {
+                self.epoch = Some(Epoch(codec::decode_u64(value, "the epoch")?));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 /// The state machine with the overlay of the group being applied.
@@ -143,6 +308,7 @@ impl Machine {
             });
         }
         if e > current {
+            shard.precondition(Precondition::Epoch(current));
             shard.put(
                 keyspace_id::META,
                 crate::keyspaces::EPOCH_KEY,
@@ -220,6 +386,11 @@ impl Machine {
             None,
             &req.started_payload,
         );
+        shard.precondition(Precondition::Epoch(req.epoch));
+        shard.precondition(Precondition::Absent(req.id));
+        if let Some(k) = &idem_key {
+            shard.precondition(Precondition::StartKeyUnused(Cow::Borrowed(k)));
+        }
         shard.event(req.id, 1, now, &self.value);
         shard.put(
             keyspace_id::EXECUTIONS,
@@ -333,6 +504,11 @@ impl Machine {
             }
         }
         let first_seq = meta.last_seq + 1;
+        shard.precondition(Precondition::Epoch(req.epoch));
+        shard.precondition(Precondition::Open {
+            id: req.id,
+            last_seq: meta.last_seq,
+        });
         for e in &req.events {
             let seq = meta.last_seq + 1;
             codec::encode_event_into(
@@ -345,6 +521,7 @@ impl Machine {
             shard.event(req.id, seq, now, &self.value);
             if let Some(idem) = &e.idempotency_key {
                 let k = codec::event_idem_key(p, req.id, idem);
+                shard.precondition(Precondition::EventKeyUnused(Cow::Borrowed(&k)));
                 shard.put(keyspace_id::EVENT_IDEM, &k, &codec::u64_value(seq));
                 self.overlay.event_idem.insert(k, seq);
             }
@@ -444,6 +621,9 @@ mod tests {
         records: Vec<String>,
         /// The group's puts, applied to the state at commit.
         puts: Vec<(u8, Vec<u8>, Vec<u8>)>,
+        /// The group's preconditions and events, in order.
+        pre: Vec<Precondition<'static>>,
+        written: Vec<(ExecutionId, u64, Vec<u8>)>,
     }
 
     impl State for Mem {
@@ -468,7 +648,11 @@ mod tests {
     }
 
     impl Sink for Mem {
+        fn precondition(&mut self, p: Precondition<'_>) {
+            self.pre.push(p.into_owned());
+        }
         fn event(&mut self, id: ExecutionId, seq: u64, recorded_at: u64, value: &[u8]) {
+            self.written.push((id, seq, value.to_vec()));
             let e = codec::decode_event(seq, value).expect("the machine encodes events");
             assert_eq!(e.recorded_at_ms, recorded_at);
             self.records
@@ -514,10 +698,13 @@ mod tests {
                 }
             }
             self.records.clear();
+            self.pre.clear();
+            self.written.clear();
         }
     }
 
     /// A command of the table.
+    #[derive(Debug)]
     enum Cmd {
         Start(StartRequest),
         Append(AppendRequest),
@@ -605,6 +792,8 @@ mod tests {
             events: BTreeMap::new(),
             records: Vec::new(),
             puts: Vec::new(),
+            pre: Vec::new(),
+            written: Vec::new(),
         };
         m.begin();
         for cmd in [
@@ -972,5 +1161,243 @@ mod tests {
             written.push((answers, s.records.clone(), s.puts.clone(), events));
         }
         assert_eq!(written[0], written[1]);
+    }
+
+    /// What one command did: its preconditions, events and puts.
+    struct Did {
+        answer: String,
+        pre: Vec<Precondition<'static>>,
+        events: Vec<(ExecutionId, u64, Vec<u8>)>,
+        puts: Vec<(u8, Vec<u8>, Vec<u8>)>,
+    }
+
+    /// Runs `cmds` as one group on `s`, keeping what each command did.
+    fn group_did(m: &mut Machine, s: &mut Mem, cmds: &[Cmd]) -> Vec<Did> {
+        m.begin();
+        cmds.iter()
+            .map(|cmd| {
+                let (p, e, u) = (s.pre.len(), s.written.len(), s.puts.len());
+                let answer = run(m, s, cmd, NOW);
+                Did {
+                    answer,
+                    pre: s.pre[p..].to_vec(),
+                    events: s.written[e..].to_vec(),
+                    puts: s.puts[u..].to_vec(),
+                }
+            })
+            .collect()
+    }
+
+    fn describe(p: &Precondition<'_>) -> String {
+        match p {
+            Precondition::Epoch(e) => format!("epoch {e}"),
+            Precondition::Open { id, last_seq } => format!("open {id} at {last_seq}"),
+            Precondition::Absent(id) => format!("absent {id}"),
+            Precondition::EventKeyUnused(_) => "event key unused".into(),
+            Precondition::StartKeyUnused(_) => "start key unused".into(),
+        }
+    }
+
+    /// Checks each command as a replica with `state` would, feeding the
+    /// checker what the earlier ones applied; the first refusal, if any.
+    fn replica_check(state: &Mem, did: &[Did]) -> Result<(), String> {
+        let mut c = Checker::default();
+        c.begin();
+        for d in did {
+            c.check(state, &d.pre)?;
+            for (id, seq, v) in &d.events {
+                c.event(*id, *seq, v).map_err(|e| e.to_string())?;
+            }
+            for (ks, k, v) in &d.puts {
+                c.put(*ks, k, v).map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_writing_command_names_what_it_read_and_a_refused_one_nothing() {
+        let cases: Vec<(Cmd, &[&str])> = vec![
+            (
+                start(30, Some("s30"), Some("r")),
+                &["epoch 3", "absent 30", "start key unused"],
+            ),
+            (start(30, None, None), &["epoch 3", "absent 30"]),
+            (
+                append(10, &[("c", "", Some("k4")), ("d", "", None)], Some(3)),
+                &["epoch 3", "open 10 at 3", "event key unused"],
+            ),
+            (Cmd::Epoch(Epoch(5)), &["epoch 3"]),
+            // Refused, deduplicated, or a no-op: nothing written, nothing read.
+            (append(20, &[("late", "", None)], None), &[]),
+            (
+                append(
+                    10,
+                    &[("a", "p2", Some("k2")), ("b", "p3", Some("k3"))],
+                    None,
+                ),
+                &[],
+            ),
+            (start(31, Some("s10"), Some("r")), &[]),
+            (Cmd::Epoch(EPOCH), &[]),
+        ];
+        for (cmd, want) in cases {
+            let (mut m, mut s) = setup();
+            let did = group_did(&mut m, &mut s, std::slice::from_ref(&cmd));
+            let got: Vec<String> = did[0].pre.iter().map(describe).collect();
+            assert_eq!(got, want, "{}", did[0].answer);
+        }
+    }
+
+    #[test]
+    fn every_replica_checks_them_against_its_own_state() {
+        let group = || {
+            vec![
+                start(30, Some("s30"), None),
+                append(30, &[("a", "", Some("k"))], None),
+                append(10, &[("c", "", Some("k4"))], Some(3)),
+                append(10, &[("execution.completed", "", None)], None),
+            ]
+        };
+        let (mut m, mut leader) = setup();
+        let did = group_did(&mut m, &mut leader, &group());
+        // A replica with the state the leader evaluated against agrees.
+        let (_, same) = setup();
+        assert_eq!(replica_check(&same, &did), Ok(()));
+        // Replicas whose state differs refuse, naming what differs.
+        type Diverge = fn(&mut Mem);
+        let diverged: [(&str, Diverge, &str); 5] = [
+            (
+                "an event more",
+                |s| {
+                    if let Some(meta) = s.metas.get_mut(&id(10)) {
+                        meta.last_seq = 4;
+                    }
+                },
+                "execution 10 is open at seq 4, not open at 3",
+            ),
+            (
+                "closed",
+                |s| {
+                    if let Some(meta) = s.metas.get_mut(&id(10)) {
+                        meta.status = ExecutionStatus::Cancelled;
+                    }
+                },
+                "execution 10 is closed at seq 3, not open at 3",
+            ),
+            (
+                "the epoch moved",
+                |s| s.epoch = Epoch(4),
+                "the epoch is 4, not 3",
+            ),
+            (
+                "the execution exists",
+                |s| {
+                    let mut meta = s.metas[&id(20)].clone();
+                    meta.id = id(30);
+                    s.metas.insert(id(30), meta);
+                },
+                "execution 30 exists",
+            ),
+            (
+                "a key used",
+                |s| {
+                    let k = codec::event_idem_key(id(10).partition(), id(10), "k4");
+                    s.event_idem.insert(k, 9);
+                },
+                "an event idempotency key is used",
+            ),
+        ];
+        for (what, diverge, why) in diverged {
+            let (_, mut replica) = setup();
+            diverge(&mut replica);
+            assert_eq!(
+                replica_check(&replica, &did),
+                Err(why.to_string()),
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_later_command_rests_on_what_the_earlier_ones_of_its_entry_wrote() {
+        let (mut m, mut leader) = setup();
+        let did = group_did(
+            &mut m,
+            &mut leader,
+            &[
+                append(10, &[("c", "", None)], None),
+                append(10, &[("d", "", None)], None),
+            ],
+        );
+        let got: Vec<String> = did[1].pre.iter().map(describe).collect();
+        assert_eq!(got, ["epoch 3", "open 10 at 4"]);
+        let (_, replica) = setup();
+        assert_eq!(replica_check(&replica, &did), Ok(()));
+        // Without the first command's event the second does not hold.
+        let mut c = Checker::default();
+        c.begin();
+        assert!(c.check(&replica, &did[1].pre).is_err());
+    }
+
+    mod agree {
+        use super::*;
+        use proptest::prelude::*;
+
+        fn cmd() -> impl Strategy<Value = Cmd> {
+            prop_oneof![
+                (
+                    30i64..34,
+                    prop::option::of(0u8..2),
+                    prop::option::of(0u8..2)
+                )
+                    .prop_map(|(n, k, r)| {
+                        let k = k.map(|k| ["s1", "s2"][usize::from(k)]);
+                        let r = r.map(|r| ["r1", "r2"][usize::from(r)]);
+                        start(n, k, r)
+                    }),
+                (
+                    prop::sample::select(vec![10i64, 20, 30, 31, 32, 33]),
+                    prop::collection::vec((0u8..4, prop::option::of(0u8..4)), 1..3),
+                    prop::option::of(1u64..7)
+                )
+                    .prop_map(|(n, events, expected)| {
+                        let types = ["a", "b", "c", "execution.completed"];
+                        let keys = ["k1", "k2", "k3", "k4"];
+                        let mut events: Vec<(&str, &str, Option<&str>)> = events
+                            .into_iter()
+                            .map(|(t, k)| {
+                                (types[usize::from(t)], "", k.map(|k| keys[usize::from(k)]))
+                            })
+                            .collect();
+                        // One terminal event at most, and last.
+                        let last = events.len() - 1;
+                        for (i, e) in events.iter_mut().enumerate() {
+                            if e.0 == "execution.completed" && i != last {
+                                e.0 = "a";
+                            }
+                        }
+                        append(n, &events, expected)
+                    }),
+                (3u64..6).prop_map(|e| Cmd::Epoch(Epoch(e))),
+            ]
+        }
+
+        proptest! {
+            /// Whatever the commands, a replica with the leader's state
+            /// accepts every writing command's preconditions: the machine
+            /// and the checker agree.
+            #[test]
+            fn the_machine_and_the_checker_agree(
+                groups in prop::collection::vec(prop::collection::vec(cmd(), 1..6), 1..5)
+            ) {
+                let (mut m, mut leader) = setup();
+                for cmds in &groups {
+                    let did = group_did(&mut m, &mut leader, cmds);
+                    prop_assert_eq!(replica_check(&leader, &did), Ok(()));
+                    leader.commit(&mut m);
+                }
+            }
+        }
     }
 }

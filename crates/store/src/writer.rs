@@ -505,6 +505,10 @@ impl machine::State for Group<'_> {
 }
 
 impl machine::Sink for Group<'_> {
+    /// One replica evaluates and applies against one state: nothing to
+    /// check again (a replicated group's apply checks them).
+    fn precondition(&mut self, _: machine::Precondition<'_>) {}
+
     fn event(&mut self, id: ExecutionId, seq: u64, recorded_at: u64, value: &[u8]) {
         let partition = id.partition();
         let loc = self.log.event(partition, id, seq, value);
