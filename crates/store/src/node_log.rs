@@ -38,6 +38,11 @@ const CUT: u8 = 4;
 const PART_HEADER: usize = 1 + 4 + 4;
 /// kind, group, segment, offset.
 const CUT_BYTES: usize = 1 + 4 + 4 + 8;
+/// A round takes parts until it holds this many bytes (always at least
+/// one part, whatever its size): a shard's group is at most about
+/// [`crate::GROUP_COMMIT_BYTES_MAX`], so many busy shards cannot make one
+/// round too large for its frame's length field.
+const ROUND_BYTES_MAX: usize = crate::GROUP_COMMIT_BYTES_MAX;
 
 type Callback = Box<dyn FnOnce(Result<Durable, StoreError>) + Send>;
 
@@ -72,6 +77,16 @@ struct Queued {
     group: u32,
     body: Body,
     done: Callback,
+}
+
+impl Queued {
+    /// The bytes it takes in a round.
+    fn bytes(&self) -> usize {
+        match &self.body {
+            Body::Records(records) => PART_HEADER + records.len(),
+            Body::Cut(_) => CUT_BYTES,
+        }
+    }
 }
 
 struct Queue {
@@ -259,8 +274,12 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
                 return;
             }
             let mut taken = std::collections::HashSet::new();
+            let mut bytes = 0;
             while let Some(item) = q.waiting.pop_front() {
-                if taken.insert(item.group) {
+                // At least one part; then as many as fit the round's budget.
+                let full = !round.is_empty() && bytes + item.bytes() > ROUND_BYTES_MAX;
+                if !full && taken.insert(item.group) {
+                    bytes += item.bytes();
                     round.push(item);
                 } else {
                     later.push_back(item);
@@ -303,7 +322,7 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
             writer.commit().map(|bytes| (round_start, placed, bytes))
         });
         match made {
-            Ok((round_start, placed, bytes)) => {
+            Ok((round_start, placed, _)) => {
                 let end = writer.position();
                 {
                     let mut q = shared.lock();
@@ -324,6 +343,9 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
                         segment: round_start.segment,
                         offset: round_start.offset + at,
                     };
+                    // Its own bytes: what its shard counts towards its
+                    // next checkpoint.
+                    let bytes = item.bytes() as u64;
                     (item.done)(Ok(Durable { start, end, bytes }));
                 }
             }
@@ -778,5 +800,56 @@ mod tests {
         let node = NodeLog::open(&dir, 1 << 20).expect("reopened");
         assert_eq!(seqs(&node.group(1)), (1..=acked).collect::<Vec<_>>());
         assert_eq!(seqs(&node.group(2)), vec![1]);
+    }
+
+    #[test]
+    fn a_round_holds_no_more_than_its_budget() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let node = NodeLog::open(&tmp.path().join("log"), 64 << 20).expect("opened");
+        let big = vec![9u8; 6 << 20];
+        // The syncer busy with a first round (6 MiB to write and sync)
+        // while four more groups' parts queue up behind it.
+        let mut busy = node.group(9);
+        busy.begin().expect("begun");
+        busy.event(id(10).partition(), id(10), 1, &big);
+        let (tx, first) = mpsc::channel();
+        busy.append(move |made| {
+            let _ = tx.send(made);
+        });
+        let mut logs: Vec<GroupLog> = (0..4).map(|g| node.group(g)).collect();
+        let made: Vec<Made> = logs
+            .iter_mut()
+            .enumerate()
+            .map(|(g, log)| {
+                log.begin().expect("begun");
+                let e = id(g as i64 + 1);
+                log.event(e.partition(), e, 1, &big);
+                let (tx, rx) = mpsc::channel();
+                log.append(move |made| {
+                    let _ = tx.send(made);
+                });
+                rx
+            })
+            .collect();
+        first
+            .recv_timeout(Duration::from_secs(30))
+            .expect("called back")
+            .expect("durable");
+        let mut rounds: std::collections::BTreeMap<Position, (usize, u64)> = Default::default();
+        for rx in made {
+            let d = rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("called back")
+                .expect("durable");
+            let r = rounds.entry(d.end).or_default();
+            r.0 += 1;
+            r.1 += d.bytes;
+        }
+        for (end, (parts, bytes)) in rounds {
+            assert!(
+                parts == 1 || bytes <= ROUND_BYTES_MAX as u64,
+                "the round ending at {end:?}: {parts} parts, {bytes} bytes"
+            );
+        }
     }
 }
