@@ -7,8 +7,8 @@
 //! What committing a group does is the writer's ([`crate::writer`]).
 
 use crate::keyspaces::Keyspaces;
-use crate::log::LogWriter;
 use crate::read::SharedTail;
+use crate::shard_log::ShardLog;
 use crate::writer::{CheckpointCounters, Command, Reply, Writer};
 use crate::{StoreError, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX};
 use forkless_types::ShardId;
@@ -330,7 +330,7 @@ impl Core {
 pub(crate) fn spawn(
     shard: ShardId,
     ks: Keyspaces,
-    log: LogWriter,
+    log: ShardLog,
     tail: SharedTail,
     checkpoint_bytes: u64,
     priority: i32,

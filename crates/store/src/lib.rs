@@ -29,6 +29,7 @@ mod node_log;
 mod priority;
 mod read;
 mod shard;
+mod shard_log;
 mod waiters;
 mod writer;
 

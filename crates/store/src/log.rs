@@ -243,15 +243,22 @@ pub(crate) trait Log {
     /// The first position reads may start at (moved by [`Log::purge_before`]).
     #[cfg_attr(
         not(test),
-        expect(
+        allow(
             dead_code,
-            reason = "read by the conformance suite now, and by the Raft log storage next"
+            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
         )
     )]
     fn first(&self) -> Position;
     /// Calls `visit` on every durable group from `from` (a group boundary
     /// at or after [`Log::first`]) to the end, in order, until it says
     /// stop (`false`).
+    #[cfg_attr(
+        not(test),
+        allow(
+            dead_code,
+            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
+        )
+    )]
     fn read<V>(&self, from: Position, visit: V) -> Result<(), StoreError>
     where
         V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>;
@@ -262,9 +269,9 @@ pub(crate) trait Log {
     /// The caller must not have published anything the cut groups hold.
     #[cfg_attr(
         not(test),
-        expect(
+        allow(
             dead_code,
-            reason = "read by the conformance suite now, and by the Raft log storage next"
+            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
         )
     )]
     fn truncate_after(&mut self, at: Position) -> Result<(), StoreError>;
@@ -275,9 +282,9 @@ pub(crate) trait Log {
     /// `last_purged`) keeps it durable itself.
     #[cfg_attr(
         not(test),
-        expect(
+        allow(
             dead_code,
-            reason = "read by the conformance suite now, and by the Raft log storage next"
+            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
         )
     )]
     fn purge_before(&mut self, at: Position) -> Result<(), StoreError>;

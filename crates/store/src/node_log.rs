@@ -375,6 +375,11 @@ pub(crate) struct GroupLog {
 }
 
 impl GroupLog {
+    /// What readers read the node log's durable events through.
+    pub(crate) fn segments(&self) -> Arc<Segments> {
+        self.shared().segments.clone()
+    }
+
     fn shared(&self) -> &Shared {
         &self.keeper.shared
     }

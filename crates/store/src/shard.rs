@@ -10,6 +10,7 @@ use crate::keyspaces::{Keyspaces, EPOCH_KEY};
 use crate::log::{self, Log, Position, Record, Segments};
 use crate::priority::lower_own_priority;
 use crate::read::{read_meta, view, SharedTail};
+use crate::shard_log::ShardLog;
 use crate::writer::Command;
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
@@ -373,7 +374,8 @@ impl ShardStore {
         let epoch = Arc::new(AtomicU64::new(epoch.get()));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0u64);
-        let segments = log.segments().clone();
+        let log = ShardLog::Own(log);
+        let segments = log.segments();
         let tail = Arc::new(RwLock::new(tail));
         let (shared, thread) = commit::spawn(
             shard,
@@ -589,7 +591,7 @@ mod tests {
         let (writer, thread) = commit::spawn(
             ShardId(0),
             shard.ks.clone(),
-            second_log,
+            ShardLog::Own(second_log),
             Arc::new(RwLock::new(Tail::default())),
             StoreConfig::default().log_checkpoint_bytes,
             0,
@@ -609,5 +611,112 @@ mod tests {
         drop(tx);
         writer.ring();
         thread.join().expect("the second writer stops");
+    }
+
+    /// The writer commits to the node log as it does to a shard's own:
+    /// the answers, the events where the index says they are (their
+    /// locations resolved from where the syncer placed each part), and an
+    /// idempotent retry answered from the group's own earlier event.
+    #[tokio::test]
+    async fn a_writer_over_the_node_log_commits_and_its_events_read_back() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let shard = ShardStore::open(dir.path(), ShardId(0), Epoch(1), &StoreConfig::default())
+            .expect("the shard opens");
+        let node = crate::node_log::NodeLog::open(&dir.path().join("node-log"), log::SEGMENT_BYTES)
+            .expect("the node log opens");
+        // Another group's parts between this one's, so that no location
+        // is right by accident.
+        let mut other = node.group(1);
+        let log = ShardLog::Node(node.group(0));
+        let segments = log.segments();
+        let tail = Arc::new(RwLock::new(Tail::default()));
+        let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
+        let (commits_tx, _commits) = watch::channel(0u64);
+        let (writer, thread) = commit::spawn(
+            ShardId(0),
+            shard.ks.clone(),
+            log,
+            tail.clone(),
+            StoreConfig::default().log_checkpoint_bytes,
+            0,
+            rx,
+            Arc::new(AtomicU64::new(1)),
+            commits_tx,
+            None,
+        )
+        .expect("the writer thread starts");
+        let id = ExecutionId::new(42).expect("an id");
+        let (reply, started) = oneshot::channel();
+        let start = crate::StartRequest {
+            epoch: Epoch(1),
+            id,
+            workflow: "w".into(),
+            started_payload: b"{}".to_vec(),
+            routing_key: None,
+            idempotency_key: None,
+        };
+        tx.send(Command::Start(start, reply)).await.expect("queued");
+        writer.ring();
+        started.await.expect("answered").expect("started");
+        for n in 0..5u64 {
+            other.begin().expect("begun");
+            other.put(1, format!("other {n}").as_bytes(), b"x");
+            other.append(|_| {});
+            let (reply, appended) = oneshot::channel();
+            let append = crate::AppendRequest {
+                epoch: Epoch(1),
+                id,
+                events: vec![crate::NewEvent {
+                    event_type: "step".into(),
+                    payload: format!("payload {n}").into_bytes(),
+                    idempotency_key: Some(format!("k{n}")),
+                }],
+                expected_last_seq: None,
+            };
+            tx.send(Command::Append(append, reply))
+                .await
+                .expect("queued");
+            writer.ring();
+            let out = appended.await.expect("answered").expect("appended");
+            assert_eq!((out.first_seq, out.deduplicated), (n + 2, false));
+        }
+        // A retry of the third append: answered from the event as written.
+        let (reply, retried) = oneshot::channel();
+        let retry = crate::AppendRequest {
+            epoch: Epoch(1),
+            id,
+            events: vec![crate::NewEvent {
+                event_type: "step".into(),
+                payload: b"payload 2".to_vec(),
+                idempotency_key: Some("k2".into()),
+            }],
+            expected_last_seq: None,
+        };
+        tx.send(Command::Append(retry, reply))
+            .await
+            .expect("queued");
+        writer.ring();
+        let out = retried.await.expect("answered").expect("deduplicated");
+        assert_eq!((out.first_seq, out.deduplicated), (4, true));
+        let view = tail
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .view(id, 0, 100)
+            .expect("the tail holds the execution");
+        assert_eq!(view.locs.len(), 6);
+        for (i, loc) in view.locs.iter().enumerate() {
+            let seq = i as u64 + 1;
+            let value = segments.read_event(*loc, id, seq).expect("read back");
+            let event = codec::decode_event(seq, &value).expect("an event");
+            let want = if seq == 1 {
+                b"{}".to_vec()
+            } else {
+                format!("payload {}", seq - 2).into_bytes()
+            };
+            assert_eq!(event.payload, want, "seq {seq}");
+        }
+        drop(tx);
+        writer.ring();
+        thread.join().expect("the writer stops");
     }
 }

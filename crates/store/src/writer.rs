@@ -15,9 +15,10 @@
 use crate::codec;
 use crate::index;
 use crate::keyspaces::Keyspaces;
-use crate::log::{Durable, Loc, Log, LogWriter};
+use crate::log::{Durable, Loc, Log};
 use crate::machine::{self, HashMap, Machine};
 use crate::read::SharedTail;
+use crate::shard_log::ShardLog;
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
     StoredEvent,
@@ -106,7 +107,7 @@ pub(crate) struct Writer {
     shard: ShardId,
     ks: Keyspaces,
     /// The shard's log: every group is written and synced here first.
-    log: LogWriter,
+    log: ShardLog,
     /// The in-memory part of the events index, shared with readers.
     tail: SharedTail,
     /// Events of the group being built, indexed once it is durable.
@@ -229,7 +230,7 @@ impl Writer {
     pub(crate) fn new(
         shard: ShardId,
         ks: Keyspaces,
-        log: LogWriter,
+        log: ShardLog,
         tail: SharedTail,
         checkpoint_bytes: u64,
         epoch: Arc<AtomicU64>,
@@ -452,7 +453,7 @@ struct Group<'a> {
     tail: &'a SharedTail,
     cache: &'a MetaCache,
     epoch: &'a AtomicU64,
-    log: &'a mut LogWriter,
+    log: &'a mut ShardLog,
     batch: &'a mut OwnedWriteBatch,
     pending: &'a mut Vec<PendingEvent>,
 }
