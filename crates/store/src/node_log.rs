@@ -857,4 +857,54 @@ mod tests {
             );
         }
     }
+
+    /// A crash that tears the last round takes every part in it, of every
+    /// group (none was acknowledged: the callbacks run after the sync),
+    /// and nothing before it; damage to an earlier round is refused.
+    #[test]
+    fn a_torn_last_round_goes_whole_and_earlier_damage_is_refused() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let dir = tmp.path().join("log");
+        let node = NodeLog::open(&dir, 1 << 20).expect("opened");
+        let (mut a, mut b) = (node.group(1), node.group(2));
+        let mut ends = Vec::new();
+        for n in 0..4 {
+            ends.push(append(&mut a, 1, n).end);
+            ends.push(append(&mut b, 2, n).end);
+        }
+        drop((a, b, node));
+        let seg = log::segment_path(&dir, 0);
+        let whole = std::fs::read(&seg).expect("the segment");
+        let last_start = ends[ends.len() - 2].offset as usize;
+        // Torn: the last round's header and half its payload reached the
+        // disk, the rest is zeros.
+        let mut torn = whole.clone();
+        let cut =
+            last_start + (whole.len().min(ends[ends.len() - 1].offset as usize) - last_start) / 2;
+        torn[cut..].iter_mut().for_each(|b| *b = 0);
+        std::fs::write(&seg, &torn).expect("torn");
+        let node = NodeLog::open(&dir, 1 << 20).expect("a torn tail opens");
+        assert_eq!(seqs(&node.group(1)), vec![1, 2, 3, 4]);
+        assert_eq!(
+            seqs(&node.group(2)),
+            vec![1, 2, 3],
+            "the torn round's part is gone"
+        );
+        drop(node);
+        // A flipped byte in the first round, with rounds after it: damage.
+        let mut damaged = whole;
+        damaged[log_header_payload_byte()] ^= 0x40;
+        std::fs::write(&seg, &damaged).expect("damaged");
+        match NodeLog::open(&dir, 1 << 20) {
+            Err(StoreError::Corrupt(why)) => assert!(why.contains("offset 0"), "{why}"),
+            Err(e) => panic!("refused, but not as damage: {e}"),
+            Ok(_) => panic!("a damaged round before others opened"),
+        }
+    }
+
+    /// A byte inside the first round's payload (past its 8-byte header and
+    /// the first part's 9-byte header).
+    fn log_header_payload_byte() -> usize {
+        8 + PART_HEADER + 3
+    }
 }
