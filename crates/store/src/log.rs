@@ -238,7 +238,8 @@ pub(crate) trait Log {
     fn append<F>(&mut self, durable: F)
     where
         F: FnOnce(Result<Durable, StoreError>) + Send + 'static;
-    /// The end of the last group appended.
+    /// The end of the last group made durable (or the position the last
+    /// cut cut after).
     fn position(&self) -> Position;
     /// The first position reads may start at (moved by [`Log::purge_before`]).
     #[cfg_attr(
@@ -263,8 +264,9 @@ pub(crate) trait Log {
     where
         V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>;
     /// Cuts every group after `at`, a group boundary at or after
-    /// [`Log::first`] and at or before the end; the next group is
-    /// appended at `at`. Durable when it returns: a crash during the cut
+    /// [`Log::first`] and at or before the end; the next group lands
+    /// after `at` (right at it, in a log of one group's own). Durable when
+    /// it returns: a crash during the cut
     /// leaves a prefix of the log as it was, at least as long as `at`.
     /// The caller must not have published anything the cut groups hold.
     #[cfg_attr(

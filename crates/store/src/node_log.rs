@@ -124,7 +124,9 @@ impl Drop for Keeper {
         self.shared.lock().stop = true;
         self.shared.wake.notify_all();
         let handle = self.syncer.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = handle {
+        // The last handle may go on the syncer itself (with a callback
+        // that held it): it then stops by itself once it sees `stop`.
+        if let Some(h) = handle.filter(|h| h.thread().id() != std::thread::current().id()) {
             let _ = h.join();
         }
     }
@@ -906,5 +908,30 @@ mod tests {
     /// the first part's 9-byte header).
     fn log_header_payload_byte() -> usize {
         8 + PART_HEADER + 3
+    }
+
+    /// The last handle to the log may be let go by a callback, on the
+    /// syncer's own thread: the syncer must not try to join itself.
+    #[test]
+    fn the_last_handle_may_go_in_a_callback() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let node = NodeLog::open(&tmp.path().join("log"), 1 << 20).expect("opened");
+        let keep = node.group(2);
+        let mut a = node.group(1);
+        drop(node);
+        a.begin().expect("begun");
+        a.put(1, b"k", b"v");
+        let (tx, rx) = mpsc::channel();
+        // Dropped with `a` before the callback can run: `keep` is then
+        // the last handle, and the callback lets it go.
+        let (go, wait) = mpsc::channel::<()>();
+        a.append(move |made| {
+            let _ = wait.recv_timeout(Duration::from_secs(10));
+            drop(keep);
+            let _ = tx.send(made.is_ok());
+        });
+        drop(a);
+        let _ = go.send(());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
     }
 }
