@@ -171,6 +171,22 @@ impl<'a> GroupRead<'a> {
         }
     }
 
+    /// The whole group at `at` of `segment`, `len` bytes with its header.
+    fn whole(segment: u32, at: u64, len: u64, payload: &'a [u8]) -> GroupRead<'a> {
+        GroupRead {
+            start: Position {
+                segment,
+                offset: at,
+            },
+            end: Position {
+                segment,
+                offset: at + len,
+            },
+            payload_at: at + GROUP_HEADER as u64,
+            payload,
+        }
+    }
+
     /// Where the payload begins in the group's segment.
     pub(crate) fn payload_at(&self) -> u64 {
         self.payload_at
@@ -211,6 +227,13 @@ impl<'a> GroupRead<'a> {
 /// [`Log::put`]) and handed over whole ([`Log::append`]); the log tells
 /// when it is durable through a callback, and nothing the group holds may
 /// reach a reader before that. Positions are group boundaries.
+#[cfg_attr(
+    not(test),
+    allow(
+        dead_code,
+        reason = "first, read, truncate_after and purge_before: a Raft group's log storage is their user; the conformance suite runs them now"
+    )
+)]
 pub(crate) trait Log {
     /// Starts a group, dropping whatever an unfinished one held.
     fn begin(&mut self) -> Result<(), StoreError>;
@@ -242,53 +265,25 @@ pub(crate) trait Log {
     /// cut cut after).
     fn position(&self) -> Position;
     /// The first position reads may start at (moved by [`Log::purge_before`]).
-    #[cfg_attr(
-        not(test),
-        allow(
-            dead_code,
-            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
-        )
-    )]
     fn first(&self) -> Position;
     /// Calls `visit` on every durable group from `from` (a group boundary
     /// at or after [`Log::first`]) to the end, in order, until it says
     /// stop (`false`).
-    #[cfg_attr(
-        not(test),
-        allow(
-            dead_code,
-            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
-        )
-    )]
     fn read<V>(&self, from: Position, visit: V) -> Result<(), StoreError>
     where
         V: FnMut(&GroupRead<'_>) -> Result<bool, StoreError>;
     /// Cuts every group after `at`, a group boundary at or after
     /// [`Log::first`] and at or before the end; the next group lands
     /// after `at` (right at it, in a log of one group's own). Durable when
-    /// it returns: a crash during the cut
-    /// leaves a prefix of the log as it was, at least as long as `at`.
-    /// The caller must not have published anything the cut groups hold.
-    #[cfg_attr(
-        not(test),
-        allow(
-            dead_code,
-            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
-        )
-    )]
+    /// it returns: a crash during the cut leaves a prefix of the log as it
+    /// was, at least as long as `at`. The caller must not have published
+    /// anything the cut groups hold.
     fn truncate_after(&mut self, at: Position) -> Result<(), StoreError>;
     /// Reads before `at` (a group boundary at or before the end) are
     /// refused from now on. No space comes back: the events live in the
     /// log and are read by their locations, whatever the mark. The mark
     /// is not kept across a reopen; a caller that needs it (Raft's
     /// `last_purged`) keeps it durable itself.
-    #[cfg_attr(
-        not(test),
-        allow(
-            dead_code,
-            reason = "a Raft group's log storage is its user; the conformance suite runs it now"
-        )
-    )]
     fn purge_before(&mut self, at: Position) -> Result<(), StoreError>;
     /// Drops the group being built and refuses every later one.
     fn fail_stop(&mut self);
@@ -417,19 +412,7 @@ impl Segments {
             while at < limit {
                 match read_group(&file, at, limit, &mut payload, &path)? {
                     Group::Whole(len) => {
-                        let group = GroupRead {
-                            start: Position {
-                                segment,
-                                offset: at,
-                            },
-                            end: Position {
-                                segment,
-                                offset: at + len,
-                            },
-                            payload_at: at + GROUP_HEADER as u64,
-                            payload: &payload,
-                        };
-                        if !visit(&group)? {
+                        if !visit(&GroupRead::whole(segment, at, len, &payload))? {
                             return Ok(());
                         }
                         at += len;
@@ -635,22 +618,7 @@ impl Log for LogWriter {
 
     /// The value of an event added to the group being built.
     fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
-        let start = usize::try_from(loc.offset)
-            .ok()
-            .filter(|s| *s < self.buf.len())
-            .ok_or_else(|| {
-                StoreError::Corrupt(format!(
-                    "offset {} is not in the group being built",
-                    loc.offset
-                ))
-            })?;
-        match parse_record(&self.buf, start, self.segment, self.len)? {
-            (Record::Event { value, .. }, _) => Ok(value),
-            _ => Err(StoreError::Corrupt(format!(
-                "offset {} of the group being built is not an event",
-                loc.offset
-            ))),
-        }
+        event_in(&self.buf, loc)
     }
 
     /// Adds a put to one of the shard's keyspaces to the group.
@@ -858,6 +826,26 @@ pub(crate) fn push_event(
         segment: 0,
         offset: start as u64,
         len: (buf.len() - start) as u32,
+    }
+}
+
+/// The value of the event record [`push_event`] put at `loc` in `buf`.
+pub(crate) fn event_in(buf: &[u8], loc: Loc) -> Result<&[u8], StoreError> {
+    let start = usize::try_from(loc.offset)
+        .ok()
+        .filter(|s| *s < buf.len())
+        .ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "offset {} is not in the group being built",
+                loc.offset
+            ))
+        })?;
+    match parse_record(buf, start, 0, 0)? {
+        (Record::Event { value, .. }, _) => Ok(value),
+        _ => Err(StoreError::Corrupt(format!(
+            "offset {} of the group being built is not an event",
+            loc.offset
+        ))),
     }
 }
 
@@ -1169,18 +1157,7 @@ pub(crate) fn open_groups(
             match read_group(&f, at, size, &mut payload, &path)? {
                 Group::End => break,
                 Group::Whole(len) => {
-                    visit(&GroupRead {
-                        start: Position {
-                            segment,
-                            offset: at,
-                        },
-                        end: Position {
-                            segment,
-                            offset: at + len,
-                        },
-                        payload_at: at + GROUP_HEADER as u64,
-                        payload: &payload,
-                    })?;
+                    visit(&GroupRead::whole(segment, at, len, &payload))?;
                     at += len;
                 }
                 Group::Bad if segment == last => {

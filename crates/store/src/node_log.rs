@@ -25,7 +25,7 @@
 //! Built behind the [`Log`] trait and held to its conformance suite; the
 //! store does not use it yet (the switch is the next step).
 
-use crate::log::{self, Durable, GroupRead, Loc, Log, LogWriter, Position, Record, Segments};
+use crate::log::{self, Durable, GroupRead, Loc, Log, LogWriter, Position, Segments};
 use crate::StoreError;
 use forkless_types::{ExecutionId, PartitionId};
 use std::collections::{HashMap, VecDeque};
@@ -479,22 +479,7 @@ impl Log for GroupLog {
     }
 
     fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
-        let start = usize::try_from(loc.offset)
-            .ok()
-            .filter(|s| *s < self.buf.len())
-            .ok_or_else(|| {
-                StoreError::Corrupt(format!(
-                    "offset {} is not in the group being built",
-                    loc.offset
-                ))
-            })?;
-        match log::parse_record(&self.buf, start, 0, 0)? {
-            (Record::Event { value, .. }, _) => Ok(value),
-            _ => Err(StoreError::Corrupt(format!(
-                "offset {} of the group being built is not an event",
-                loc.offset
-            ))),
-        }
+        log::event_in(&self.buf, loc)
     }
 
     fn is_empty(&self) -> bool {
@@ -612,6 +597,7 @@ impl Log for GroupLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::log::Record;
     use std::sync::mpsc;
     use std::time::Duration;
 

@@ -564,6 +564,31 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// A second writer over `shard`'s keyspaces, with a log, an index tail
+    /// and a queue of its own (the shard's own writer stays idle), at
+    /// epoch 1.
+    fn second_writer(
+        shard: &ShardStore,
+        log: ShardLog,
+        tail: SharedTail,
+        rx: mpsc::Receiver<Command>,
+    ) -> (Arc<commit::Shared>, std::thread::JoinHandle<()>) {
+        let (commits_tx, _commits) = watch::channel(0u64);
+        commit::spawn(
+            ShardId(0),
+            shard.ks.clone(),
+            log,
+            tail,
+            StoreConfig::default().log_checkpoint_bytes,
+            0,
+            rx,
+            Arc::new(AtomicU64::new(1)),
+            commits_tx,
+            None,
+        )
+        .expect("the writer thread starts")
+    }
+
     /// A ring can be taken by another park on the writer thread before the
     /// writer's own (the hand-over's `recv`, when the first command arrives
     /// while the thread is still waking from it): the writer must still
@@ -587,20 +612,12 @@ mod tests {
         let (reply, answer) = oneshot::channel();
         tx.try_send(Command::AdvanceEpoch(Epoch(2), reply))
             .unwrap_or_else(|_| panic!("the queue has room"));
-        let (commits_tx, _commits) = watch::channel(0u64);
-        let (writer, thread) = commit::spawn(
-            ShardId(0),
-            shard.ks.clone(),
+        let (writer, thread) = second_writer(
+            &shard,
             ShardLog::Own(second_log),
             Arc::new(RwLock::new(Tail::default())),
-            StoreConfig::default().log_checkpoint_bytes,
-            0,
             rx,
-            Arc::new(AtomicU64::new(1)),
-            commits_tx,
-            None,
-        )
-        .expect("the writer thread starts");
+        );
         let moved = tokio::time::timeout(Duration::from_secs(10), answer)
             .await
             .expect("a command queued before the writer started, never rung, is committed")
@@ -631,20 +648,7 @@ mod tests {
         let segments = log.segments();
         let tail = Arc::new(RwLock::new(Tail::default()));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
-        let (commits_tx, _commits) = watch::channel(0u64);
-        let (writer, thread) = commit::spawn(
-            ShardId(0),
-            shard.ks.clone(),
-            log,
-            tail.clone(),
-            StoreConfig::default().log_checkpoint_bytes,
-            0,
-            rx,
-            Arc::new(AtomicU64::new(1)),
-            commits_tx,
-            None,
-        )
-        .expect("the writer thread starts");
+        let (writer, thread) = second_writer(&shard, log, tail.clone(), rx);
         let id = ExecutionId::new(42).expect("an id");
         let (reply, started) = oneshot::channel();
         let start = crate::StartRequest {
