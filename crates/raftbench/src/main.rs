@@ -388,10 +388,16 @@ struct Args {
     heartbeat: u64,
     election_min: u64,
     election_max: u64,
+    /// Turns every group's tick off once leaders are elected (openraft's
+    /// `runtime_config().tick(false)`): what an idle group costs when it
+    /// is quiesced, as a design that detects a dead leader per node, not
+    /// per group, would leave it.
+    quiesce: bool,
 }
 
 const USAGE: &str = "usage: forkless-raftidle [--groups N (64)] [--seconds S (10)] \
-[--heartbeat-interval MS (50)] [--election-timeout-min MS (150)] [--election-timeout-max MS (300)]";
+[--heartbeat-interval MS (50)] [--election-timeout-min MS (150)] [--election-timeout-max MS (300)] \
+[--quiesce true|false (false)]";
 
 fn parse_args() -> Args {
     let mut a = Args {
@@ -400,6 +406,7 @@ fn parse_args() -> Args {
         heartbeat: 50,
         election_min: 150,
         election_max: 300,
+        quiesce: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -416,6 +423,7 @@ fn parse_args() -> Args {
             "--heartbeat-interval" => a.heartbeat = parse(&flag, &value),
             "--election-timeout-min" => a.election_min = parse(&flag, &value),
             "--election-timeout-max" => a.election_max = parse(&flag, &value),
+            "--quiesce" => a.quiesce = parse(&flag, &value),
             _ => die(&format!("unknown flag {flag}")),
         }
     }
@@ -525,6 +533,11 @@ async fn run(args: Args) {
         leaders_per_node[leader as usize] += 1;
     }
     let terms_before = terms(&rafts);
+    if args.quiesce {
+        for r in rafts.iter().flatten() {
+            r.runtime_config().tick(false);
+        }
+    }
 
     let c = &registry.counters;
     let snap = |c: &Counters| {
@@ -550,11 +563,12 @@ async fn run(args: Args) {
     let pct = cpu.as_secs_f64() / w * 100.0;
     let rate = |i: usize| (n1[i] - n0[i]) as f64 / w;
     println!(
-        "groups={} heartbeat_ms={} election_ms={}-{} wall_s={:.2} cpu_process_pct={:.2} \
+        "groups={} quiesced={} heartbeat_ms={} election_ms={}-{} wall_s={:.2} cpu_process_pct={:.2} \
          cpu_per_node_pct={:.2} heartbeats_per_s={:.0} other_appends_per_s={:.1} \
          votes={} pre_votes={} snapshots={} applied={} term_changes={} leaders_per_node={:?} \
          ready_ms={}",
         args.groups,
+        args.quiesce,
         args.heartbeat,
         args.election_min,
         args.election_max,
