@@ -101,6 +101,8 @@ struct Queue {
 
 struct Shared {
     dir: PathBuf,
+    /// Where the open's read of the rounds began: no group reads before it.
+    opened_from: Position,
     segments: Arc<Segments>,
     queue: Mutex<Queue>,
     wake: Condvar,
@@ -109,6 +111,15 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A group with no part since the log was opened.
+    fn fresh(&self) -> GroupState {
+        GroupState {
+            end: self.opened_from,
+            first: self.opened_from,
+            cuts: Vec::new(),
+        }
     }
 }
 
@@ -143,11 +154,30 @@ impl NodeLog {
     /// the start (cutting a torn last round, refusing damage, as a shard's
     /// log does), learns each group's end and cuts, and starts the syncer.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<NodeLog, StoreError> {
+        Self::open_from(dir, Position::default(), segment_bytes)
+    }
+
+    /// [`NodeLog::open`], reading the rounds from `from` on only (a round
+    /// boundary: the oldest of the groups' checkpoints, so that a reopen
+    /// reads what some group must replay and no more). What lies before
+    /// `from` is not read, so every group's reads start at `from` at the
+    /// earliest, and a group with no part after it is placed with
+    /// [`NodeLog::group_at`].
+    pub(crate) fn open_from(
+        dir: &Path,
+        from: Position,
+        segment_bytes: u64,
+    ) -> Result<NodeLog, StoreError> {
+        let fresh = || GroupState {
+            end: from,
+            first: from,
+            cuts: Vec::new(),
+        };
         let mut groups: HashMap<u32, GroupState> = HashMap::new();
-        let writer = log::open_groups(dir, Position::default(), segment_bytes, |round| {
+        let writer = log::open_groups(dir, from, segment_bytes, |round| {
             for part in parts(round) {
                 let (group, body) = part?;
-                let g = groups.entry(group).or_default();
+                let g = groups.entry(group).or_insert_with(fresh);
                 match body {
                     PartRead::Records(_) => g.end = round.end,
                     PartRead::Cut(after) => {
@@ -160,6 +190,7 @@ impl NodeLog {
         })?;
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
+            opened_from: from,
             segments: writer.segments().clone(),
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
@@ -181,6 +212,24 @@ impl NodeLog {
                 syncer: Mutex::new(Some(syncer)),
             }),
         })
+    }
+
+    /// Group `group`'s view of the log, which ended at `end` when it was
+    /// last checkpointed (at or after the position the log was opened
+    /// from): a group whose parts all lie before that position is known
+    /// by it only.
+    #[cfg_attr(
+        not(test),
+        allow(dead_code, reason = "the store's switch to the node log is its user")
+    )]
+    pub(crate) fn group_at(&self, group: u32, end: Position) -> GroupLog {
+        {
+            let shared = &self.keeper.shared;
+            let mut q = shared.lock();
+            let g = q.groups.entry(group).or_insert_with(|| shared.fresh());
+            g.end = g.end.max(end);
+        }
+        self.group(group)
     }
 
     /// Group `group`'s view of the log.
@@ -330,7 +379,7 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
                     let mut q = shared.lock();
                     q.end = end;
                     for item in &round {
-                        let g = q.groups.entry(item.group).or_default();
+                        let g = q.groups.entry(item.group).or_insert_with(|| shared.fresh());
                         match item.body {
                             Body::Records(_) => g.end = end,
                             Body::Cut(after) => {
@@ -392,7 +441,7 @@ impl GroupLog {
             .groups
             .get(&self.group)
             .cloned()
-            .unwrap_or_default()
+            .unwrap_or_else(|| self.shared().fresh())
     }
 
     fn refused(&self) -> Option<StoreError> {
@@ -517,7 +566,10 @@ impl Log for GroupLog {
         let (state, end) = {
             let q = self.shared().lock();
             (
-                q.groups.get(&self.group).cloned().unwrap_or_default(),
+                q.groups
+                    .get(&self.group)
+                    .cloned()
+                    .unwrap_or_else(|| self.shared().fresh()),
                 q.end,
             )
         };
@@ -579,11 +631,12 @@ impl Log for GroupLog {
 
     fn purge_before(&mut self, at: Position) -> Result<(), StoreError> {
         self.check_boundary(at, "purge before")?;
-        self.shared()
+        let shared = self.shared();
+        shared
             .lock()
             .groups
             .entry(self.group)
-            .or_default()
+            .or_insert_with(|| shared.fresh())
             .first = at;
         Ok(())
     }
@@ -919,5 +972,63 @@ mod tests {
         drop(a);
         let _ = go.send(());
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
+    }
+
+    /// A reopen from the oldest checkpoint reads only the rounds after
+    /// it: each group replays from its own checkpoint, a cut after that
+    /// position still applies, reads before it are refused, and a group
+    /// with no part after it is placed by its checkpoint.
+    #[test]
+    fn a_reopen_from_the_oldest_checkpoint_reads_only_after_it() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let dir = tmp.path().join("log");
+        let node = NodeLog::open(&dir, 4096).expect("opened");
+        let (mut a, mut b, mut c) = (node.group(1), node.group(2), node.group(3));
+        // Group 3 writes first and then no more: its checkpoint is its end.
+        let c_end = append(&mut c, 3, 0).end;
+        let (mut a_ends, mut b_ends) = (Vec::new(), Vec::new());
+        for n in 0..10 {
+            a_ends.push(append(&mut a, 1, n).end);
+            b_ends.push(append(&mut b, 2, n).end);
+        }
+        // Checkpoints: a at its 4th part, b at its 7th; a cuts after its
+        // 8th part (after both checkpoints).
+        let (a_checkpoint, b_checkpoint) = (a_ends[3], b_ends[6]);
+        a.truncate_after(a_ends[7]).expect("cut");
+        drop((a, b, c, node));
+        let from = a_checkpoint.min(b_checkpoint).min(c_end);
+        assert_eq!(from, c_end);
+        let node =
+            NodeLog::open_from(&dir, from, 4096).expect("reopened from the oldest checkpoint");
+        let a = node.group_at(1, a_checkpoint);
+        let b = node.group_at(2, b_checkpoint);
+        let c = node.group_at(3, c_end);
+        let seqs_from = |log: &GroupLog, at: Position| {
+            let mut out = Vec::new();
+            log.read(at, |part| {
+                for r in part.records() {
+                    if let Record::Event { seq, .. } = r? {
+                        out.push(seq);
+                    }
+                }
+                Ok(true)
+            })
+            .map(|()| out)
+        };
+        assert_eq!(seqs_from(&a, a_checkpoint).expect("read"), vec![5, 6, 7, 8]);
+        assert_eq!(seqs_from(&b, b_checkpoint).expect("read"), vec![8, 9, 10]);
+        assert!(
+            seqs_from(&a, Position::default()).is_err(),
+            "before the open's start"
+        );
+        assert_eq!(a.position(), a_ends[7]);
+        assert_eq!(b.position(), b_ends[9]);
+        // Group 3 has no part after the start; its checkpoint places it,
+        // and it takes appends after it.
+        assert_eq!(c.position(), c_end);
+        assert_eq!(seqs_from(&c, c_end).expect("read"), Vec::<u64>::new());
+        let mut c = c;
+        let d = append(&mut c, 3, 1);
+        assert!(d.end > b_ends[9]);
     }
 }
