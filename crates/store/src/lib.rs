@@ -1,14 +1,16 @@
 //! Per-shard durable state: execution logs, the routing-key and idempotency
 //! indexes, the shard's epoch (the fence), and group commit.
 //!
-//! One fjall database per shard (`<data>/shards/<shard>/`), so a shard can be
-//! snapshotted, shipped and dropped as a unit, and shards fsync in parallel.
-//! All writes to a shard go through its single writer thread
-//! ([`writer`]), which drains a bounded queue into one atomic batch and one
-//! fsync (group commit). fjall writes a batch to its journal, fsyncs it, and
-//! only then makes it visible to readers, so a reader never sees an event
-//! that a crash could take back, and an append is acknowledged only after it
-//! is durable.
+//! Each shard (`<data>/shards/<shard>/`) has a log of its own (`log.rs`:
+//! the events, and the write-ahead record of every change) and one fjall
+//! database (execution records and indexes). All writes to a shard go
+//! through one writer at a time: the commit scheduler (`commit.rs`) takes
+//! a group of queued commands, the state machine (`machine.rs`) decides
+//! what each does, and the writer (`writer.rs`) writes the group to the log
+//! with one fsync and only then publishes it to the index and to fjall, so
+//! a reader never sees an event that a crash could take back, and an
+//! append is acknowledged only after it is durable. `node_log.rs` is the
+//! node-wide log that shards move to next (`docs/replication.md`).
 //!
 //! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
 //! are opaque bytes; the caller validated them.
