@@ -279,10 +279,7 @@ fn scan_log(
     'segments: for &segment in &ids {
         let path = log::segment_path(log_dir, segment);
         let f = File::open(&path).map_err(|e| log::io(&path, "opening", e))?;
-        let size = f
-            .metadata()
-            .map_err(|e| log::io(&path, "reading metadata", e))?
-            .len();
+        let size = log::file_len(&f, &path)?;
         let mut at = 0;
         let mut events_here = 0u64;
         while at < size {

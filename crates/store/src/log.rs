@@ -400,9 +400,7 @@ impl Segments {
             let limit = if segment == end.segment {
                 end.offset
             } else {
-                file.metadata()
-                    .map_err(|e| io(&path, "reading metadata", e))?
-                    .len()
+                file_len(&file, &path)?
             };
             let mut at = if segment == from.segment {
                 from.offset
@@ -713,13 +711,7 @@ impl Log for LogWriter {
         drop(open);
         // As `open` counts them: the whole files before the last segment,
         // and the last one's groups.
-        let mut bytes = at.offset;
-        for id in 0..at.segment {
-            let path = segment_path(&dir, id);
-            bytes += std::fs::metadata(&path)
-                .map_err(|e| io(&path, "reading metadata", e))?
-                .len();
-        }
+        let bytes = bytes_before(&dir, at.segment)? + at.offset;
         self.segments.bytes.store(bytes, Ordering::Relaxed);
         self.len = at.offset;
         // The cut leaves a hole, not written zeros: the next rotation
@@ -795,15 +787,18 @@ pub(crate) fn cut_after(dir: &Path, at: Position, last: u32) -> Result<u64, Stor
         .write(true)
         .open(&path)
         .map_err(|e| io(&path, "opening", e))?;
-    let size = f
-        .metadata()
-        .map_err(|e| io(&path, "reading metadata", e))?
-        .len();
-    f.set_len(at.offset)
-        .and_then(|()| f.set_len(size))
-        .and_then(|()| f.sync_all())
-        .map_err(|e| io(&path, "cutting", e))?;
+    let size = file_len(&f, &path)?;
+    zero_from(&f, at.offset, size, &path, "cutting")?;
     Ok(size.saturating_sub(at.offset))
+}
+
+/// Zeroes `file` from `at` to its end, keeping its length `size` (a
+/// zero-filled segment stays preallocated), and syncs it.
+fn zero_from(file: &File, at: u64, size: u64, path: &Path, what: &str) -> Result<(), StoreError> {
+    file.set_len(at)
+        .and_then(|()| file.set_len(size))
+        .and_then(|()| file.sync_all())
+        .map_err(|e| io(path, what, e))
 }
 
 /// Adds an event record to `buf`; returns where it lies in `buf`.
@@ -857,6 +852,27 @@ pub(crate) fn push_put(buf: &mut Vec<u8>, keyspace: u8, key: &[u8], value: &[u8]
     buf.extend_from_slice(key);
     buf.extend_from_slice(&(value.len() as u32).to_be_bytes());
     buf.extend_from_slice(value);
+}
+
+/// The length of an open file.
+pub(crate) fn file_len(file: &File, path: &Path) -> Result<u64, StoreError> {
+    Ok(file
+        .metadata()
+        .map_err(|e| io(path, "reading metadata", e))?
+        .len())
+}
+
+/// The bytes segments `0..segment` of `dir` take, as `Segments` counts
+/// them for `disk_bytes` (whole files).
+fn bytes_before(dir: &Path, segment: u32) -> Result<u64, StoreError> {
+    let mut bytes = 0;
+    for id in 0..segment {
+        let path = segment_path(dir, id);
+        bytes += std::fs::metadata(&path)
+            .map_err(|e| io(&path, "reading metadata", e))?
+            .len();
+    }
+    Ok(bytes)
 }
 
 pub(crate) fn segment_path(dir: &Path, segment: u32) -> PathBuf {
@@ -1046,10 +1062,7 @@ pub(crate) fn written(dir: &Path) -> Result<(usize, Option<Position>), StoreErro
     for &id in &ids {
         let path = segment_path(dir, id);
         let f = File::open(&path).map_err(|e| io(&path, "opening", e))?;
-        let size = f
-            .metadata()
-            .map_err(|e| io(&path, "reading metadata", e))?
-            .len();
+        let size = file_len(&f, &path)?;
         if let Some(offset) = first_non_zero(&f, 0, size, &path)? {
             return Ok((
                 ids.len(),
@@ -1120,13 +1133,7 @@ pub(crate) fn open_groups(
             from.segment
         )));
     }
-    let mut bytes = 0;
-    for id in 0..from.segment {
-        let path = segment_path(dir, id);
-        bytes += std::fs::metadata(&path)
-            .map_err(|e| io(&path, "reading metadata", e))?
-            .len();
-    }
+    let mut bytes = bytes_before(dir, from.segment)?;
     let mut end = 0;
     let mut payload = Vec::new();
     let mut file = None;
@@ -1138,10 +1145,7 @@ pub(crate) fn open_groups(
             .write(segment == last)
             .open(&path)
             .map_err(|e| io(&path, "opening", e))?;
-        let size = f
-            .metadata()
-            .map_err(|e| io(&path, "reading metadata", e))?
-            .len();
+        let size = file_len(&f, &path)?;
         let mut at = if segment == from.segment {
             from.offset
         } else {
@@ -1173,12 +1177,7 @@ pub(crate) fn open_groups(
                         offset = at,
                         "cutting off a torn group at the end of the log (nothing was written after it, so it was never acknowledged)"
                     );
-                    // Zeros from `at` on, the file's length kept (it stays
-                    // preallocated).
-                    f.set_len(at)
-                        .and_then(|()| f.set_len(size))
-                        .and_then(|()| f.sync_all())
-                        .map_err(|e| io(&path, "cutting off a torn group", e))?;
+                    zero_from(&f, at, size, &path, "cutting off a torn group")?;
                     break;
                 }
                 Group::Bad => {

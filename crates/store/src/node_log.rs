@@ -176,7 +176,7 @@ impl NodeLog {
         let mut groups: HashMap<u32, GroupState> = HashMap::new();
         let writer = log::open_groups(dir, from, segment_bytes, |round| {
             for part in parts(round) {
-                let (group, body) = part?;
+                let (group, _, body) = part?;
                 let g = groups.entry(group).or_insert_with(fresh);
                 match body {
                     PartRead::Records(_) => g.end = round.end,
@@ -249,14 +249,9 @@ enum PartRead<'a> {
     Cut(Position),
 }
 
-/// The parts of a round, with where each part's records start in the log.
+/// The parts of a round: each one's group, where its records start in the
+/// round's segment (0 for a cut), and what it holds.
 fn parts<'a>(
-    round: &'a GroupRead<'a>,
-) -> impl Iterator<Item = Result<(u32, PartRead<'a>), StoreError>> + 'a {
-    part_offsets(round).map(|p| p.map(|(group, _, body)| (group, body)))
-}
-
-fn part_offsets<'a>(
     round: &'a GroupRead<'a>,
 ) -> impl Iterator<Item = Result<(u32, u64, PartRead<'a>), StoreError>> + 'a {
     let payload = round.payload();
@@ -315,6 +310,7 @@ fn part_offsets<'a>(
 fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
     let mut round: Vec<Queued> = Vec::new();
     let mut later: VecDeque<Queued> = VecDeque::new();
+    let mut taken = std::collections::HashSet::new();
     loop {
         {
             let mut q = shared.lock();
@@ -324,7 +320,7 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
             if q.waiting.is_empty() {
                 return;
             }
-            let mut taken = std::collections::HashSet::new();
+            taken.clear();
             let mut bytes = 0;
             while let Some(item) = q.waiting.pop_front() {
                 // At least one part; then as many as fit the round's budget.
@@ -588,7 +584,7 @@ impl Log for GroupLog {
         }
         let mut go_on = true;
         self.shared().segments.read_groups(from, end, |round| {
-            for part in part_offsets(round) {
+            for part in parts(round) {
                 let (group, at, body) = part?;
                 if group != self.group || state.cut_away(round.end) {
                     continue;

@@ -240,11 +240,11 @@ fn convert_legacy(
      -> Result<(), StoreError> {
         if !log.is_empty() {
             let start = log.position();
-            log.commit()?;
+            let bytes = log.commit()?;
             let durable = log::Durable {
                 start,
                 end: log.position(),
-                bytes: 0,
+                bytes,
             };
             for (p, id, seq, loc, at) in pending.drain(..) {
                 tail.push(p, id, seq, durable.locate(loc), at)?;

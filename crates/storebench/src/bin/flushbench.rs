@@ -25,7 +25,11 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+mod flags;
+
+use flags::Result;
+
+const USAGE: &str = "forkless-flushbench [--dir D] [--groups 1,8,64] [--seconds 3] [--reps 3] [--entry-bytes 330] [--sync-threads 64]";
 
 const FILE_BYTES: u64 = 16 * 1024 * 1024;
 
@@ -64,36 +68,14 @@ fn parse() -> Result<Args> {
         entry_bytes: 330,
         sync_threads: 64,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag}: a value is needed"))
-        };
+    for (flag, v) in flags::pairs(USAGE)? {
         match flag.as_str() {
-            "--dir" => a.dir = PathBuf::from(value()?),
-            "--groups" => {
-                a.groups = value()?
-                    .split(',')
-                    .map(|g| g.parse().map_err(|e| format!("--groups: {g:?}: {e}")))
-                    .collect::<std::result::Result<_, _>>()?
-            }
-            "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
-            "--reps" => a.reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
-            "--entry-bytes" => {
-                a.entry_bytes = value()?
-                    .parse()
-                    .map_err(|e| format!("--entry-bytes: {e}"))?
-            }
-            "--sync-threads" => {
-                a.sync_threads = value()?
-                    .parse()
-                    .map_err(|e| format!("--sync-threads: {e}"))?
-            }
-            "-h" | "--help" => {
-                println!("forkless-flushbench [--dir D] [--groups 1,8,64] [--seconds 3] [--reps 3] [--entry-bytes 330] [--sync-threads 64]");
-                std::process::exit(0);
-            }
+            "--dir" => a.dir = PathBuf::from(v),
+            "--groups" => a.groups = flags::counts(&flag, &v)?,
+            "--seconds" => a.seconds = flags::value(&flag, &v)?,
+            "--reps" => a.reps = flags::value(&flag, &v)?,
+            "--entry-bytes" => a.entry_bytes = flags::value(&flag, &v)?,
+            "--sync-threads" => a.sync_threads = flags::value(&flag, &v)?,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }

@@ -16,7 +16,12 @@
 use forkless_store::logbench::{self, Layout};
 use std::path::PathBuf;
 
-type Result<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+mod flags;
+
+use flags::Result;
+
+const USAGE: &str =
+    "forkless-logbench [--dir D] [--groups 1,8,64] [--seconds 3] [--reps 3] [--event-bytes 256]";
 
 struct Args {
     dir: PathBuf,
@@ -34,31 +39,13 @@ fn parse() -> Result<Args> {
         reps: 3,
         event_bytes: 256,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = || {
-            it.next()
-                .ok_or_else(|| format!("{flag}: a value is needed"))
-        };
+    for (flag, v) in flags::pairs(USAGE)? {
         match flag.as_str() {
-            "--dir" => a.dir = PathBuf::from(value()?),
-            "--groups" => {
-                a.groups = value()?
-                    .split(',')
-                    .map(|g| g.parse().map_err(|e| format!("--groups: {g:?}: {e}")))
-                    .collect::<std::result::Result<_, _>>()?
-            }
-            "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
-            "--reps" => a.reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
-            "--event-bytes" => {
-                a.event_bytes = value()?
-                    .parse()
-                    .map_err(|e| format!("--event-bytes: {e}"))?
-            }
-            "-h" | "--help" => {
-                println!("forkless-logbench [--dir D] [--groups 1,8,64] [--seconds 3] [--reps 3] [--event-bytes 256]");
-                std::process::exit(0);
-            }
+            "--dir" => a.dir = PathBuf::from(v),
+            "--groups" => a.groups = flags::counts(&flag, &v)?,
+            "--seconds" => a.seconds = flags::value(&flag, &v)?,
+            "--reps" => a.reps = flags::value(&flag, &v)?,
+            "--event-bytes" => a.event_bytes = flags::value(&flag, &v)?,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
