@@ -266,7 +266,7 @@ fn scan_log(
     r: &mut ShardReport,
 ) -> Result<LogScan, StoreError> {
     let mut scan = LogScan::default();
-    let ids = match log::list_segments_read_only(log_dir) {
+    let ids = match log::list_segments_read_only(log_dir, 0) {
         Ok(ids) => ids,
         Err(e) => {
             r.problems.push(e.to_string());
@@ -437,7 +437,7 @@ fn check_database(
         .filter(|(end, _)| *end <= checkpoint)
         .map(|(_, n)| n)
         .sum();
-    let segments_reader = log::Segments::read_only(log_dir, segments as u32);
+    let segments_reader = log::Segments::read_only(log_dir, 0, segments as u32);
     let snap = ks.db.snapshot();
     let mut indexed_last: BTreeMap<ExecutionId, u64> = BTreeMap::new();
     let mut index_problems = 0usize;
@@ -585,7 +585,7 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
             at.0, at.1, at.0
         ));
     }
-    let ids = log::list_segments_read_only(&log_dir)?;
+    let ids = log::list_segments_read_only(&log_dir, 0)?;
     if !ids.contains(&at.0) {
         return refuse(format!("shard {shard} has no segment {}", at.0));
     }

@@ -26,7 +26,8 @@
 //! re-applies those puts (each put is a whole value, so applying one twice
 //! is the same as once) and rebuilds the index of events written since.
 //!
-//! Segments are `<shard>/eventlog/<id>.seg`, numbered from 0 without gaps,
+//! Segments are `<shard>/eventlog/<id>.seg`, numbered from 0 without gaps
+//! (the node log's, `<data>/log/<id>.seg`, from `node_log::SEGMENT_BASE`),
 //! and never deleted (they hold the events). A shard's first segment grows
 //! with every group; once a shard has written a little, the next segment
 //! is written full of zeros on a thread of its own
@@ -298,7 +299,11 @@ const OPEN_SEGMENTS_MAX: usize = 32;
 /// reader.
 pub(crate) struct Segments {
     dir: PathBuf,
-    /// Segments that exist: ids `0..count`.
+    /// The first segment's id (0 for a shard's own log; a node log's are
+    /// numbered from [`crate::node_log::SEGMENT_BASE`], so a location says
+    /// which log it is in).
+    base: u32,
+    /// Segments that exist: ids `base..count`.
     count: AtomicU32,
     /// Bytes the segments hold (durable groups only).
     bytes: AtomicU64,
@@ -310,10 +315,12 @@ pub(crate) struct Segments {
 }
 
 impl Segments {
-    /// Segments `0..count` of `dir`, for reading only (the offline check).
-    pub(crate) fn read_only(dir: &Path, count: u32) -> Segments {
+    /// Segments `base..count` of `dir`, for reading only (the offline
+    /// check, and a shard's own log once it writes to the node log).
+    pub(crate) fn read_only(dir: &Path, base: u32, count: u32) -> Segments {
         Segments {
             dir: dir.to_path_buf(),
+            base,
             count: AtomicU32::new(count),
             bytes: AtomicU64::new(0),
             sync_latency: Latency::default(),
@@ -323,7 +330,7 @@ impl Segments {
 
     fn file(&self, segment: u32) -> Result<Option<Arc<File>>, StoreError> {
         let count = self.count.load(Ordering::Acquire);
-        if segment >= count {
+        if segment < self.base || segment >= count {
             return Ok(None);
         }
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
@@ -711,7 +718,7 @@ impl Log for LogWriter {
         drop(open);
         // As `open` counts them: the whole files before the last segment,
         // and the last one's groups.
-        let bytes = bytes_before(&dir, at.segment)? + at.offset;
+        let bytes = bytes_before(&dir, self.segments.base, at.segment)? + at.offset;
         self.segments.bytes.store(bytes, Ordering::Relaxed);
         self.len = at.offset;
         // The cut leaves a hole, not written zeros: the next rotation
@@ -862,11 +869,11 @@ pub(crate) fn file_len(file: &File, path: &Path) -> Result<u64, StoreError> {
         .len())
 }
 
-/// The bytes segments `0..segment` of `dir` take, as `Segments` counts
+/// The bytes segments `base..segment` of `dir` take, as `Segments` counts
 /// them for `disk_bytes` (whole files).
-fn bytes_before(dir: &Path, segment: u32) -> Result<u64, StoreError> {
+fn bytes_before(dir: &Path, base: u32, segment: u32) -> Result<u64, StoreError> {
     let mut bytes = 0;
-    for id in 0..segment {
+    for id in base..segment {
         let path = segment_path(dir, id);
         bytes += std::fs::metadata(&path)
             .map_err(|e| io(&path, "reading metadata", e))?
@@ -1006,18 +1013,18 @@ fn free_bytes(_dir: &Path) -> Option<u64> {
     None
 }
 
-/// The segment ids in `dir`, in order; they must run from 0 without gaps.
-/// Removes the zero-filled files a stopped process left unused.
-fn list_segments(dir: &Path) -> Result<Vec<u32>, StoreError> {
-    list_segments_and(dir, true)
+/// The segment ids in `dir`, in order; they must run from `base` without
+/// gaps. Removes the zero-filled files a stopped process left unused.
+fn list_segments(dir: &Path, base: u32) -> Result<Vec<u32>, StoreError> {
+    list_segments_and(dir, base, true)
 }
 
 /// [`list_segments`], changing nothing.
-pub(crate) fn list_segments_read_only(dir: &Path) -> Result<Vec<u32>, StoreError> {
-    list_segments_and(dir, false)
+pub(crate) fn list_segments_read_only(dir: &Path, base: u32) -> Result<Vec<u32>, StoreError> {
+    list_segments_and(dir, base, false)
 }
 
-fn list_segments_and(dir: &Path, remove_prepared: bool) -> Result<Vec<u32>, StoreError> {
+fn list_segments_and(dir: &Path, base: u32, remove_prepared: bool) -> Result<Vec<u32>, StoreError> {
     let mut ids = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(|e| io(dir, "listing", e))? {
         let entry = entry.map_err(|e| io(dir, "listing", e))?;
@@ -1042,10 +1049,15 @@ fn list_segments_and(dir: &Path, remove_prepared: bool) -> Result<Vec<u32>, Stor
         ids.push(id);
     }
     ids.sort_unstable();
-    if let Some((i, id)) = ids.iter().enumerate().find(|(i, id)| **id as usize != *i) {
+    if let Some((i, id)) = ids
+        .iter()
+        .enumerate()
+        .find(|(i, id)| u64::from(**id) != u64::from(base) + *i as u64)
+    {
         return Err(StoreError::Corrupt(format!(
-            "{}: segment {i} is missing (found {id})",
-            dir.display()
+            "{}: segment {} is missing (found {id})",
+            dir.display(),
+            u64::from(base) + i as u64
         )));
     }
     Ok(ids)
@@ -1058,7 +1070,7 @@ pub(crate) fn written(dir: &Path) -> Result<(usize, Option<Position>), StoreErro
     if !dir.exists() {
         return Ok((0, None));
     }
-    let ids = list_segments(dir)?;
+    let ids = list_segments(dir, 0)?;
     for &id in &ids {
         let path = segment_path(dir, id);
         let f = File::open(&path).map_err(|e| io(&path, "opening", e))?;
@@ -1096,7 +1108,7 @@ pub(crate) fn open(
     segment_bytes: u64,
     mut apply: impl FnMut(Record<'_>) -> Result<(), StoreError>,
 ) -> Result<LogWriter, StoreError> {
-    open_groups(dir, from, segment_bytes, |group| {
+    open_groups(dir, 0, from, segment_bytes, |group| {
         for record in group.records() {
             apply(record?)?;
         }
@@ -1105,17 +1117,23 @@ pub(crate) fn open(
 }
 
 /// [`open`], handing over whole groups (a node log's rounds, whose
-/// payload is parts of many groups' records: `node_log.rs`).
+/// payload is parts of many groups' records: `node_log.rs`), for a log
+/// whose segments are numbered from `base`.
 pub(crate) fn open_groups(
     dir: &Path,
+    base: u32,
     from: Position,
     segment_bytes: u64,
     mut visit: impl FnMut(&GroupRead<'_>) -> Result<(), StoreError>,
 ) -> Result<LogWriter, StoreError> {
     create_dir_durably(dir)?;
-    let ids = list_segments(dir)?;
+    let ids = list_segments(dir, base)?;
+    let start = Position {
+        segment: base,
+        offset: 0,
+    };
     if ids.is_empty() {
-        if from != Position::default() {
+        if from != start {
             return Err(StoreError::Corrupt(format!(
                 "{}: the checkpoint is at {}:{} but there are no segments",
                 dir.display(),
@@ -1123,17 +1141,17 @@ pub(crate) fn open_groups(
                 from.offset
             )));
         }
-        drop(create_segment(dir, 0)?);
+        drop(create_segment(dir, base)?);
     }
-    let last = ids.len().saturating_sub(1) as u32;
-    if from.segment > last {
+    let last = base + ids.len().saturating_sub(1) as u32;
+    if from.segment < base || from.segment > last {
         return Err(StoreError::Corrupt(format!(
-            "{}: the checkpoint is in segment {} but the last is {last}",
+            "{}: the checkpoint is in segment {} but the segments are {base} to {last}",
             dir.display(),
             from.segment
         )));
     }
-    let mut bytes = bytes_before(dir, from.segment)?;
+    let mut bytes = bytes_before(dir, base, from.segment)?;
     let mut end = 0;
     let mut payload = Vec::new();
     let mut file = None;
@@ -1201,6 +1219,7 @@ pub(crate) fn open_groups(
     Ok(LogWriter {
         segments: Arc::new(Segments {
             dir: dir.to_path_buf(),
+            base,
             count: AtomicU32::new(last + 1),
             bytes: AtomicU64::new(bytes),
             sync_latency: Latency::default(),
@@ -1214,7 +1233,7 @@ pub(crate) fn open_groups(
         next: None,
         buf: Vec::new(),
         failed: false,
-        first: Position::default(),
+        first: start,
     })
 }
 

@@ -32,6 +32,18 @@ use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+/// The node log's first segment id: a shard's own log numbers its
+/// segments from 0, so an event's location says which of the two logs it
+/// is in, with no change to the events index's format (a shard written
+/// before the node log keeps its events where they are).
+pub(crate) const SEGMENT_BASE: u32 = 1 << 31;
+
+/// Where an empty node log starts.
+pub(crate) const START: Position = Position {
+    segment: SEGMENT_BASE,
+    offset: 0,
+};
+
 const PART: u8 = 3;
 const CUT: u8 = 4;
 /// kind, group, len.
@@ -154,7 +166,7 @@ impl NodeLog {
     /// the start (cutting a torn last round, refusing damage, as a shard's
     /// log does), learns each group's end and cuts, and starts the syncer.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<NodeLog, StoreError> {
-        Self::open_from(dir, Position::default(), segment_bytes)
+        Self::open_from(dir, START, segment_bytes)
     }
 
     /// [`NodeLog::open`], reading the rounds from `from` on only (a round
@@ -174,7 +186,7 @@ impl NodeLog {
             cuts: Vec::new(),
         };
         let mut groups: HashMap<u32, GroupState> = HashMap::new();
-        let writer = log::open_groups(dir, from, segment_bytes, |round| {
+        let writer = log::open_groups(dir, SEGMENT_BASE, from, segment_bytes, |round| {
             for part in parts(round) {
                 let (group, _, body) = part?;
                 let g = groups.entry(group).or_insert_with(fresh);
@@ -910,7 +922,7 @@ mod tests {
             ends.push(append(&mut b, 2, n).end);
         }
         drop((a, b, node));
-        let seg = log::segment_path(&dir, 0);
+        let seg = log::segment_path(&dir, SEGMENT_BASE);
         let whole = std::fs::read(&seg).expect("the segment");
         let last_start = ends[ends.len() - 2].offset as usize;
         // Torn: the last round's header and half its payload reached the
