@@ -216,6 +216,12 @@ impl Shared {
         }
     }
 
+    /// What the log's [`crate::log::Log::written`] said at the shard's
+    /// last checkpoint.
+    pub(crate) fn checkpointed_at(&self) -> u64 {
+        self.checkpoints.at_written.load(Ordering::Relaxed)
+    }
+
     /// Wakes the writer thread to drain the queue (or to see that every
     /// handle is gone). A ring while it is busy is remembered.
     pub(crate) fn ring(&self) {

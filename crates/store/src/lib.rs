@@ -308,10 +308,15 @@ impl From<fjall::Error> for StoreError {
 
 /// The node's store: one [`ShardStore`] per hosted shard under `<dir>/shards`.
 pub struct Store {
+    /// Declared first, so stopped first: it holds the shards for a moment
+    /// each time it looks at them.
+    sweep: Option<Sweep>,
     dir: PathBuf,
     shard_count: ShardCount,
     config: StoreConfig,
-    shards: RwLock<BTreeMap<ShardId, Arc<ShardStore>>>,
+    /// The node log (`<dir>/log/`), if the shards write to it.
+    node: Option<node_log::NodeLog>,
+    shards: Arc<RwLock<BTreeMap<ShardId, Arc<ShardStore>>>>,
     /// Shards that could not be opened (damage found at open), with why.
     /// They stay out of service until the process is restarted on a
     /// repaired folder; the other shards serve.
@@ -322,6 +327,74 @@ pub struct Store {
 const OPEN_LOCKS: usize = 16;
 
 pub(crate) const LAYOUT_FILE: &str = "layout";
+
+/// The node log's folder in the data directory.
+pub(crate) const NODE_LOG_DIR: &str = "log";
+
+/// How often the checkpoint sweep looks at the shards.
+const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The node log's checkpoint sweep: a reopen reads the node log from the
+/// oldest checkpoint of any shard, and a shard checkpoints by itself only
+/// when it writes, so an idle shard is asked to checkpoint once the log has
+/// written [`StoreConfig::log_checkpoint_bytes`] since its last one (which
+/// costs it a sync of its database, with nothing to move into its index).
+/// Stops when dropped.
+struct Sweep {
+    stop: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sweep {
+    fn start(
+        node: node_log::NodeLog,
+        shards: Arc<RwLock<BTreeMap<ShardId, Arc<ShardStore>>>>,
+        bytes: u64,
+    ) -> Result<Sweep, StoreError> {
+        let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("checkpoint-sweep".into())
+            .spawn(move || {
+                let (lock, wake) = &*stopped;
+                let mut stop = lock.lock().unwrap_or_else(|e| e.into_inner());
+                while !*stop {
+                    stop = wake
+                        .wait_timeout(stop, SWEEP_EVERY)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                    if *stop {
+                        break;
+                    }
+                    let written = node.written();
+                    let hosted: Vec<_> = shards
+                        .read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .values()
+                        .cloned()
+                        .collect();
+                    for shard in hosted {
+                        shard.checkpoint_if_behind(written, bytes);
+                    }
+                }
+            })
+            .map_err(|e| StoreError::Io(format!("spawning the checkpoint sweep: {e}")))?;
+        Ok(Sweep {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Sweep {
+    fn drop(&mut self) {
+        *self.stop.0.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.stop.1.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
 
 impl Store {
     /// Opens (or creates) the node's data directory. Refuses a directory
@@ -354,11 +427,13 @@ impl Store {
             }
             Err(e) => return Err(StoreError::Io(format!("{}: {e}", layout.display()))),
         }
-        let store = Store {
+        let mut store = Store {
+            sweep: None,
             dir: dir.to_path_buf(),
             shard_count,
             config,
-            shards: RwLock::new(BTreeMap::new()),
+            node: None,
+            shards: Arc::new(RwLock::new(BTreeMap::new())),
             failed: RwLock::new(BTreeMap::new()),
             opening: Default::default(),
         };
@@ -382,23 +457,129 @@ impl Store {
                 }
             }
         }
+        if store.config.node_log {
+            store.open_node_log(&existing)?;
+            return Ok(store);
+        }
         std::thread::scope(|scope| {
             let handles: Vec<_> = existing
                 .iter()
                 .map(|s| (*s, scope.spawn(|| store.open_shard(*s, Epoch(0)))))
                 .collect();
             for (shard, h) in handles {
-                match h.join() {
-                    Ok(Ok(_)) | Ok(Err(StoreError::ShardFailed { .. })) => {}
-                    // Another process holds the folder: nothing here is ours.
-                    Ok(Err(e @ StoreError::InUse(_))) => return Err(e),
-                    Ok(Err(e)) => store.mark_failed(shard, e.to_string()),
-                    Err(_) => store.mark_failed(shard, "its reopen panicked".into()),
-                }
+                store.opened(shard, h.join())?;
             }
             Ok::<(), StoreError>(())
         })?;
         Ok(store)
+    }
+
+    /// Takes in the outcome of opening a shard at the store's open: a
+    /// shard that fails to open is out of service, the others serve; a
+    /// folder another process holds fails the whole open.
+    fn opened<T>(
+        &self,
+        shard: ShardId,
+        outcome: std::thread::Result<Result<T, StoreError>>,
+    ) -> Result<Option<T>, StoreError> {
+        match outcome {
+            Ok(Ok(t)) => return Ok(Some(t)),
+            Ok(Err(StoreError::ShardFailed { .. })) => {}
+            // Another process holds the folder: nothing here is ours.
+            Ok(Err(e @ StoreError::InUse(_))) => return Err(e),
+            Ok(Err(e)) => self.mark_failed(shard, e.to_string()),
+            Err(_) => self.mark_failed(shard, "its reopen panicked".into()),
+        }
+        Ok(None)
+    }
+
+    /// The open with the node log: every shard's database first (in
+    /// parallel), for their checkpoints; then the node log, read from the
+    /// oldest of them (a damaged node log fails the whole open: every
+    /// shard has writes in it); then one read of it replays every shard
+    /// from its own checkpoint; then each shard starts on its group.
+    fn open_node_log(&mut self, existing: &[ShardId]) -> Result<(), StoreError> {
+        let mut databases = Vec::new();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = existing
+                .iter()
+                .map(|&s| {
+                    let path = self.shard_dir(s);
+                    let config = &self.config;
+                    (
+                        s,
+                        scope.spawn(move || shard::ShardDatabase::open(&path, config)),
+                    )
+                })
+                .collect();
+            for (shard, h) in handles {
+                let outcome = h.join().map(|r| r.map_err(|e| in_shard(shard, e)));
+                if let Some(db) = self.opened(shard, outcome)? {
+                    databases.push((shard, db));
+                }
+            }
+            Ok::<(), StoreError>(())
+        })?;
+        let from = databases
+            .iter()
+            .filter_map(|(_, db)| db.node_checkpoint())
+            .min()
+            .unwrap_or(node_log::START);
+        let node = node_log::NodeLog::open_from(
+            &self.dir.join(NODE_LOG_DIR),
+            from,
+            self.config.log_segment_bytes,
+        )?;
+        let mut replays: BTreeMap<u32, shard::Replay> = databases
+            .iter()
+            .filter_map(|(s, db)| db.replay().map(|r| (s.get(), r)))
+            .collect();
+        node.read_parts(from, |group, part| {
+            if let Some(r) = replays.get_mut(&group) {
+                r.part(part);
+            }
+            Ok(())
+        })?;
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = databases
+                .into_iter()
+                .map(|(s, db)| {
+                    let replay = replays.remove(&s.get());
+                    let (config, node) = (&self.config, &node);
+                    let h = scope.spawn(move || {
+                        ShardStore::open_on_node(db, s, Epoch(0), config, node, replay)
+                            .map_err(|e| in_shard(s, e))
+                    });
+                    (s, h)
+                })
+                .collect();
+            for (shard, h) in handles {
+                if let Some(s) = self.opened(shard, h.join())? {
+                    self.shards
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(shard, Arc::new(s));
+                }
+            }
+            Ok::<(), StoreError>(())
+        })?;
+        self.sweep = Some(Sweep::start(
+            node.clone(),
+            self.shards.clone(),
+            self.config.log_checkpoint_bytes.max(1),
+        )?);
+        self.node = Some(node);
+        Ok(())
+    }
+
+    fn shard_dir(&self, shard: ShardId) -> PathBuf {
+        self.dir.join("shards").join(shard.get().to_string())
+    }
+
+    /// Bytes the node log takes on disk (0 without one): every shard's
+    /// writes since they moved to it.
+    pub fn log_disk_bytes(&self) -> u64 {
+        self.node.as_ref().map_or(0, |n| n.segments().disk_bytes())
     }
 
     fn mark_failed(&self, shard: ShardId, reason: String) {
@@ -468,17 +649,17 @@ impl Store {
                 reason: reason.clone(),
             });
         }
-        let path = self.dir.join("shards").join(shard.get().to_string());
+        let path = self.shard_dir(shard);
         // The shard's folder must survive a crash before the shard takes
         // a write.
         log::create_dir_durably(&path)?;
-        let s = Arc::new(
-            ShardStore::open(&path, shard, initial_epoch, &self.config).map_err(|e| match e {
-                StoreError::Corrupt(m) => StoreError::Corrupt(format!("shard {shard}: {m}")),
-                StoreError::Io(m) => StoreError::Io(format!("shard {shard}: {m}")),
-                e => e,
-            })?,
-        );
+        let opened = match &self.node {
+            Some(node) => shard::ShardDatabase::open(&path, &self.config).and_then(|db| {
+                ShardStore::open_on_node(db, shard, initial_epoch, &self.config, node, None)
+            }),
+            None => ShardStore::open(&path, shard, initial_epoch, &self.config),
+        };
+        let s = Arc::new(opened.map_err(|e| in_shard(shard, e))?);
         self.shards
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -515,6 +696,15 @@ impl Store {
     /// The partition an execution lives in (a pure function of its id).
     pub fn partition_of(id: ExecutionId) -> PartitionId {
         id.partition()
+    }
+}
+
+/// Names the shard in an error found while opening it.
+fn in_shard(shard: ShardId, e: StoreError) -> StoreError {
+    match e {
+        StoreError::Corrupt(m) => StoreError::Corrupt(format!("shard {shard}: {m}")),
+        StoreError::Io(m) => StoreError::Io(format!("shard {shard}: {m}")),
+        e => e,
     }
 }
 

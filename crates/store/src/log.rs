@@ -288,6 +288,19 @@ pub(crate) trait Log {
     fn purge_before(&mut self, at: Position) -> Result<(), StoreError>;
     /// Drops the group being built and refuses every later one.
     fn fail_stop(&mut self);
+    /// Where a replay after a checkpoint taken now may start: every group
+    /// this log made durable before it must already be published (the
+    /// writer, its only appender, checkpoints between groups). Its own
+    /// end for a log of one group's own; a node log's end, even when
+    /// other groups wrote last, so that an idle group's checkpoint keeps
+    /// up with the log and a reopen reads no more than it must.
+    fn checkpoint_position(&self) -> Position {
+        self.position()
+    }
+    /// Bytes the log has written since it was opened, of every group it
+    /// holds: what a checkpoint's distance is measured in (a reopen
+    /// reads the whole log from the oldest checkpoint of any group).
+    fn written(&self) -> u64;
 }
 
 /// Closed segments kept open for reading at most, per shard (a shard of
@@ -326,6 +339,23 @@ impl Segments {
             sync_latency: Latency::default(),
             open: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Segments `base..base + count` of `dir`, which exist and are no
+    /// longer written, for reading (a shard's own log once it writes to
+    /// the node log), with the bytes they take.
+    pub(crate) fn existing(dir: &Path, base: u32, count: u32) -> Result<Segments, StoreError> {
+        let end = base + count;
+        let segments = Segments::read_only(dir, base, end);
+        segments
+            .bytes
+            .store(bytes_before(dir, base, end)?, Ordering::Relaxed);
+        Ok(segments)
+    }
+
+    /// The first segment's id.
+    pub(crate) fn base(&self) -> u32 {
+        self.base
     }
 
     fn file(&self, segment: u32) -> Result<Option<Arc<File>>, StoreError> {
@@ -474,6 +504,8 @@ pub(crate) struct LogWriter {
     failed: bool,
     /// See [`Log::purge_before`].
     first: Position,
+    /// See [`Log::written`].
+    written: u64,
 }
 
 impl LogWriter {
@@ -511,6 +543,7 @@ impl LogWriter {
         self.segments.sync_latency.record(start.elapsed());
         let written = self.buf.len() as u64;
         self.len += written;
+        self.written += written;
         self.segments.bytes.fetch_add(written, Ordering::Relaxed);
         self.buf.truncate(GROUP_HEADER);
         Ok(written)
@@ -732,6 +765,10 @@ impl Log for LogWriter {
         self.check_boundary(at, "purge before")?;
         self.first = at;
         Ok(())
+    }
+
+    fn written(&self) -> u64 {
+        self.written
     }
 }
 
@@ -1234,6 +1271,7 @@ pub(crate) fn open_groups(
         buf: Vec::new(),
         failed: false,
         first: start,
+        written: 0,
     })
 }
 

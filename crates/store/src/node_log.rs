@@ -30,6 +30,7 @@ use crate::StoreError;
 use forkless_types::{ExecutionId, PartitionId};
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// The node log's first segment id: a shard's own log numbers its
@@ -116,6 +117,8 @@ struct Shared {
     /// Where the open's read of the rounds began: no group reads before it.
     opened_from: Position,
     segments: Arc<Segments>,
+    /// Bytes of the rounds written since the open (see [`Log::written`]).
+    written: AtomicU64,
     queue: Mutex<Queue>,
     wake: Condvar,
 }
@@ -204,6 +207,7 @@ impl NodeLog {
             dir: dir.to_path_buf(),
             opened_from: from,
             segments: writer.segments().clone(),
+            written: AtomicU64::new(0),
             queue: Mutex::new(Queue {
                 waiting: VecDeque::new(),
                 groups,
@@ -223,6 +227,79 @@ impl NodeLog {
                 shared,
                 syncer: Mutex::new(Some(syncer)),
             }),
+        })
+    }
+
+    /// The end of the last durable round.
+    pub(crate) fn end(&self) -> Position {
+        self.keeper.shared.lock().end
+    }
+
+    /// See [`Log::written`].
+    pub(crate) fn written(&self) -> u64 {
+        self.keeper.shared.written.load(Ordering::Relaxed)
+    }
+
+    /// Why the log takes no more rounds, once a round failed: every group
+    /// on it is out of service (the disk is shared, so is its failure).
+    pub(crate) fn failure(&self) -> Option<String> {
+        self.keeper.shared.lock().failed.as_ref().map(|e| {
+            format!("a write or sync of the node log failed ({e}); restart the node to reopen it")
+        })
+    }
+
+    /// Whether the log holds a part or a cut of `group` after the position
+    /// it was opened from, or has been given the group.
+    pub(crate) fn knows(&self, group: u32) -> bool {
+        self.keeper.shared.lock().groups.contains_key(&group)
+    }
+
+    /// The segments readers read the log's events through.
+    pub(crate) fn segments(&self) -> Arc<Segments> {
+        self.keeper.shared.segments.clone()
+    }
+
+    /// Calls `visit` on every group's parts from `from` (a round boundary
+    /// at or after the position the log was opened from) to the end, in
+    /// order, with the group each belongs to, leaving out parts a later
+    /// cut voided: one read of the log for every group's replay at open.
+    pub(crate) fn read_parts<V>(&self, from: Position, mut visit: V) -> Result<(), StoreError>
+    where
+        V: FnMut(u32, &GroupRead<'_>) -> Result<(), StoreError>,
+    {
+        let shared = &self.keeper.shared;
+        let (groups, end) = {
+            let q = shared.lock();
+            (q.groups.clone(), q.end)
+        };
+        if from < shared.opened_from || from > end {
+            return Err(StoreError::Invalid(format!(
+                "{}: cannot read from {}:{}: the log was read from {}:{} and ends at {}:{}",
+                shared.dir.display(),
+                from.segment,
+                from.offset,
+                shared.opened_from.segment,
+                shared.opened_from.offset,
+                end.segment,
+                end.offset
+            )));
+        }
+        shared.segments.read_groups(from, end, |round| {
+            for part in parts(round) {
+                let (group, at, body) = part?;
+                let PartRead::Records(records) = body else {
+                    continue;
+                };
+                if groups.get(&group).is_some_and(|g| g.cut_away(round.end)) {
+                    continue;
+                }
+                let start = Position {
+                    segment: round.start.segment,
+                    offset: at,
+                };
+                visit(group, &GroupRead::new(start, round.end, at, records))?;
+            }
+            Ok(true)
         })
     }
 
@@ -381,7 +458,8 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
             writer.commit().map(|bytes| (round_start, placed, bytes))
         });
         match made {
-            Ok((round_start, placed, _)) => {
+            Ok((round_start, placed, bytes)) => {
+                shared.written.fetch_add(bytes, Ordering::Relaxed);
                 let end = writer.position();
                 {
                     let mut q = shared.lock();
@@ -434,11 +512,6 @@ pub(crate) struct GroupLog {
 }
 
 impl GroupLog {
-    /// What readers read the node log's durable events through.
-    pub(crate) fn segments(&self) -> Arc<Segments> {
-        self.shared().segments.clone()
-    }
-
     fn shared(&self) -> &Shared {
         &self.keeper.shared
     }
@@ -522,9 +595,14 @@ impl GroupLog {
 }
 
 impl Log for GroupLog {
+    /// Refused once the log failed: a write that was never tried is
+    /// known not to have happened, which the writer can say.
     fn begin(&mut self) -> Result<(), StoreError> {
         self.buf.clear();
-        Ok(())
+        match self.refused() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc {
@@ -652,6 +730,20 @@ impl Log for GroupLog {
     fn fail_stop(&mut self) {
         self.failed = true;
         self.buf.clear();
+    }
+
+    /// The log's end: every part of this group before it is durable, and
+    /// the caller has published them (see [`Log::checkpoint_position`]);
+    /// a part still waiting for its round ends after it, so a replay from
+    /// here finds it.
+    fn checkpoint_position(&self) -> Position {
+        let q = self.shared().lock();
+        let own = q.groups.get(&self.group).map(|g| g.end);
+        own.map_or(q.end, |own| own.max(q.end))
+    }
+
+    fn written(&self) -> u64 {
+        self.shared().written.load(Ordering::Relaxed)
     }
 }
 
@@ -837,12 +929,9 @@ mod tests {
             }
         };
         assert!(matches!(failed, StoreError::Io(_)), "{failed:?}");
-        let refused = |log: &mut GroupLog, g: u32, n: u64| {
-            append_async(log, g, n)
-                .recv_timeout(Duration::from_secs(10))
-                .expect("called back")
-                .is_err()
-        };
+        // Refused before anything is built: a write never tried is known
+        // not to have happened.
+        let refused = |log: &mut GroupLog, _: u32, _: u64| log.begin().is_err();
         assert!(
             refused(&mut b, 2, 1),
             "another group's append after the failure"

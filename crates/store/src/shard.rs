@@ -8,9 +8,10 @@ use crate::commit;
 use crate::index::{self, Tail, CHECKPOINT_KEY};
 use crate::keyspaces::{Keyspaces, EPOCH_KEY};
 use crate::log::{self, Log, Position, Record, Segments};
+use crate::node_log::{NodeLog, SEGMENT_BASE};
 use crate::priority::lower_own_priority;
 use crate::read::{read_meta, view, SharedTail};
-use crate::shard_log::ShardLog;
+use crate::shard_log::{EventFiles, ShardLog};
 use crate::writer::Command;
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
@@ -72,6 +73,10 @@ pub struct StoreConfig {
     /// for a core included) fell from 7-10% to 2-3%, and the p99.9 from
     /// 4.3-4.9 ms to 2.8-4.5. Linux only; elsewhere nothing is changed.
     pub writer_priority: i32,
+    /// Whether the shards write to one log for the whole node
+    /// (`<data>/log/`, one `fdatasync` a round for every shard:
+    /// `docs/replication.md`) instead of a log each.
+    pub node_log: bool,
 }
 
 impl Default for StoreConfig {
@@ -85,6 +90,7 @@ impl Default for StoreConfig {
             log_segment_bytes: log::SEGMENT_BYTES,
             log_checkpoint_bytes: 32 * 1024 * 1024,
             writer_priority: 5,
+            node_log: false,
         }
     }
 }
@@ -113,45 +119,15 @@ fn recover(
     dir: &Path,
     segment_bytes: u64,
 ) -> Result<(log::LogWriter, Tail), StoreError> {
+    let checkpoint = read_checkpoint(ks)?;
     let mut tail = Tail::default();
-    let checkpoint = ks
-        .meta
-        .get(CHECKPOINT_KEY)?
-        .map(|v| Position::decode(&v))
-        .transpose()?;
     let log = match checkpoint {
         Some(from) => {
-            let mut batch = ks.db.batch().durability(None);
-            let mut replayed = 0u64;
-            let log = log::open(dir, from, segment_bytes, |record| {
-                replayed += 1;
-                match record {
-                    Record::Event {
-                        partition,
-                        id,
-                        seq,
-                        value,
-                        loc,
-                    } => tail.push(partition, id, seq, loc, codec::recorded_at(value)?),
-                    Record::Put {
-                        keyspace,
-                        key,
-                        value,
-                    } => {
-                        let target = ks.by_id(keyspace).ok_or_else(|| {
-                            StoreError::Corrupt(format!(
-                                "log: a put to unknown keyspace {keyspace}"
-                            ))
-                        })?;
-                        batch.insert(target, key, value);
-                        Ok(())
-                    }
-                }
-            })?;
+            let mut replay = Replay::new(ks, from);
+            let log = log::open(dir, from, segment_bytes, |record| replay.record(record))?;
+            let (replayed_tail, replayed) = replay.finish()?;
+            tail = replayed_tail;
             if replayed > 0 {
-                if !batch.is_empty() {
-                    batch.commit()?;
-                }
                 checkpoint_durably(&mut tail, ks, log.position())?;
                 tracing::info!(path = %dir.display(), records = replayed, "replayed the log since its last checkpoint");
             }
@@ -212,6 +188,148 @@ fn recover(
         ks.db.delete_keyspace(legacy)?;
     }
     Ok((log, tail))
+}
+
+/// The log position the shard's database is checkpointed at, if any.
+fn read_checkpoint(ks: &Keyspaces) -> Result<Option<Position>, StoreError> {
+    ks.meta
+        .get(CHECKPOINT_KEY)?
+        .map(|v| Position::decode(&v))
+        .transpose()
+}
+
+/// A shard's replay of its log from its checkpoint: puts go back into the
+/// keyspaces (fjall may have lost the last ones, which were never synced
+/// there; each is a whole value, so applying one again changes nothing),
+/// events into the tail.
+pub(crate) struct Replay {
+    ks: Keyspaces,
+    /// The checkpoint: only what lies after it is replayed.
+    from: Position,
+    batch: fjall::OwnedWriteBatch,
+    tail: Tail,
+    records: u64,
+    /// The first record that could not be applied: the shard does not open.
+    failed: Option<StoreError>,
+}
+
+impl Replay {
+    pub(crate) fn new(ks: &Keyspaces, from: Position) -> Replay {
+        Replay {
+            ks: ks.clone(),
+            from,
+            batch: ks.db.batch().durability(None),
+            tail: Tail::default(),
+            records: 0,
+            failed: None,
+        }
+    }
+
+    fn record(&mut self, record: Record<'_>) -> Result<(), StoreError> {
+        self.records += 1;
+        match record {
+            Record::Event {
+                partition,
+                id,
+                seq,
+                value,
+                loc,
+            } => self
+                .tail
+                .push(partition, id, seq, loc, codec::recorded_at(value)?),
+            Record::Put {
+                keyspace,
+                key,
+                value,
+            } => {
+                let target = self.ks.by_id(keyspace).ok_or_else(|| {
+                    StoreError::Corrupt(format!("log: a put to unknown keyspace {keyspace}"))
+                })?;
+                self.batch.insert(target, key, value);
+                Ok(())
+            }
+        }
+    }
+
+    /// Replays one of the shard's parts of the node log, if it lies after
+    /// the checkpoint. A record that cannot be applied fails this shard's
+    /// open, not the read of the log every shard replays from.
+    pub(crate) fn part(&mut self, part: &log::GroupRead<'_>) {
+        if part.end <= self.from || self.failed.is_some() {
+            return;
+        }
+        for record in part.records() {
+            if let Err(e) = record.and_then(|r| self.record(r)) {
+                self.failed = Some(e);
+                return;
+            }
+        }
+    }
+
+    /// Applies the puts; returns the tail of events since the checkpoint
+    /// and how many records were replayed.
+    fn finish(self) -> Result<(Tail, u64), StoreError> {
+        if let Some(e) = self.failed {
+            return Err(e);
+        }
+        if !self.batch.is_empty() {
+            self.batch.commit()?;
+        }
+        Ok((self.tail, self.records))
+    }
+}
+
+/// A shard's database, opened before its log: the store's open reads
+/// every shard's checkpoint first, to open the node log from the oldest
+/// and replay every shard in one read of it.
+pub(crate) struct ShardDatabase {
+    path: std::path::PathBuf,
+    ks: Keyspaces,
+    checkpoint: Option<Position>,
+}
+
+impl ShardDatabase {
+    pub(crate) fn open(path: &Path, config: &StoreConfig) -> Result<ShardDatabase, StoreError> {
+        let ks = open_keyspaces(path, config)?;
+        Ok(ShardDatabase {
+            path: path.to_path_buf(),
+            checkpoint: read_checkpoint(&ks)?,
+            ks,
+        })
+    }
+
+    /// Its checkpoint, if that is in the node log.
+    pub(crate) fn node_checkpoint(&self) -> Option<Position> {
+        self.checkpoint.filter(|p| p.segment >= SEGMENT_BASE)
+    }
+
+    /// A replay of the node log from its checkpoint, if it has one there.
+    pub(crate) fn replay(&self) -> Option<Replay> {
+        self.node_checkpoint()
+            .map(|from| Replay::new(&self.ks, from))
+    }
+}
+
+fn open_keyspaces(path: &Path, config: &StoreConfig) -> Result<Keyspaces, StoreError> {
+    let builder = Database::builder(path)
+        .cache_size(config.cache_bytes_per_shard)
+        .worker_threads(config.worker_threads_per_shard.max(1))
+        .max_journaling_size(config.journal_bytes_max.max(JOURNAL_BYTES_MIN));
+    Keyspaces::open(open_below(builder, config.background_nice, path)?)
+}
+
+/// The segments of the shard's own log, read only, if it has one: a
+/// shard written before the node log keeps its events there.
+fn own_log(dir: &Path) -> Result<Option<Arc<Segments>>, StoreError> {
+    if !dir.exists() {
+        return Ok(None);
+    }
+    let ids = log::list_segments_read_only(dir, 0)?;
+    Ok(Some(Arc::new(Segments::existing(
+        dir,
+        0,
+        ids.len() as u32,
+    )?)))
 }
 
 /// Checkpoints at open, before the writer starts, and syncs it.
@@ -335,7 +453,10 @@ pub struct ShardStore {
     shard: ShardId,
     ks: Keyspaces,
     tail: SharedTail,
-    segments: Arc<Segments>,
+    events: EventFiles,
+    /// The node log, if the shard writes to it: its failure is the
+    /// shard's.
+    node: Option<NodeLog>,
     tx: mpsc::Sender<Command>,
     /// Declared after `tx`, so dropped after it: its drop rings the writer
     /// thread, which then finds every handle gone and stops.
@@ -345,19 +466,126 @@ pub struct ShardStore {
 }
 
 impl ShardStore {
+    /// Opens the shard on a log of its own (`<shard>/eventlog/`).
     pub(crate) fn open(
         path: &Path,
         shard: ShardId,
         initial_epoch: Epoch,
         config: &StoreConfig,
     ) -> Result<ShardStore, StoreError> {
-        let builder = Database::builder(path)
-            .cache_size(config.cache_bytes_per_shard)
-            .worker_threads(config.worker_threads_per_shard.max(1))
-            .max_journaling_size(config.journal_bytes_max.max(JOURNAL_BYTES_MIN));
-        let db = open_below(builder, config.background_nice, path)?;
-        let ks = Keyspaces::open(db)?;
+        let ks = open_keyspaces(path, config)?;
         let (log, tail) = recover(&ks, &path.join(LOG_DIR), config.log_segment_bytes)?;
+        Self::with_log(
+            shard,
+            ks,
+            ShardLog::Own(log),
+            None,
+            tail,
+            initial_epoch,
+            config,
+        )
+    }
+
+    /// Opens the shard on its group of the node log, from its database
+    /// opened with [`ShardDatabase::open`]. `replayed` is its replay of the
+    /// node log, if the store's open read the log for every shard at once;
+    /// without it the shard reads the log from its checkpoint itself.
+    ///
+    /// A shard whose checkpoint is not in the node log was written by an
+    /// earlier version, on a log of its own: that log is replayed from its
+    /// checkpoint (as [`ShardStore::open`] does), its events stay where
+    /// they are and are read there, and the shard's checkpoint moves into
+    /// the node log before its writer starts, so nothing is written to
+    /// the old log again. A new shard starts at the node log's end.
+    pub(crate) fn open_on_node(
+        db: ShardDatabase,
+        shard: ShardId,
+        initial_epoch: Epoch,
+        config: &StoreConfig,
+        node: &NodeLog,
+        replayed: Option<Replay>,
+    ) -> Result<ShardStore, StoreError> {
+        let ShardDatabase {
+            path,
+            ks,
+            checkpoint,
+        } = db;
+        let own_dir = path.join(LOG_DIR);
+        let group = shard.get();
+        let unaccounted = || {
+            StoreError::Corrupt(
+                "the node log holds writes of this shard, but its database has no checkpoint in \
+                 the node log (the database was lost, replaced or damaged); nothing was deleted"
+                    .into(),
+            )
+        };
+        let end = node.end();
+        let (mut tail, own, replayed) = match checkpoint {
+            Some(from) if from.segment >= SEGMENT_BASE => {
+                if from > end {
+                    return Err(StoreError::Corrupt(format!(
+                        "the checkpoint is at {}:{} but the node log ends at {}:{}: the node log                          lost acknowledged writes",
+                        from.segment, from.offset, end.segment, end.offset
+                    )));
+                }
+                let replay = match replayed {
+                    Some(r) => r,
+                    None => {
+                        let mut r = Replay::new(&ks, from);
+                        node.read_parts(from, |g, part| {
+                            if g == group {
+                                r.part(part);
+                            }
+                            Ok(())
+                        })?;
+                        r
+                    }
+                };
+                let (tail, n) = replay.finish()?;
+                (tail, own_log(&own_dir)?, n)
+            }
+            _ if node.knows(group) => return Err(unaccounted()),
+            None if !own_dir.exists() && !ks.db.keyspace_exists(LEGACY_EVENTS) => {
+                (Tail::default(), None, 0)
+            }
+            _ => {
+                // Written by an earlier version: its own log is replayed
+                // (and a shard from before the log moved into it) as it
+                // was, and read where it is from now on.
+                let (own, tail) = recover(&ks, &own_dir, config.log_segment_bytes)?;
+                tracing::info!(shard = %shard, log = %own_dir.display(), "the shard's own log stays where it is, read only; its new writes go to the node log");
+                (tail, Some(own.segments().clone()), 0)
+            }
+        };
+        if replayed > 0 || checkpoint != Some(end) {
+            checkpoint_durably(&mut tail, &ks, end)?;
+            if replayed > 0 {
+                tracing::info!(shard = %shard, records = replayed, "replayed the node log since the shard's last checkpoint");
+            }
+        }
+        let files = EventFiles::new(node.segments(), own);
+        let log = ShardLog::Node(node.group_at(group, end), files);
+        Self::with_log(
+            shard,
+            ks,
+            log,
+            Some(node.clone()),
+            tail,
+            initial_epoch,
+            config,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn with_log(
+        shard: ShardId,
+        ks: Keyspaces,
+        log: ShardLog,
+        node: Option<NodeLog>,
+        tail: Tail,
+        initial_epoch: Epoch,
+        config: &StoreConfig,
+    ) -> Result<ShardStore, StoreError> {
         let epoch = match ks.meta.get(EPOCH_KEY)? {
             Some(v) => Epoch(codec::decode_u64(&v, "shard epoch")?),
             None => {
@@ -374,8 +602,7 @@ impl ShardStore {
         let epoch = Arc::new(AtomicU64::new(epoch.get()));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
         let (commits_tx, commits) = watch::channel(0u64);
-        let log = ShardLog::Own(log);
-        let segments = log.segments();
+        let events = log.events();
         let tail = Arc::new(RwLock::new(tail));
         let (shared, thread) = commit::spawn(
             shard,
@@ -397,7 +624,8 @@ impl ShardStore {
             shard,
             ks,
             tail,
-            segments,
+            events,
+            node,
             tx,
             writer,
             epoch,
@@ -452,7 +680,27 @@ impl ShardStore {
     /// sync of its log, or a commit that panicked). Reads still serve
     /// what was durable before.
     pub fn failure(&self) -> Option<String> {
-        self.writer.shared.failure.get().cloned()
+        self.writer
+            .shared
+            .failure
+            .get()
+            .cloned()
+            .or_else(|| self.node.as_ref().and_then(|n| n.failure()))
+    }
+
+    /// Asks the shard to checkpoint if the log has written `bytes` since
+    /// its last checkpoint (`written` is the log's [`Log::written`]); a
+    /// shard whose queue is full is busy, and checkpoints by itself.
+    pub(crate) fn checkpoint_if_behind(&self, written: u64, bytes: u64) {
+        let shared = &self.writer.shared;
+        if written.saturating_sub(shared.checkpointed_at()) < bytes {
+            return;
+        }
+        let (reply, _) = oneshot::channel();
+        let ticket = shared.ticket();
+        if self.tx.try_send(Command::Checkpoint(reply)).is_ok() {
+            shared.submitted(ticket);
+        }
     }
 
     /// How this shard's commits were made since it was opened.
@@ -463,7 +711,7 @@ impl ShardStore {
     /// How long the `fdatasync` of each group written to this shard's log
     /// took, since it was opened.
     pub fn log_sync_latency(&self) -> crate::LatencySnapshot {
-        self.segments.sync_latency.snapshot()
+        self.events.log().sync_latency.snapshot()
     }
 
     /// A counter bumped after every durable commit; long-polls wait on it.
@@ -511,7 +759,7 @@ impl ShardStore {
             events.reserve(locs.len());
             let mut bytes = 0usize;
             for (seq, loc) in locs {
-                let value = self.segments.read_event(loc, id, seq)?;
+                let value = self.events.read_event(loc, id, seq)?;
                 let event = codec::decode_event(seq, &value)?;
                 bytes = bytes.saturating_add(event.payload.len());
                 events.push(event);
@@ -553,9 +801,11 @@ impl ShardStore {
         self.ks.executions.approximate_len()
     }
 
-    /// Bytes this shard takes on disk.
+    /// Bytes this shard takes on disk: its database, and its own log if
+    /// it has one (the node log's bytes are the node's:
+    /// [`crate::Store::log_disk_bytes`]).
     pub fn disk_bytes(&self) -> u64 {
-        self.ks.db.disk_space().unwrap_or(0) + self.segments.disk_bytes()
+        self.ks.db.disk_space().unwrap_or(0) + self.events.own_bytes()
     }
 }
 
@@ -644,8 +894,8 @@ mod tests {
         // Another group's parts between this one's, so that no location
         // is right by accident.
         let mut other = node.group(1);
-        let log = ShardLog::Node(node.group(0));
-        let segments = log.segments();
+        let log = ShardLog::Node(node.group(0), EventFiles::new(node.segments(), None));
+        let segments = log.events();
         let tail = Arc::new(RwLock::new(Tail::default()));
         let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
         let (writer, thread) = second_writer(&shard, log, tail.clone(), rx);

@@ -1,11 +1,10 @@
-//! The log a shard's writer commits to: a segment log of its own (every
-//! shard today), or its group's view of the node-wide log
-//! (`node_log.rs`, which the store switches to next). One type, so the
+//! The log a shard's writer commits to: a segment log of its own, or its
+//! group's view of the node-wide log (`node_log.rs`). One type, so the
 //! writer and the commit scheduler need no type parameter; each call is
 //! a match, which costs nothing next to the work behind it.
 
 use crate::log::{Durable, GroupRead, Loc, Log, LogWriter, Position, Segments};
-use crate::node_log::GroupLog;
+use crate::node_log::{GroupLog, SEGMENT_BASE};
 use crate::StoreError;
 use forkless_types::{ExecutionId, PartitionId};
 use std::sync::Arc;
@@ -13,21 +12,65 @@ use std::sync::Arc;
 pub(crate) enum ShardLog {
     /// A segment log of the shard's own.
     Own(LogWriter),
-    /// The shard's group in the node log.
-    #[cfg_attr(
-        not(test),
-        expect(dead_code, reason = "the store switches shards to the node log next")
-    )]
-    Node(GroupLog),
+    /// The shard's group in the node log, and where the shard's events
+    /// are read from (the node log, and the shard's own log of before, if
+    /// it had one, for the events that stay in it).
+    Node(GroupLog, EventFiles),
 }
 
 impl ShardLog {
     /// What readers read durable events through.
-    pub(crate) fn segments(&self) -> Arc<Segments> {
+    pub(crate) fn events(&self) -> EventFiles {
         match self {
-            ShardLog::Own(l) => l.segments().clone(),
-            ShardLog::Node(l) => l.segments(),
+            ShardLog::Own(l) => EventFiles {
+                log: l.segments().clone(),
+                own: None,
+            },
+            ShardLog::Node(_, files) => files.clone(),
         }
+    }
+}
+
+/// Where a shard's durable events are read from: the log it writes, and,
+/// for a shard written before the node log, its own log's segments, which
+/// keep the events they held (a location says which: the node log's
+/// segments are numbered from [`SEGMENT_BASE`]).
+#[derive(Clone)]
+pub(crate) struct EventFiles {
+    log: Arc<Segments>,
+    own: Option<Arc<Segments>>,
+}
+
+impl EventFiles {
+    /// The node log's segments `log`, and the shard's own log of before.
+    pub(crate) fn new(log: Arc<Segments>, own: Option<Arc<Segments>>) -> EventFiles {
+        EventFiles { log, own }
+    }
+
+    pub(crate) fn read_event(
+        &self,
+        loc: Loc,
+        id: ExecutionId,
+        seq: u64,
+    ) -> Result<Vec<u8>, StoreError> {
+        match &self.own {
+            Some(own) if loc.segment < SEGMENT_BASE => own.read_event(loc, id, seq),
+            _ => self.log.read_event(loc, id, seq),
+        }
+    }
+
+    /// The log the shard writes (its sync latencies).
+    pub(crate) fn log(&self) -> &Segments {
+        &self.log
+    }
+
+    /// Bytes the shard's own log takes, if it has one (the node log's are
+    /// the node's, not one shard's).
+    pub(crate) fn own_bytes(&self) -> u64 {
+        if self.log.base() < SEGMENT_BASE {
+            return self.log.disk_bytes();
+        }
+        self.own.as_ref().map_or(0, |own| own.disk_bytes())
     }
 }
 
@@ -35,42 +78,42 @@ impl Log for ShardLog {
     fn begin(&mut self) -> Result<(), StoreError> {
         match self {
             ShardLog::Own(l) => l.begin(),
-            ShardLog::Node(l) => l.begin(),
+            ShardLog::Node(l, _) => l.begin(),
         }
     }
 
     fn event(&mut self, partition: PartitionId, id: ExecutionId, seq: u64, value: &[u8]) -> Loc {
         match self {
             ShardLog::Own(l) => l.event(partition, id, seq, value),
-            ShardLog::Node(l) => l.event(partition, id, seq, value),
+            ShardLog::Node(l, _) => l.event(partition, id, seq, value),
         }
     }
 
     fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
         match self {
             ShardLog::Own(l) => l.put(keyspace, key, value),
-            ShardLog::Node(l) => l.put(keyspace, key, value),
+            ShardLog::Node(l, _) => l.put(keyspace, key, value),
         }
     }
 
     fn pending_event(&self, loc: Loc) -> Result<&[u8], StoreError> {
         match self {
             ShardLog::Own(l) => l.pending_event(loc),
-            ShardLog::Node(l) => l.pending_event(loc),
+            ShardLog::Node(l, _) => l.pending_event(loc),
         }
     }
 
     fn is_empty(&self) -> bool {
         match self {
             ShardLog::Own(l) => l.is_empty(),
-            ShardLog::Node(l) => l.is_empty(),
+            ShardLog::Node(l, _) => l.is_empty(),
         }
     }
 
     fn read_event(&self, loc: Loc, id: ExecutionId, seq: u64) -> Result<Vec<u8>, StoreError> {
         match self {
             ShardLog::Own(l) => l.read_event(loc, id, seq),
-            ShardLog::Node(l) => l.read_event(loc, id, seq),
+            ShardLog::Node(_, files) => files.read_event(loc, id, seq),
         }
     }
 
@@ -80,21 +123,21 @@ impl Log for ShardLog {
     {
         match self {
             ShardLog::Own(l) => l.append(durable),
-            ShardLog::Node(l) => l.append(durable),
+            ShardLog::Node(l, _) => l.append(durable),
         }
     }
 
     fn position(&self) -> Position {
         match self {
             ShardLog::Own(l) => l.position(),
-            ShardLog::Node(l) => l.position(),
+            ShardLog::Node(l, _) => l.position(),
         }
     }
 
     fn first(&self) -> Position {
         match self {
             ShardLog::Own(l) => l.first(),
-            ShardLog::Node(l) => l.first(),
+            ShardLog::Node(l, _) => l.first(),
         }
     }
 
@@ -104,28 +147,42 @@ impl Log for ShardLog {
     {
         match self {
             ShardLog::Own(l) => l.read(from, visit),
-            ShardLog::Node(l) => l.read(from, visit),
+            ShardLog::Node(l, _) => l.read(from, visit),
         }
     }
 
     fn truncate_after(&mut self, at: Position) -> Result<(), StoreError> {
         match self {
             ShardLog::Own(l) => l.truncate_after(at),
-            ShardLog::Node(l) => l.truncate_after(at),
+            ShardLog::Node(l, _) => l.truncate_after(at),
         }
     }
 
     fn purge_before(&mut self, at: Position) -> Result<(), StoreError> {
         match self {
             ShardLog::Own(l) => l.purge_before(at),
-            ShardLog::Node(l) => l.purge_before(at),
+            ShardLog::Node(l, _) => l.purge_before(at),
         }
     }
 
     fn fail_stop(&mut self) {
         match self {
             ShardLog::Own(l) => l.fail_stop(),
-            ShardLog::Node(l) => l.fail_stop(),
+            ShardLog::Node(l, _) => l.fail_stop(),
+        }
+    }
+
+    fn checkpoint_position(&self) -> Position {
+        match self {
+            ShardLog::Own(l) => l.checkpoint_position(),
+            ShardLog::Node(l, _) => l.checkpoint_position(),
+        }
+    }
+
+    fn written(&self) -> u64 {
+        match self {
+            ShardLog::Own(l) => l.written(),
+            ShardLog::Node(l, _) => l.written(),
         }
     }
 }

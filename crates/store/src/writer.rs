@@ -40,6 +40,10 @@ pub(crate) enum Command {
         oneshot::Sender<Result<AppendOutcome, StoreError>>,
     ),
     AdvanceEpoch(Epoch, oneshot::Sender<Result<Epoch, StoreError>>),
+    /// Checkpoint after this group, whether it writes or not: an idle
+    /// shard on the node log is asked to, so that its checkpoint keeps up
+    /// with what other shards wrote (see `Store`'s checkpoint sweep).
+    Checkpoint(oneshot::Sender<Result<(), StoreError>>),
 }
 
 impl Command {
@@ -51,7 +55,7 @@ impl Command {
                 .iter()
                 .map(|e| e.payload.len() + e.event_type.len())
                 .sum(),
-            Command::AdvanceEpoch(..) => 0,
+            Command::AdvanceEpoch(..) | Command::Checkpoint(_) => 0,
         }
     }
 }
@@ -69,6 +73,10 @@ pub(crate) enum Reply {
         oneshot::Sender<Result<Epoch, StoreError>>,
         Result<Epoch, StoreError>,
     ),
+    Checkpoint(
+        oneshot::Sender<Result<(), StoreError>>,
+        Result<(), StoreError>,
+    ),
 }
 
 impl Reply {
@@ -79,6 +87,7 @@ impl Reply {
             Reply::Start(tx, r) => drop(tx.send(r)),
             Reply::Append(tx, r) => drop(tx.send(r)),
             Reply::Epoch(tx, r) => drop(tx.send(r)),
+            Reply::Checkpoint(tx, r) => drop(tx.send(r)),
         }
     }
 
@@ -87,6 +96,7 @@ impl Reply {
             Reply::Start(tx, Ok(_)) => Reply::Start(tx, Err(err)),
             Reply::Append(tx, Ok(_)) => Reply::Append(tx, Err(err)),
             Reply::Epoch(tx, Ok(_)) => Reply::Epoch(tx, Err(err)),
+            Reply::Checkpoint(tx, Ok(())) => Reply::Checkpoint(tx, Err(err)),
             other => other,
         }
     }
@@ -101,6 +111,8 @@ pub(crate) struct CheckpointCounters {
     pub(crate) made: AtomicU64,
     pub(crate) index_micros: AtomicU64,
     pub(crate) sync_micros: AtomicU64,
+    /// What the log's [`Log::written`] said at the last checkpoint.
+    pub(crate) at_written: AtomicU64,
 }
 
 pub(crate) struct Writer {
@@ -112,9 +124,8 @@ pub(crate) struct Writer {
     tail: SharedTail,
     /// Events of the group being built, indexed once it is durable.
     pending: Vec<PendingEvent>,
-    /// Log bytes written since the last checkpoint.
-    since_checkpoint: u64,
-    /// See [`crate::StoreConfig::log_checkpoint_bytes`].
+    /// See [`crate::StoreConfig::log_checkpoint_bytes`]: measured in the
+    /// log's bytes, every group's (see [`Log::written`]).
     checkpoint_bytes: u64,
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
@@ -248,7 +259,6 @@ impl Writer {
             log,
             tail,
             pending: Vec::new(),
-            since_checkpoint: 0,
             checkpoint_bytes: checkpoint_bytes.max(1),
             epoch,
             commits,
@@ -289,7 +299,13 @@ impl Writer {
             pending: &mut self.pending,
         };
         let mut replies = Vec::with_capacity(cmds.len());
+        let mut asked = false;
         for cmd in cmds.drain(..) {
+            if let Command::Checkpoint(tx) = cmd {
+                asked = true;
+                replies.push(Reply::Checkpoint(tx, Ok(())));
+                continue;
+            }
             // A failed disk is this replica's fact, not the shard's state:
             // checked here, before the machine sees the command.
             if let Some(e) = &self.failed {
@@ -297,6 +313,7 @@ impl Writer {
                     Command::Start(_, tx) => Reply::Start(tx, Err(e.clone())),
                     Command::Append(_, tx) => Reply::Append(tx, Err(e.clone())),
                     Command::AdvanceEpoch(_, tx) => Reply::Epoch(tx, Err(e.clone())),
+                    Command::Checkpoint(tx) => Reply::Checkpoint(tx, Err(e.clone())),
                 });
                 continue;
             }
@@ -309,16 +326,17 @@ impl Writer {
                 Command::AdvanceEpoch(e, tx) => {
                     Reply::Epoch(tx, machine.advance_epoch(&mut group, e))
                 }
+                Command::Checkpoint(tx) => Reply::Checkpoint(tx, Ok(())),
             });
         }
         let wrote = !self.log.is_empty();
         if wrote {
             let slot = self.durable.clone();
             self.log.append(move |made| slot.fill(made));
-            let made = self.durable.wait().and_then(|durable| {
-                self.since_checkpoint += durable.bytes;
-                self.publish(batch, &durable)
-            });
+            let made = self
+                .durable
+                .wait()
+                .and_then(|durable| self.publish(batch, &durable));
             if let Err(err) = made {
                 self.fail_stop(err.clone());
                 // The group reached the disk in part, in full or not at
@@ -339,15 +357,27 @@ impl Writer {
             self.waiters.wake(self.machine.written());
             self.cache.extend(self.machine.take_written());
             self.commits.send_modify(|c| *c += 1);
-            if self.since_checkpoint >= self.checkpoint_bytes {
-                if let Err(e) = self.checkpoint() {
-                    // This group is durable and visible; later ones are
-                    // refused, since the keyspaces' state is unknown.
-                    self.fail_stop(e);
+        }
+        if self.failed.is_none()
+            && ((wrote && self.since_checkpoint() >= self.checkpoint_bytes) || asked)
+        {
+            if let Err(e) = self.checkpoint() {
+                // This group is durable and visible; later ones are
+                // refused, since the keyspaces' state is unknown.
+                self.fail_stop(e.clone());
+                if asked {
+                    replies = replies.into_iter().map(|r| r.fail(e.clone())).collect();
                 }
             }
         }
         (replies, wrote)
+    }
+
+    /// The log's bytes written since the last checkpoint.
+    fn since_checkpoint(&self) -> u64 {
+        self.log
+            .written()
+            .saturating_sub(self.checkpoints.at_written.load(Ordering::Relaxed))
     }
 
     /// Makes a durable group visible: its events in the tail and its puts
@@ -380,7 +410,8 @@ impl Writer {
     /// replays the log from there, which writes the same entries again.
     fn checkpoint(&mut self) -> Result<(), StoreError> {
         let start = Instant::now();
-        let at = self.log.position();
+        let at = self.log.checkpoint_position();
+        let log_written = self.log.written();
         let (batch, written) = self
             .tail
             .read()
@@ -396,8 +427,8 @@ impl Writer {
             .persist(fjall::PersistMode::SyncData)
             .map_err(StoreError::from)?;
         let synced = start.elapsed() - indexed;
-        self.since_checkpoint = 0;
         let c = &self.checkpoints;
+        c.at_written.store(log_written, Ordering::Relaxed);
         c.made.fetch_add(1, Ordering::Relaxed);
         c.index_micros
             .fetch_add(indexed.as_micros() as u64, Ordering::Relaxed);
@@ -437,7 +468,7 @@ impl Writer {
 
     /// Checkpoints on the way out, so that the next open replays nothing.
     pub(crate) fn close(&mut self) {
-        if self.failed.is_none() && self.since_checkpoint > 0 {
+        if self.failed.is_none() && self.since_checkpoint() > 0 {
             if let Err(e) = self.checkpoint() {
                 tracing::warn!(shard = %self.shard, error = %e, "checkpoint at close failed; the next open replays the log");
             }
