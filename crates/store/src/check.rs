@@ -10,9 +10,11 @@
 //! decided to drop a damaged tail: it cuts the shard's log after a whole
 //! group at or after its checkpoint.
 
+pub use crate::check_node::NodeLogReport;
 use crate::index;
 use crate::keyspaces::Keyspaces;
 use crate::log::{self, Group, Position, Record};
+use crate::shard_log::EventFiles;
 use crate::{ExecutionStatus, StoreError};
 use fjall::{Database, Readable};
 use forkless_types::{ExecutionId, ShardId};
@@ -50,13 +52,17 @@ pub struct Report {
     pub dir: PathBuf,
     pub shard_count: Option<u32>,
     pub shards: Vec<ShardReport>,
+    /// The node log, if the shards write to one.
+    pub node_log: Option<NodeLogReport>,
     /// Problems of the directory itself (layout file, folders).
     pub problems: Vec<String>,
 }
 
 impl Report {
     pub fn is_healthy(&self) -> bool {
-        self.problems.is_empty() && self.shards.iter().all(|s| s.problems.is_empty())
+        self.problems.is_empty()
+            && self.node_log.as_ref().is_none_or(|n| n.problems.is_empty())
+            && self.shards.iter().all(|s| s.problems.is_empty())
     }
 }
 
@@ -71,6 +77,36 @@ impl std::fmt::Display for Report {
         )?;
         for p in &self.problems {
             writeln!(f, "  PROBLEM: {p}")?;
+        }
+        if let Some(n) = &self.node_log {
+            writeln!(
+                f,
+                "node log: {}: {} segments, {} bytes, {} rounds",
+                if n.problems.is_empty() {
+                    "ok"
+                } else {
+                    "DAMAGED"
+                },
+                n.segments,
+                n.bytes,
+                n.rounds
+            )?;
+            if let Some((seg, off)) = n.torn_tail {
+                writeln!(
+                    f,
+                    "  note: a torn last round at {seg}:{off} (a crash's unacknowledged write; the next open cuts it)"
+                )?;
+            }
+            for p in &n.problems {
+                writeln!(f, "  PROBLEM: {p}")?;
+            }
+            if let Some((seg, off)) = n.last_good.filter(|_| !n.problems.is_empty()) {
+                writeln!(
+                    f,
+                    "  the last whole round before the damage ends at {seg}:{off} \
+                     (`--shard 0 --truncate-after {seg}:{off}` drops everything after it, for every shard)"
+                )?;
+            }
         }
         for s in &self.shards {
             let state = match (s.in_use, s.problems.is_empty()) {
@@ -185,12 +221,30 @@ pub fn check(dir: &Path) -> Result<Report, StoreError> {
         }
     }
     shards.sort_unstable();
-    for s in shards {
+    for &s in &shards {
         if report.shard_count.is_some_and(|n| s >= n) {
             report
                 .problems
                 .push(format!("shards/{s} is outside the shard count"));
         }
+    }
+    if dir.join(crate::NODE_LOG_DIR).exists() {
+        let mut in_use = Vec::new();
+        match crate::check_node::scan(dir, &shards, None, &mut in_use)? {
+            None => report.shards = in_use,
+            Some(mut scanned) => {
+                report.shards = crate::check_node::check_databases(dir, &mut scanned)?;
+                for g in &scanned.strays {
+                    report.problems.push(format!(
+                        "the node log holds writes of shard {g}, which has no folder in shards/"
+                    ));
+                }
+                report.node_log = Some(scanned.node);
+            }
+        }
+        return Ok(report);
+    }
+    for s in shards {
         report
             .shards
             .push(check_shard(&shards_dir.join(s.to_string()), s)?);
@@ -199,7 +253,7 @@ pub fn check(dir: &Path) -> Result<Report, StoreError> {
 }
 
 /// The lock a running node holds on the shard's database.
-fn lock_database(shard_dir: &Path) -> Result<Option<File>, String> {
+pub(crate) fn lock_database(shard_dir: &Path) -> Result<Option<File>, String> {
     let path = shard_dir.join("lock");
     let file = match File::open(&path) {
         Ok(f) => f,
@@ -240,48 +294,146 @@ fn check_shard_and_scan(
     let log_dir = shard_dir.join(crate::shard::LOG_DIR);
     let scan = scan_log(&log_dir, None, &mut r)?;
     r.executions = scan.last.len();
-    check_database(shard_dir, &log_dir, &scan, &mut r)?;
+    let segments = scan.segments as u32;
+    let events = own_events(&log_dir, segments);
+    let ends = scan
+        .event_positions
+        .last()
+        .map(|(p, _)| *p)
+        .unwrap_or_default();
+    let checkpoint_ok = |c: Position| c <= ends || (c.offset == 0 && c.segment < segments);
+    check_database(shard_dir, &events, &checkpoint_ok, &scan, &mut r)?;
     Ok((r, scan))
+}
+
+/// A reader of a shard's own log, whose `segments` segments are complete.
+pub(crate) fn own_events(log_dir: &Path, segments: u32) -> EventFiles {
+    EventFiles::new(
+        std::sync::Arc::new(log::Segments::read_only(log_dir, 0, segments)),
+        None,
+    )
 }
 
 /// What a scan of a shard's log found, up to where it stopped.
 #[derive(Default)]
-struct LogScan {
-    segments: usize,
+pub(crate) struct LogScan {
+    pub(crate) segments: usize,
     /// Each execution's last event: its seq and the status it leaves the
     /// execution in.
-    last: HashMap<ExecutionId, (u64, ExecutionStatus)>,
+    pub(crate) last: HashMap<ExecutionId, (u64, ExecutionStatus)>,
     /// The end of each whole group and the events it holds.
-    event_positions: Vec<(Position, u64)>,
+    pub(crate) event_positions: Vec<(Position, u64)>,
     /// Executions whose record a put in the log writes (a replay puts them
     /// back into the database even if it lost them).
     records: HashSet<ExecutionId>,
 }
 
-/// Reads the log from its start, checking every group and record, up to
-/// the first damage (reported in `r`) or `until` (a group boundary).
-fn scan_log(
-    log_dir: &Path,
+impl LogScan {
+    /// Checks the records of one group (a shard's log) or part (the node
+    /// log): `payload` starts at `payload_at` of `segment`, in the group
+    /// that starts at `at` (for messages). Returns the events it holds, or
+    /// `None` after recording a record that does not parse (nothing after
+    /// it can be trusted).
+    pub(crate) fn records(
+        &mut self,
+        r: &mut ShardReport,
+        payload: &[u8],
+        segment: u32,
+        at: u64,
+        payload_at: u64,
+    ) -> Option<u64> {
+        let mut pos = 0;
+        let mut events = 0u64;
+        while pos < payload.len() {
+            match log::parse_record(payload, pos, segment, payload_at) {
+                Ok((
+                    Record::Put {
+                        keyspace: crate::keyspaces::keyspace_id::EXECUTIONS,
+                        key,
+                        ..
+                    },
+                    used,
+                )) => {
+                    if let Some(id) = key
+                        .get(4..)
+                        .and_then(|k| crate::codec::decode_execution_id(k, "execution key").ok())
+                    {
+                        self.records.insert(id);
+                    }
+                    pos += used;
+                }
+                Ok((Record::Event { id, seq, value, .. }, used)) => {
+                    let status = match crate::codec::decode_event(seq, value) {
+                        Ok(e) => crate::terminal_status(&e.event_type)
+                            .unwrap_or(ExecutionStatus::Running),
+                        Err(e) => {
+                            r.problems.push(format!(
+                                "segment {segment}, offset {at}: execution {id} event {seq}: {e}"
+                            ));
+                            ExecutionStatus::Running
+                        }
+                    };
+                    let prev = self.last.insert(id, (seq, status)).map_or(0, |p| p.0);
+                    if seq != prev + 1 {
+                        r.problems.push(format!(
+                            "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
+                        ));
+                    }
+                    events += 1;
+                    pos += used;
+                }
+                Ok((_, used)) => pos += used,
+                Err(e) => {
+                    r.problems.push(e.to_string());
+                    r.events += events;
+                    return None;
+                }
+            }
+        }
+        Some(events)
+    }
+}
+
+/// What a read of a log's frames (a shard log's groups, the node log's
+/// rounds) found, up to where it stopped.
+#[derive(Debug, Default)]
+pub(crate) struct Frames {
+    pub(crate) segments: usize,
+    pub(crate) bytes: u64,
+    pub(crate) frames: u64,
+    pub(crate) last_good: Option<(u32, u64)>,
+    pub(crate) torn_tail: Option<(u32, u64)>,
+    pub(crate) problems: Vec<String>,
+    /// The end of every whole frame, in order.
+    pub(crate) ends: Vec<Position>,
+}
+
+/// Reads the log in `dir` (segments numbered from `base`) from its start,
+/// checking every frame's checksum, up to the first damage (reported in
+/// `f`) or `until` (a frame boundary). `visit` gets each whole frame (its
+/// segment, its start, its end and its payload) and may stop the read
+/// (`false`: what it found is damage it reported).
+pub(crate) fn scan_frames(
+    dir: &Path,
+    base: u32,
     until: Option<Position>,
-    r: &mut ShardReport,
-) -> Result<LogScan, StoreError> {
-    let mut scan = LogScan::default();
-    let ids = match log::list_segments_read_only(log_dir, 0) {
+    f: &mut Frames,
+    mut visit: impl FnMut(u32, u64, Position, &[u8]) -> bool,
+) -> Result<(), StoreError> {
+    let ids = match log::list_segments_read_only(dir, base) {
         Ok(ids) => ids,
         Err(e) => {
-            r.problems.push(e.to_string());
+            f.problems.push(e.to_string());
             Vec::new()
         }
     };
-    r.segments = ids.len();
-    scan.segments = ids.len();
+    f.segments = ids.len();
     let mut payload = Vec::new();
     'segments: for &segment in &ids {
-        let path = log::segment_path(log_dir, segment);
-        let f = File::open(&path).map_err(|e| log::io(&path, "opening", e))?;
-        let size = log::file_len(&f, &path)?;
+        let path = log::segment_path(dir, segment);
+        let file = File::open(&path).map_err(|e| log::io(&path, "opening", e))?;
+        let size = log::file_len(&file, &path)?;
         let mut at = 0;
-        let mut events_here = 0u64;
         while at < size {
             if until.is_some_and(|u| {
                 Position {
@@ -289,110 +441,98 @@ fn scan_log(
                     offset: at,
                 } >= u
             }) {
-                r.log_bytes += at;
-                r.events += events_here;
+                f.bytes += at;
                 break 'segments;
             }
-            match log::read_group(&f, at, size, &mut payload, &path)? {
+            match log::read_group(&file, at, size, &mut payload, &path)? {
                 Group::End => break,
                 Group::Whole(len) => {
-                    let mut pos = 0;
-                    let mut in_group = 0u64;
-                    while pos < payload.len() {
-                        match log::parse_record(&payload, pos, segment, at + 8) {
-                            Ok((
-                                Record::Put {
-                                    keyspace: crate::keyspaces::keyspace_id::EXECUTIONS,
-                                    key,
-                                    ..
-                                },
-                                used,
-                            )) => {
-                                if let Some(id) = key.get(4..).and_then(|k| {
-                                    crate::codec::decode_execution_id(k, "execution key").ok()
-                                }) {
-                                    scan.records.insert(id);
-                                }
-                                pos += used;
-                            }
-                            Ok((Record::Event { id, seq, value, .. }, used)) => {
-                                let status = match crate::codec::decode_event(seq, value) {
-                                    Ok(e) => crate::terminal_status(&e.event_type)
-                                        .unwrap_or(ExecutionStatus::Running),
-                                    Err(e) => {
-                                        r.problems.push(format!(
-                                            "segment {segment}, offset {at}: execution {id} event {seq}: {e}"
-                                        ));
-                                        ExecutionStatus::Running
-                                    }
-                                };
-                                let prev = scan.last.insert(id, (seq, status)).map_or(0, |p| p.0);
-                                if seq != prev + 1 {
-                                    r.problems.push(format!(
-                                        "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
-                                    ));
-                                }
-                                in_group += 1;
-                                pos += used;
-                            }
-                            Ok((_, used)) => pos += used,
-                            Err(e) => {
-                                r.problems.push(e.to_string());
-                                r.events += events_here + in_group;
-                                break 'segments;
-                            }
-                        }
+                    let end = Position {
+                        segment,
+                        offset: at + len,
+                    };
+                    if !visit(segment, at, end, &payload) {
+                        f.bytes += at;
+                        break 'segments;
                     }
-                    r.groups += 1;
+                    f.frames += 1;
                     at += len;
-                    r.last_good = Some((segment, at));
-                    events_here += in_group;
-                    scan.event_positions.push((
-                        Position {
-                            segment,
-                            offset: at,
-                        },
-                        in_group,
-                    ));
+                    f.last_good = Some((segment, at));
+                    f.ends.push(end);
                 }
                 Group::Bad => {
                     let last = Some(&segment) == ids.last();
                     match last
-                        .then(|| log::written_after_bad_group(&f, at, size, &path))
+                        .then(|| log::written_after_bad_group(&file, at, size, &path))
                         .transpose()?
                     {
-                        Some(None) => r.torn_tail = Some((segment, at)),
-                        Some(Some(why)) => r.problems.push(format!(
+                        Some(None) => f.torn_tail = Some((segment, at)),
+                        Some(Some(why)) => f.problems.push(format!(
                             "segment {segment}, offset {at}: a bad group ({why}); not checked past it"
                         )),
-                        None => r.problems.push(format!(
+                        None => f.problems.push(format!(
                             "segment {segment}, offset {at}: a bad group, and later segments follow; not checked past it"
                         )),
                     }
-                    r.log_bytes += at;
-                    r.events += events_here;
+                    f.bytes += at;
                     break 'segments;
                 }
             }
         }
-        r.log_bytes += at;
-        r.events += events_here;
-        if r.last_good.is_none_or(|(s, _)| s != segment) {
+        f.bytes += at;
+        if f.last_good.is_none_or(|(s, _)| s != segment) {
             // A segment with no group still counts as a place to cut.
-            r.last_good = Some((segment, 0));
+            f.last_good = Some((segment, 0));
         }
     }
+    Ok(())
+}
+
+/// Reads a shard's own log from its start, checking every group and
+/// record, up to the first damage (reported in `r`) or `until` (a group
+/// boundary).
+pub(crate) fn scan_log(
+    log_dir: &Path,
+    until: Option<Position>,
+    r: &mut ShardReport,
+) -> Result<LogScan, StoreError> {
+    let mut scan = LogScan::default();
+    let mut frames = Frames::default();
+    scan_frames(
+        log_dir,
+        0,
+        until,
+        &mut frames,
+        |segment, at, end, payload| match scan.records(r, payload, segment, at, at + 8) {
+            Some(events) => {
+                r.events += events;
+                scan.event_positions.push((end, events));
+                true
+            }
+            None => false,
+        },
+    )?;
+    scan.segments = frames.segments;
+    r.segments = frames.segments;
+    r.log_bytes += frames.bytes;
+    r.groups += frames.frames;
+    r.last_good = frames.last_good;
+    r.torn_tail = frames.torn_tail;
+    r.problems.extend(frames.problems);
     Ok(scan)
 }
 
-/// Reads a copy of the shard's database and checks it against the log.
-fn check_database(
+/// Reads a copy of the shard's database and checks it against the log:
+/// `events` reads the log's events back, and `checkpoint_ok` says whether
+/// a checkpoint names a place in the log.
+pub(crate) fn check_database(
     shard_dir: &Path,
-    log_dir: &Path,
+    events: &EventFiles,
+    checkpoint_ok: &dyn Fn(Position) -> bool,
     log: &LogScan,
     r: &mut ShardReport,
 ) -> Result<(), StoreError> {
-    let (segments, log_last_seq, event_positions) = (log.segments, &log.last, &log.event_positions);
+    let (log_last_seq, event_positions) = (&log.last, &log.event_positions);
     let copy = tempfile::Builder::new()
         .prefix("forkless-check-")
         .tempdir()
@@ -424,10 +564,10 @@ fn check_database(
         }
     };
     r.checkpoint = Some((checkpoint.segment, checkpoint.offset));
-    let ends = event_positions.last().map(|(p, _)| *p).unwrap_or_default();
-    if checkpoint > ends && !(checkpoint.offset == 0 && (checkpoint.segment as usize) < segments) {
+    if !checkpoint_ok(checkpoint) {
+        let ends = event_positions.last().map(|(p, _)| *p).unwrap_or_default();
         r.problems.push(format!(
-            "the checkpoint is at {}:{} but the log's whole groups end at {}:{}",
+            "the checkpoint is at {}:{}, which is not a place in the log (its whole groups end at {}:{})",
             checkpoint.segment, checkpoint.offset, ends.segment, ends.offset
         ));
     }
@@ -437,7 +577,6 @@ fn check_database(
         .filter(|(end, _)| *end <= checkpoint)
         .map(|(_, n)| n)
         .sum();
-    let segments_reader = log::Segments::read_only(log_dir, 0, segments as u32);
     let snap = ks.db.snapshot();
     let mut indexed_last: BTreeMap<ExecutionId, u64> = BTreeMap::new();
     let mut index_problems = 0usize;
@@ -470,7 +609,7 @@ fn check_database(
                     loc.segment, loc.offset
                 ));
                 index_problems += 1;
-            } else if let Err(e) = segments_reader.read_event(*loc, id, seq) {
+            } else if let Err(e) = events.read_event(*loc, id, seq) {
                 r.problems.push(format!("events index: {e}"));
                 index_problems += 1;
             } else {
@@ -550,6 +689,18 @@ fn copy_tree(from: &Path, to: &Path, top: bool) -> Result<(), StoreError> {
 /// replays the log from the checkpoint to the cut. Refuses anything else,
 /// and a running node. Returns what it did.
 pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<String, StoreError> {
+    if at.0 >= crate::node_log::SEGMENT_BASE {
+        let mut shards: Vec<u32> = std::fs::read_dir(dir.join("shards"))
+            .map_err(|e| log::io(&dir.join("shards"), "listing", e))?
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
+        shards.sort_unstable();
+        let at = Position {
+            segment: at.0,
+            offset: at.1,
+        };
+        return crate::check_node::truncate_after(dir, &shards, at);
+    }
     let shard_dir = dir.join("shards").join(shard.get().to_string());
     let refuse = |m: String| Err(StoreError::Invalid(m));
     let (report, scan) = check_shard_and_scan(&shard_dir, shard.get())?;
@@ -613,7 +764,7 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
 
 /// What [`reconcile`] changed.
 #[derive(Debug, Default)]
-struct Reconciled {
+pub(crate) struct Reconciled {
     records_removed: usize,
     records_reopened: usize,
     index_entries_removed: usize,
@@ -636,7 +787,7 @@ impl std::fmt::Display for Reconciled {
 /// status; an event idempotency entry naming a seq past its execution's
 /// last is removed. The next open replays the log from the checkpoint to
 /// the cut, which agrees with all of this.
-fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, StoreError> {
+pub(crate) fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, StoreError> {
     use crate::codec;
     let db = Database::builder(shard_dir).open().map_err(|e| match e {
         fjall::Error::Locked => StoreError::InUse(shard_dir.display().to_string()),

@@ -16,6 +16,7 @@
 //! are opaque bytes; the caller validated them.
 
 pub mod check;
+mod check_node;
 mod codec;
 mod commit;
 mod index;

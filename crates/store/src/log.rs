@@ -173,7 +173,7 @@ impl<'a> GroupRead<'a> {
     }
 
     /// The whole group at `at` of `segment`, `len` bytes with its header.
-    fn whole(segment: u32, at: u64, len: u64, payload: &'a [u8]) -> GroupRead<'a> {
+    pub(crate) fn whole(segment: u32, at: u64, len: u64, payload: &'a [u8]) -> GroupRead<'a> {
         GroupRead {
             start: Position {
                 segment,

@@ -333,14 +333,14 @@ impl NodeLog {
 }
 
 /// One part of a round, as read back.
-enum PartRead<'a> {
+pub(crate) enum PartRead<'a> {
     Records(&'a [u8]),
     Cut(Position),
 }
 
 /// The parts of a round: each one's group, where its records start in the
 /// round's segment (0 for a cut), and what it holds.
-fn parts<'a>(
+pub(crate) fn parts<'a>(
     round: &'a GroupRead<'a>,
 ) -> impl Iterator<Item = Result<(u32, u64, PartRead<'a>), StoreError>> + 'a {
     let payload = round.payload();

@@ -65,6 +65,7 @@ async fn crash_images_of_the_node_log_reopen_with_every_acknowledged_write() {
         if step % 100 == 99 {
             let image = dir.path().join(format!("crash-{step}"));
             crash_image(&live, &image);
+            healthy(&image, &format!("crash image at step {step}"));
             for pass in ["", ", reopened"] {
                 let (copy_store, copy) = open(&image, node());
                 verify(&copy, &model, &format!("crash image at step {step}{pass}")).await;
@@ -85,8 +86,110 @@ async fn crash_images_of_the_node_log_reopen_with_every_acknowledged_write() {
     assert!(s.commit_stats().checkpoints > 10, "{:?}", s.commit_stats());
     drop(s);
     drop(store);
-    let (_store, s) = open(&live, node());
+    let (store, s) = open(&live, node());
     verify(&s, &model, "reopened after a clean close").await;
+    drop(s);
+    drop(store);
+    let report = healthy(&live, "closed");
+    let node = report.node_log.as_ref().expect("a node log");
+    assert_eq!(node.segments, node_segments(&live).len());
+    let events: usize = model.logs.values().map(|l| l.len()).sum();
+    assert_eq!(report.shards[0].events as usize, events, "{report}");
+    assert_eq!(report.shards[0].indexed_events as usize, events, "{report}");
+}
+
+/// The offline check of the directory finds nothing wrong.
+fn healthy(data: &Path, what: &str) -> check::Report {
+    let report = check::check(data).expect("the check runs");
+    assert!(report.is_healthy(), "{what}: {report}");
+    report
+}
+
+/// The offline check on the node log: damage in a round is found and
+/// named, nothing is changed, and `--truncate-after` at the last whole
+/// round before it cuts the node log for every shard and leaves a
+/// directory that checks healthy and opens with what was before the cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_offline_check_reads_the_node_log() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("data");
+    let config = StoreConfig {
+        node_log: true,
+        log_checkpoint_bytes: u64::MAX,
+        ..StoreConfig::default()
+    };
+    let (store, s) = open(&data, config.clone());
+    let mut model = Model::default();
+    let mut rng = Rng(0x0bad_5eed);
+    for n in 1..=3 {
+        start(&s, &mut model, n).await;
+    }
+    let early = model.clone();
+    for step in 0..60u64 {
+        append_some(&s, &mut model, &mut rng, step).await;
+    }
+    // A crash image: its checkpoint is the one of the open, so damage
+    // after it can be cut.
+    let image = dir.path().join("image");
+    crash_image(&data, &image);
+    drop(s);
+    drop(store);
+    healthy(&image, "the image");
+    let seg = node_segments(&image).pop().expect("a segment");
+    let mut bytes = std::fs::read(&seg).expect("read");
+    let rounds = round_starts(&bytes);
+    assert!(rounds.len() > 40, "{} rounds", rounds.len());
+    // The last start's round is in the model's prefix `early` plus what
+    // came before the damaged round.
+    let damaged = rounds[30];
+    bytes[damaged + 20] ^= 0x08;
+    std::fs::write(&seg, &bytes).expect("write");
+    let report = check::check(&image).expect("the check runs");
+    assert!(!report.is_healthy(), "{report}");
+    let node = report.node_log.as_ref().expect("a node log");
+    let text = report.to_string();
+    assert!(
+        node.problems
+            .iter()
+            .any(|p| p.contains(&format!("offset {damaged}"))),
+        "{text}"
+    );
+    let good = node.last_good.expect("a last good round");
+    assert_eq!(good.1, damaged as u64, "{text}");
+    assert!(text.contains("--truncate-after"), "{text}");
+    assert_eq!(
+        std::fs::read(&seg).expect("read"),
+        bytes,
+        "the check changes nothing"
+    );
+    let done = check::truncate_after(&image, ShardId(0), good).expect("cut");
+    assert!(done.contains("every shard"), "{done}");
+    healthy(&image, "after the cut");
+    let (_store, s) = open(&image, config);
+    let (meta, _) = s
+        .read_events(id(1), 0, 100_000)
+        .expect("read")
+        .expect("exists");
+    assert!(meta.last_seq >= early.logs[&1].len() as u64);
+    assert!(
+        appended(&s, id(1), 10).await.is_ok(),
+        "writes go on after the cut"
+    );
+}
+
+/// Where each round of a node-log segment begins (an undamaged one).
+fn round_starts(bytes: &[u8]) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + 8 <= bytes.len() {
+        let len = u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        if len == 0 {
+            break;
+        }
+        out.push(at);
+        at += 8 + len;
+    }
+    out
 }
 
 /// A data directory written with a log per shard (what the version
@@ -136,6 +239,9 @@ async fn shard_logs_move_to_the_node_log_and_keep_every_event() {
         before,
         "nothing is written to a shard's own log once it moved"
     );
+    let report = healthy(&data, "moved");
+    let events: usize = model.logs.values().map(|l| l.len()).sum();
+    assert_eq!(report.shards[0].indexed_events as usize, events, "{report}");
 }
 
 /// Executions, one on each of the shards of a two-shard store.
@@ -211,6 +317,10 @@ async fn an_idle_shard_is_checkpointed_as_the_node_log_moves_on() {
     );
     let (meta, _) = idle.read_events(x1, 0, 10).expect("read").expect("exists");
     assert_eq!(meta.last_seq, 1);
+    drop((busy, idle, store));
+    let report = healthy(dir.path(), "two shards");
+    assert_eq!(report.shards.len(), 2);
+    assert_eq!(report.shards[1].indexed_events, 1, "{report}");
 }
 
 /// A failed round of the node log (a full disk here) fails the shard
