@@ -10,7 +10,10 @@
 //! with one fsync and only then publishes it to the index and to fjall, so
 //! a reader never sees an event that a crash could take back, and an
 //! append is acknowledged only after it is durable. `node_log.rs` is the
-//! node-wide log that shards move to next (`docs/replication.md`).
+//! node-wide log that shards move to next (`docs/replication.md`): with
+//! [`StoreConfig::node_log`] on, every shard writes its groups there, one
+//! `fdatasync` a round for all of them (off by default until it is as
+//! fast as a log per shard at one and sixteen clients).
 //!
 //! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
 //! are opaque bytes; the caller validated them.
@@ -530,6 +533,7 @@ impl Store {
             &self.dir.join(NODE_LOG_DIR),
             from,
             self.config.log_segment_bytes,
+            self.config.writer_priority,
         )?;
         let mut replays: BTreeMap<u32, shard::Replay> = databases
             .iter()

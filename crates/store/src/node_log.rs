@@ -169,7 +169,7 @@ impl NodeLog {
     /// the start (cutting a torn last round, refusing damage, as a shard's
     /// log does), learns each group's end and cuts, and starts the syncer.
     pub(crate) fn open(dir: &Path, segment_bytes: u64) -> Result<NodeLog, StoreError> {
-        Self::open_from(dir, START, segment_bytes)
+        Self::open_from(dir, START, segment_bytes, 0)
     }
 
     /// [`NodeLog::open`], reading the rounds from `from` on only (a round
@@ -177,11 +177,14 @@ impl NodeLog {
     /// reads what some group must replay and no more). What lies before
     /// `from` is not read, so every group's reads start at `from` at the
     /// earliest, and a group with no part after it is placed with
-    /// [`NodeLog::group_at`].
+    /// [`NodeLog::group_at`]. The syncer runs `priority` nice steps above
+    /// the caller, if the process may (every acknowledged write waits for
+    /// it, as for a shard's writer: [`crate::StoreConfig::writer_priority`]).
     pub(crate) fn open_from(
         dir: &Path,
         from: Position,
         segment_bytes: u64,
+        priority: i32,
     ) -> Result<NodeLog, StoreError> {
         let fresh = || GroupState {
             end: from,
@@ -220,7 +223,10 @@ impl NodeLog {
         let for_syncer = shared.clone();
         let syncer = std::thread::Builder::new()
             .name("node-log-syncer".into())
-            .spawn(move || sync_rounds(&for_syncer, writer))
+            .spawn(move || {
+                crate::priority::raise_own_priority(priority);
+                sync_rounds(&for_syncer, writer)
+            })
             .map_err(|e| StoreError::Io(format!("spawning the node log's syncer: {e}")))?;
         Ok(NodeLog {
             keeper: Arc::new(Keeper {
@@ -1096,7 +1102,7 @@ mod tests {
         let from = a_checkpoint.min(b_checkpoint).min(c_end);
         assert_eq!(from, c_end);
         let node =
-            NodeLog::open_from(&dir, from, 4096).expect("reopened from the oldest checkpoint");
+            NodeLog::open_from(&dir, from, 4096, 0).expect("reopened from the oldest checkpoint");
         let a = node.group_at(1, a_checkpoint);
         let b = node.group_at(2, b_checkpoint);
         let c = node.group_at(3, c_end);

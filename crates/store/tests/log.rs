@@ -1,6 +1,9 @@
-//! The shard's log on a real disk: crash images, torn and corrupt groups,
-//! checkpoints and segment rotation at small sizes, and moving a shard
-//! written before the log into it.
+//! A shard's own log on a real disk: crash images, torn and corrupt
+//! groups, checkpoints and segment rotation at small sizes, and moving a
+//! shard written before the log into it. A shard's own log is the format
+//! of before the node log (`tests/node_log.rs`): a shard written by an
+//! earlier version keeps it, replays it once and reads its events there,
+//! so these tests write it on purpose (`node_log: false`).
 
 mod common;
 
@@ -10,6 +13,19 @@ use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// `config`, writing a log per shard.
+fn own(config: StoreConfig) -> StoreConfig {
+    StoreConfig {
+        node_log: false,
+        ..config
+    }
+}
+
+/// The small sizes, writing a log per shard.
+fn small() -> StoreConfig {
+    own(common::small())
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_images_reopen_with_every_acknowledged_write() {
@@ -94,7 +110,7 @@ async fn crash_images_reopen_with_every_acknowledged_write() {
     drop(s);
     drop(store);
     // The default sizes read what the small ones wrote.
-    let (_store, s) = open(&live, StoreConfig::default());
+    let (_store, s) = open(&live, own(StoreConfig::default()));
     verify(&s, &model, "reopened with the default sizes").await;
 }
 
@@ -103,7 +119,7 @@ async fn a_torn_group_at_the_end_is_cut_off_and_the_rest_kept() {
     // With the default sizes the last segment is one that grows with
     // every group; with the small ones, after this many appends, it is
     // (most likely) one that was zero-filled before use.
-    for config in [StoreConfig::default(), small()] {
+    for config in [own(StoreConfig::default()), small()] {
         torn_group_is_cut_off(config).await;
     }
 }
@@ -307,6 +323,14 @@ async fn a_shard_written_before_the_log_is_moved_into_it() {
         .open()
         .expect("fjall opens");
     assert!(!db.keyspace_exists("events"), "the old keyspace is gone");
+    drop(db);
+    // And on to the node log, which reads them where they are.
+    let on_node = StoreConfig {
+        node_log: true,
+        ..common::small()
+    };
+    let (_store, s) = open(data, on_node);
+    verify(&s, &model, "moved on to the node log").await;
 }
 
 /// Where each group of a segment begins, read from their headers (the
@@ -347,7 +371,7 @@ fn open_damaged(dir: &Path, config: StoreConfig) -> Result<(Store, Arc<ShardStor
 fn never_checkpointed() -> StoreConfig {
     StoreConfig {
         log_checkpoint_bytes: u64::MAX,
-        ..StoreConfig::default()
+        ..own(StoreConfig::default())
     }
 }
 
