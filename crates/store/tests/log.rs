@@ -333,22 +333,6 @@ async fn a_shard_written_before_the_log_is_moved_into_it() {
     verify(&s, &model, "moved on to the node log").await;
 }
 
-/// Where each group of a segment begins, read from their headers (the
-/// segment must be undamaged).
-fn group_starts(bytes: &[u8]) -> Vec<usize> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at + 8 <= bytes.len() {
-        let len = u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-        if len == 0 {
-            break;
-        }
-        out.push(at);
-        at += 8 + len;
-    }
-    out
-}
-
 /// How opening a damaged data directory came out: refused (with why), or
 /// open with the shard to check.
 fn open_damaged(dir: &Path, config: StoreConfig) -> Result<(Store, Arc<ShardStore>), String> {

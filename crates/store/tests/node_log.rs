@@ -137,7 +137,7 @@ async fn the_offline_check_reads_the_node_log() {
     healthy(&image, "the image");
     let seg = node_segments(&image).pop().expect("a segment");
     let mut bytes = std::fs::read(&seg).expect("read");
-    let rounds = round_starts(&bytes);
+    let rounds = group_starts(&bytes);
     assert!(rounds.len() > 40, "{} rounds", rounds.len());
     // The last start's round is in the model's prefix `early` plus what
     // came before the damaged round.
@@ -175,21 +175,6 @@ async fn the_offline_check_reads_the_node_log() {
         appended(&s, id(1), 10).await.is_ok(),
         "writes go on after the cut"
     );
-}
-
-/// Where each round of a node-log segment begins (an undamaged one).
-fn round_starts(bytes: &[u8]) -> Vec<usize> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at + 8 <= bytes.len() {
-        let len = u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-        if len == 0 {
-            break;
-        }
-        out.push(at);
-        at += 8 + len;
-    }
-    out
 }
 
 /// A data directory written with a log per shard (what the version

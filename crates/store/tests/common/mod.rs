@@ -259,3 +259,20 @@ pub async fn verify(s: &ShardStore, model: &Model, what: &str) {
         );
     }
 }
+
+/// Where each frame of a segment begins (a group of a shard's log, a
+/// round of the node log), read from their headers (the
+/// segment must be undamaged).
+pub fn group_starts(bytes: &[u8]) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at + 8 <= bytes.len() {
+        let len = u32::from_be_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
+        if len == 0 {
+            break;
+        }
+        out.push(at);
+        at += 8 + len;
+    }
+    out
+}
