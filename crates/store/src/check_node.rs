@@ -94,7 +94,17 @@ pub(crate) fn scan(
         );
     }
     if !reports.is_empty() {
-        // A node is running on the directory: the node log is live.
+        // A node is running on the directory: the node log is live, so
+        // no shard of it can be checked.
+        for (_, shard) in held {
+            let mut r = shard.report;
+            r.problems = vec!["not checked: a running node holds other shards of this \
+                 directory, and they share the node log"
+                .into()];
+            r.in_use = true;
+            reports.push(r);
+        }
+        reports.sort_by_key(|r| r.shard);
         return Ok(None);
     }
     let node_dir = dir.join(crate::NODE_LOG_DIR);
