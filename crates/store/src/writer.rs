@@ -301,11 +301,6 @@ impl Writer {
         let mut replies = Vec::with_capacity(cmds.len());
         let mut asked = false;
         for cmd in cmds.drain(..) {
-            if let Command::Checkpoint(tx) = cmd {
-                asked = true;
-                replies.push(Reply::Checkpoint(tx, Ok(())));
-                continue;
-            }
             // A failed disk is this replica's fact, not the shard's state:
             // checked here, before the machine sees the command.
             if let Some(e) = &self.failed {
@@ -326,7 +321,11 @@ impl Writer {
                 Command::AdvanceEpoch(e, tx) => {
                     Reply::Epoch(tx, machine.advance_epoch(&mut group, e))
                 }
-                Command::Checkpoint(tx) => Reply::Checkpoint(tx, Ok(())),
+                // Answered once the checkpoint after the group is made.
+                Command::Checkpoint(tx) => {
+                    asked = true;
+                    Reply::Checkpoint(tx, Ok(()))
+                }
             });
         }
         let wrote = !self.log.is_empty();
@@ -365,9 +364,14 @@ impl Writer {
                 // This group is durable and visible; later ones are
                 // refused, since the keyspaces' state is unknown.
                 self.fail_stop(e.clone());
-                if asked {
-                    replies = replies.into_iter().map(|r| r.fail(e.clone())).collect();
-                }
+                // The group's own answers stand: it is durable and visible.
+                replies = replies
+                    .into_iter()
+                    .map(|r| match r {
+                        Reply::Checkpoint(tx, Ok(())) => Reply::Checkpoint(tx, Err(e.clone())),
+                        r => r,
+                    })
+                    .collect();
             }
         }
         (replies, wrote)
