@@ -361,15 +361,18 @@ impl Sweep {
             .name("checkpoint-sweep".into())
             .spawn(move || {
                 let (lock, wake) = &*stopped;
-                let mut stop = lock.lock().unwrap_or_else(|e| e.into_inner());
-                while !*stop {
-                    stop = wake
-                        .wait_timeout(stop, SWEEP_EVERY)
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
+                loop {
+                    // The lock only for the wait: a pass may commit (a
+                    // checkpoint on this thread), and a drop of the sweep
+                    // must not wait behind it for the lock.
+                    let stop = lock.lock().unwrap_or_else(|e| e.into_inner());
+                    let (stop, _) = wake
+                        .wait_timeout_while(stop, SWEEP_EVERY, |stop| !*stop)
+                        .unwrap_or_else(|e| e.into_inner());
                     if *stop {
                         break;
                     }
+                    drop(stop);
                     let written = node.written();
                     let hosted: Vec<_> = shards
                         .read()
