@@ -295,23 +295,27 @@ fn check_shard_and_scan(
     let scan = scan_log(&log_dir, None, &mut r)?;
     r.executions = scan.last.len();
     let segments = scan.segments as u32;
-    let events = own_events(&log_dir, segments);
+    let events = EventFiles::new(own_segments(&log_dir, segments), None);
     let ends = scan
         .event_positions
         .last()
         .map(|(p, _)| *p)
         .unwrap_or_default();
-    let checkpoint_ok = |c: Position| c <= ends || (c.offset == 0 && c.segment < segments);
+    let checkpoint_ok = |c: Position| in_own_log(c, ends, segments);
     check_database(shard_dir, &events, &checkpoint_ok, &scan, &mut r)?;
     Ok((r, scan))
 }
 
-/// A reader of a shard's own log, whose `segments` segments are complete.
-pub(crate) fn own_events(log_dir: &Path, segments: u32) -> EventFiles {
-    EventFiles::new(
-        std::sync::Arc::new(log::Segments::read_only(log_dir, 0, segments)),
-        None,
-    )
+/// The `segments` segments of a shard's own log, for reading.
+pub(crate) fn own_segments(log_dir: &Path, segments: u32) -> std::sync::Arc<log::Segments> {
+    std::sync::Arc::new(log::Segments::read_only(log_dir, 0, segments))
+}
+
+/// Whether a checkpoint names a place in a shard's own log, whose whole
+/// groups end at `ends` and which has `segments` segments: the end of a
+/// group, or the start of a segment.
+pub(crate) fn in_own_log(checkpoint: Position, ends: Position, segments: u32) -> bool {
+    checkpoint <= ends || (checkpoint.offset == 0 && checkpoint.segment < segments)
 }
 
 /// What a scan of a shard's log found, up to where it stopped.

@@ -7,7 +7,8 @@
 //! it drops every shard's writes after a round.
 
 use crate::check::{
-    check_database, lock_database, reconcile, scan_frames, scan_log, Frames, LogScan, ShardReport,
+    check_database, in_own_log, lock_database, own_segments, reconcile, scan_frames, scan_log,
+    Frames, LogScan, ShardReport,
 };
 use crate::log::{GroupRead, Position};
 use crate::node_log::{parts, PartRead, SEGMENT_BASE, START};
@@ -204,26 +205,20 @@ pub(crate) fn check_databases(
         SEGMENT_BASE,
         SEGMENT_BASE + scanned.frames.segments as u32,
     ));
-    let rounds: std::collections::BTreeSet<Position> =
-        scanned.frames.ends.iter().copied().collect();
+    // In the order they were read: sorted.
+    let rounds = &scanned.frames.ends;
     let mut out = Vec::new();
     for (&s, shard) in scanned.shards.iter_mut() {
         let shard_dir = dir.join("shards").join(s.to_string());
         let own_dir = shard_dir.join(crate::shard::LOG_DIR);
-        let own = (shard.own_segments > 0).then(|| {
-            Arc::new(crate::log::Segments::read_only(
-                &own_dir,
-                0,
-                shard.own_segments,
-            ))
-        });
+        let own = (shard.own_segments > 0).then(|| own_segments(&own_dir, shard.own_segments));
         let events = EventFiles::new(node_segments.clone(), own);
-        let (own_segments, own_ends) = (shard.own_segments, shard.own_ends.unwrap_or_default());
+        let (own_count, own_ends) = (shard.own_segments, shard.own_ends.unwrap_or_default());
         let checkpoint_ok = |c: Position| {
             if c.segment >= SEGMENT_BASE {
-                c == START || rounds.contains(&c)
+                c == START || rounds.binary_search(&c).is_ok()
             } else {
-                c <= own_ends || (c.offset == 0 && c.segment < own_segments)
+                in_own_log(c, own_ends, own_count)
             }
         };
         shard.report.executions = shard.scan.last.len();
