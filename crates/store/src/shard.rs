@@ -528,7 +528,8 @@ impl ShardStore {
             Some(from) if from.segment >= SEGMENT_BASE => {
                 if from > end {
                     return Err(StoreError::Corrupt(format!(
-                        "the checkpoint is at {}:{} but the node log ends at {}:{}: the node log                          lost acknowledged writes",
+                        "the checkpoint is at {}:{} but the node log ends at {}:{}: the node log \
+                         lost acknowledged writes",
                         from.segment, from.offset, end.segment, end.offset
                     )));
                 }
