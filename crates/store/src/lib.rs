@@ -13,7 +13,7 @@
 //! node-wide log that shards move to next (`docs/replication.md`): with
 //! [`StoreConfig::node_log`] on, every shard writes its groups there, one
 //! `fdatasync` a round for all of them (off by default until it is as
-//! fast as a log per shard at one and sixteen clients).
+//! fast as a log per shard at one and 64 clients).
 //!
 //! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
 //! are opaque bytes; the caller validated them.

@@ -76,7 +76,7 @@ pub struct StoreConfig {
     /// Whether the shards write to one log for the whole node
     /// (`<data>/log/`, one `fdatasync` a round for every shard:
     /// `docs/replication.md`) instead of a log each. Off by default for
-    /// now: measured slower at 1 and 16 clients (BENCHMARKS.md, "The
+    /// now: measured slower at 1 and 64 clients (BENCHMARKS.md, "The
     /// store on the node log"). A shard written with a log of its own
     /// opens on the node log with every event (its old log is read
     /// where it is); the way back is not supported.
