@@ -1,7 +1,10 @@
 //! The node-wide log: every group's appends (one group per shard replica)
-//! in one segment log, made durable by one syncer thread with one
-//! `fdatasync` a round for all of them (`docs/replication.md`, "One log
-//! per node" and "The node-wide log's format").
+//! in one segment log, made durable with one `fdatasync` a round for all
+//! of them (`docs/replication.md`, "One log per node" and "The node-wide
+//! log's format"). A round is written by whoever finds the log's writing
+//! end free: an appender, on its own thread, when no round is being
+//! written (so a lone writer pays no hand-off), else the syncer thread,
+//! which takes what was appended while a round was being written.
 //!
 //! The physical log is today's segment log ([`LogWriter`]), with one
 //! change of meaning: a checksummed frame is a **round**, and its payload
@@ -16,14 +19,14 @@
 //! acknowledged (their callbacks run after its sync), so the torn tail
 //! and damage stay apart exactly as in a shard's log. A group's part is
 //! addressed by the end of its round, a frame boundary where a read can
-//! start; a group has at most one part per round (the syncer holds a
-//! group's second append back for the next round), so that position
+//! start; a group has at most one part per round (a round holds a
+//! group's second append back for the next one), so that position
 //! names the part. A cut cannot zero bytes other groups share: it is a
 //! part of its own, and reads (and a reopen) drop the group's parts
 //! between the cut's position and the cut.
 //!
 //! Built behind the [`Log`] trait and held to its conformance suite; the
-//! store does not use it yet (the switch is the next step).
+//! store uses it when [`crate::StoreConfig::node_log`] is on.
 
 use crate::log::{self, Durable, GroupRead, Loc, Log, LogWriter, Position, Segments};
 use crate::StoreError;
@@ -120,12 +123,135 @@ struct Shared {
     /// Bytes of the rounds written since the open (see [`Log::written`]).
     written: AtomicU64,
     queue: Mutex<Queue>,
+    /// Rings the syncer thread.
     wake: Condvar,
+    /// The log's writing end: whoever holds it writes the next round (an
+    /// appender that finds it free, or the syncer thread).
+    rounds: Mutex<Rounds>,
+}
+
+/// The log's writing end, and the round being built (kept for the
+/// capacity of its tables).
+struct Rounds {
+    writer: LogWriter,
+    round: Vec<Queued>,
+    later: VecDeque<Queued>,
+    taken: std::collections::HashSet<u32>,
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Writes what is waiting, if anything is, as one round (at most one
+    /// part per group, within the round's budget): one pwrite and one
+    /// fdatasync, then where each part landed is recorded and its
+    /// callback called, in the order of the rounds (the caller holds
+    /// `rounds`). Returns whether it wrote one.
+    fn write_round(&self, r: &mut Rounds) -> bool {
+        let Rounds {
+            writer,
+            round,
+            later,
+            taken,
+        } = r;
+        {
+            let mut q = self.lock();
+            taken.clear();
+            let mut bytes = 0;
+            while let Some(item) = q.waiting.pop_front() {
+                // At least one part; then as many as fit the round's budget.
+                let full = !round.is_empty() && bytes + item.bytes() > ROUND_BYTES_MAX;
+                if !full && taken.insert(item.group) {
+                    bytes += item.bytes();
+                    round.push(item);
+                } else {
+                    later.push_back(item);
+                }
+            }
+            // Held back for the next round, in their order, ahead of
+            // anything appended meanwhile.
+            while let Some(item) = later.pop_back() {
+                q.waiting.push_front(item);
+            }
+        }
+        if round.is_empty() {
+            return false;
+        }
+        let placed = writer.begin().map(|()| {
+            let start = writer.position();
+            let mut header = Vec::with_capacity(CUT_BYTES);
+            let placed: Vec<u64> = round
+                .iter()
+                .map(|item| {
+                    header.clear();
+                    match &item.body {
+                        Body::Records(records) => {
+                            header.push(PART);
+                            header.extend_from_slice(&item.group.to_be_bytes());
+                            header.extend_from_slice(&(records.len() as u32).to_be_bytes());
+                            writer.push_raw(&header);
+                            writer.push_raw(records)
+                        }
+                        Body::Cut(after) => {
+                            header.push(CUT);
+                            header.extend_from_slice(&item.group.to_be_bytes());
+                            header.extend_from_slice(&after.segment.to_be_bytes());
+                            header.extend_from_slice(&after.offset.to_be_bytes());
+                            writer.push_raw(&header)
+                        }
+                    }
+                })
+                .collect();
+            (start, placed)
+        });
+        let made = placed.and_then(|(round_start, placed)| {
+            writer.commit().map(|bytes| (round_start, placed, bytes))
+        });
+        match made {
+            Ok((round_start, placed, bytes)) => {
+                self.written.fetch_add(bytes, Ordering::Relaxed);
+                let end = writer.position();
+                {
+                    let mut q = self.lock();
+                    q.end = end;
+                    for item in round.iter() {
+                        let g = q.groups.entry(item.group).or_insert_with(|| self.fresh());
+                        match item.body {
+                            Body::Records(_) => g.end = end,
+                            Body::Cut(after) => {
+                                g.end = after;
+                                g.cuts.push((after, end));
+                            }
+                        }
+                    }
+                }
+                for (item, at) in round.drain(..).zip(placed) {
+                    let start = Position {
+                        segment: round_start.segment,
+                        offset: round_start.offset + at,
+                    };
+                    // Its own bytes: what its shard counts towards its
+                    // next checkpoint.
+                    let bytes = item.bytes() as u64;
+                    (item.done)(Ok(Durable { start, end, bytes }));
+                }
+            }
+            Err(e) => {
+                writer.fail_stop();
+                let failed: Vec<Queued> = {
+                    let mut q = self.lock();
+                    q.failed = Some(e.clone());
+                    q.waiting.drain(..).collect()
+                };
+                tracing::error!(log = %self.dir.display(), error = %e, "a round of the node log failed; it takes no more");
+                for item in round.drain(..).chain(failed) {
+                    (item.done)(Err(e.clone()));
+                }
+            }
+        }
+        true
     }
 
     /// A group with no part since the log was opened.
@@ -219,13 +345,19 @@ impl NodeLog {
                 stop: false,
             }),
             wake: Condvar::new(),
+            rounds: Mutex::new(Rounds {
+                writer,
+                round: Vec::new(),
+                later: VecDeque::new(),
+                taken: std::collections::HashSet::new(),
+            }),
         });
         let for_syncer = shared.clone();
         let syncer = std::thread::Builder::new()
             .name("node-log-syncer".into())
             .spawn(move || {
                 crate::priority::raise_own_priority(priority);
-                sync_rounds(&for_syncer, writer)
+                sync_rounds(&for_syncer)
             })
             .map_err(|e| StoreError::Io(format!("spawning the node log's syncer: {e}")))?;
         Ok(NodeLog {
@@ -423,13 +555,10 @@ fn each_part(
     })
 }
 
-/// The syncer: takes what the groups appended, at most one part per group
-/// a round, writes the round with one pwrite and one fdatasync, and only
-/// then records where each part landed and calls its callback.
-fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
-    let mut round: Vec<Queued> = Vec::new();
-    let mut later: VecDeque<Queued> = VecDeque::new();
-    let mut taken = std::collections::HashSet::new();
+/// The syncer thread: writes rounds while anything is waiting that the
+/// appenders left to it (what was appended while a round was being
+/// written), then waits to be rung.
+fn sync_rounds(shared: &Shared) {
     loop {
         {
             let mut q = shared.lock();
@@ -439,96 +568,9 @@ fn sync_rounds(shared: &Shared, mut writer: LogWriter) {
             if q.waiting.is_empty() {
                 return;
             }
-            taken.clear();
-            let mut bytes = 0;
-            while let Some(item) = q.waiting.pop_front() {
-                // At least one part; then as many as fit the round's budget.
-                let full = !round.is_empty() && bytes + item.bytes() > ROUND_BYTES_MAX;
-                if !full && taken.insert(item.group) {
-                    bytes += item.bytes();
-                    round.push(item);
-                } else {
-                    later.push_back(item);
-                }
-            }
-            // Held back for the next round, in their order, ahead of
-            // anything appended meanwhile.
-            while let Some(item) = later.pop_back() {
-                q.waiting.push_front(item);
-            }
         }
-        let placed = writer.begin().map(|()| {
-            let start = writer.position();
-            let mut header = Vec::with_capacity(CUT_BYTES);
-            let placed: Vec<u64> = round
-                .iter()
-                .map(|item| {
-                    header.clear();
-                    match &item.body {
-                        Body::Records(records) => {
-                            header.push(PART);
-                            header.extend_from_slice(&item.group.to_be_bytes());
-                            header.extend_from_slice(&(records.len() as u32).to_be_bytes());
-                            writer.push_raw(&header);
-                            writer.push_raw(records)
-                        }
-                        Body::Cut(after) => {
-                            header.push(CUT);
-                            header.extend_from_slice(&item.group.to_be_bytes());
-                            header.extend_from_slice(&after.segment.to_be_bytes());
-                            header.extend_from_slice(&after.offset.to_be_bytes());
-                            writer.push_raw(&header)
-                        }
-                    }
-                })
-                .collect();
-            (start, placed)
-        });
-        let made = placed.and_then(|(round_start, placed)| {
-            writer.commit().map(|bytes| (round_start, placed, bytes))
-        });
-        match made {
-            Ok((round_start, placed, bytes)) => {
-                shared.written.fetch_add(bytes, Ordering::Relaxed);
-                let end = writer.position();
-                {
-                    let mut q = shared.lock();
-                    q.end = end;
-                    for item in &round {
-                        let g = q.groups.entry(item.group).or_insert_with(|| shared.fresh());
-                        match item.body {
-                            Body::Records(_) => g.end = end,
-                            Body::Cut(after) => {
-                                g.end = after;
-                                g.cuts.push((after, end));
-                            }
-                        }
-                    }
-                }
-                for (item, at) in round.drain(..).zip(placed) {
-                    let start = Position {
-                        segment: round_start.segment,
-                        offset: round_start.offset + at,
-                    };
-                    // Its own bytes: what its shard counts towards its
-                    // next checkpoint.
-                    let bytes = item.bytes() as u64;
-                    (item.done)(Ok(Durable { start, end, bytes }));
-                }
-            }
-            Err(e) => {
-                writer.fail_stop();
-                let failed: Vec<Queued> = {
-                    let mut q = shared.lock();
-                    q.failed = Some(e.clone());
-                    q.waiting.drain(..).collect()
-                };
-                tracing::error!(log = %shared.dir.display(), error = %e, "a round of the node log failed; it takes no more");
-                for item in round.drain(..).chain(failed) {
-                    (item.done)(Err(e.clone()));
-                }
-            }
-        }
+        let mut rounds = shared.rounds.lock().unwrap_or_else(|e| e.into_inner());
+        while shared.write_round(&mut rounds) {}
     }
 }
 
@@ -580,9 +622,29 @@ impl GroupLog {
                 }
             }
         };
-        match refused {
-            Some((e, done)) => done(Err(e)),
-            None => self.shared().wake.notify_one(),
+        if let Some((e, done)) = refused {
+            return done(Err(e));
+        }
+        let shared = self.shared();
+        // Nobody is writing a round: this appender writes it, with
+        // whatever else is waiting, on its own thread (no hand-off to the
+        // syncer and back, two thread wake-ups, at one writer). Someone is:
+        // they ring the syncer for what they leave waiting.
+        let rounds = match shared.rounds.try_lock() {
+            Ok(r) => Some(r),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut rounds) = rounds {
+            shared.write_round(&mut rounds);
+            drop(rounds);
+            // Appended during the round: the syncer thread takes it, so
+            // that this appender's caller goes on at once. Looked at only
+            // once the round is let go, so an appender that found it
+            // taken is never left waiting.
+            if !shared.lock().waiting.is_empty() {
+                shared.wake.notify_one();
+            }
         }
     }
 
@@ -1066,23 +1128,53 @@ mod tests {
     fn the_last_handle_may_go_in_a_callback() {
         let tmp = tempfile::tempdir().expect("a folder");
         let node = NodeLog::open(&tmp.path().join("log"), 1 << 20).expect("opened");
+        let shared = node.keeper.shared.clone();
         let keep = node.group(2);
         let mut a = node.group(1);
         drop(node);
         a.begin().expect("begun");
         a.put(1, b"k", b"v");
         let (tx, rx) = mpsc::channel();
-        // Dropped with `a` before the callback can run: `keep` is then
-        // the last handle, and the callback lets it go.
-        let (go, wait) = mpsc::channel::<()>();
+        // A round being written elsewhere: the append is left to the
+        // syncer thread, whose callback then lets go of the last handle
+        // (`a` is gone by then).
+        let held = shared.rounds.lock().expect("the writing end");
         a.append(move |made| {
-            let _ = wait.recv_timeout(Duration::from_secs(10));
             drop(keep);
             let _ = tx.send(made.is_ok());
         });
         drop(a);
-        let _ = go.send(());
+        drop(held);
+        shared.wake.notify_one();
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
+    }
+
+    /// An append that finds no round being written writes its own, on
+    /// the appender's thread: its callback has run when `append` returns.
+    /// One that finds a round being written is left to the syncer thread.
+    #[test]
+    fn a_lone_append_writes_its_own_round() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let node = NodeLog::open(&tmp.path().join("log"), 1 << 20).expect("opened");
+        let mut a = node.group(1);
+        let made = append_async(&mut a, 1, 0);
+        assert!(
+            matches!(made.try_recv(), Ok(Ok(_))),
+            "durable when append returned"
+        );
+        let held = node.keeper.shared.rounds.lock().expect("the writing end");
+        let made = append_async(&mut a, 1, 1);
+        assert!(
+            made.try_recv().is_err(),
+            "waiting for the round in progress"
+        );
+        drop(held);
+        // What the holder leaves waiting goes to the syncer thread.
+        node.keeper.shared.wake.notify_one();
+        let done = made
+            .recv_timeout(Duration::from_secs(10))
+            .expect("called back");
+        assert!(done.is_ok());
     }
 
     /// A reopen from the oldest checkpoint reads only the rounds after
