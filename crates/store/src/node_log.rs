@@ -113,7 +113,14 @@ struct Queue {
     /// Why the log takes no more rounds, once it does not.
     failed: Option<StoreError>,
     stop: bool,
+    /// Buffers of parts already written, emptied, for the groups' next
+    /// parts (at most [`SPARE_BUFFERS`], none over [`SPARE_BUFFER_BYTES`]):
+    /// an append then allocates nothing.
+    spare: Vec<Vec<u8>>,
 }
+
+const SPARE_BUFFERS: usize = 64;
+const SPARE_BUFFER_BYTES: usize = 1 << 20;
 
 struct Shared {
     dir: PathBuf,
@@ -137,6 +144,8 @@ struct Rounds {
     round: Vec<Queued>,
     later: VecDeque<Queued>,
     taken: std::collections::HashSet<u32>,
+    /// Where each part of the round starts in it.
+    placed: Vec<u64>,
 }
 
 impl Shared {
@@ -155,6 +164,7 @@ impl Shared {
             round,
             later,
             taken,
+            placed,
         } = r;
         {
             let mut q = self.lock();
@@ -179,38 +189,33 @@ impl Shared {
         if round.is_empty() {
             return false;
         }
-        let placed = writer.begin().map(|()| {
+        placed.clear();
+        let made = writer.begin().and_then(|()| {
             let start = writer.position();
-            let mut header = Vec::with_capacity(CUT_BYTES);
-            let placed: Vec<u64> = round
-                .iter()
-                .map(|item| {
-                    header.clear();
-                    match &item.body {
-                        Body::Records(records) => {
-                            header.push(PART);
-                            header.extend_from_slice(&item.group.to_be_bytes());
-                            header.extend_from_slice(&(records.len() as u32).to_be_bytes());
-                            writer.push_raw(&header);
-                            writer.push_raw(records)
-                        }
-                        Body::Cut(after) => {
-                            header.push(CUT);
-                            header.extend_from_slice(&item.group.to_be_bytes());
-                            header.extend_from_slice(&after.segment.to_be_bytes());
-                            header.extend_from_slice(&after.offset.to_be_bytes());
-                            writer.push_raw(&header)
-                        }
+            for item in round.iter() {
+                let mut header = [0u8; CUT_BYTES];
+                let group = item.group.to_be_bytes();
+                placed.push(match &item.body {
+                    Body::Records(records) => {
+                        header[0] = PART;
+                        header[1..5].copy_from_slice(&group);
+                        header[5..9].copy_from_slice(&(records.len() as u32).to_be_bytes());
+                        writer.push_raw(&header[..PART_HEADER]);
+                        writer.push_raw(records)
                     }
-                })
-                .collect();
-            (start, placed)
-        });
-        let made = placed.and_then(|(round_start, placed)| {
-            writer.commit().map(|bytes| (round_start, placed, bytes))
+                    Body::Cut(after) => {
+                        header[0] = CUT;
+                        header[1..5].copy_from_slice(&group);
+                        header[5..9].copy_from_slice(&after.segment.to_be_bytes());
+                        header[9..17].copy_from_slice(&after.offset.to_be_bytes());
+                        writer.push_raw(&header)
+                    }
+                });
+            }
+            writer.commit().map(|bytes| (start, bytes))
         });
         match made {
-            Ok((round_start, placed, bytes)) => {
+            Ok((round_start, bytes)) => {
                 self.written.fetch_add(bytes, Ordering::Relaxed);
                 let end = writer.position();
                 {
@@ -227,7 +232,8 @@ impl Shared {
                         }
                     }
                 }
-                for (item, at) in round.drain(..).zip(placed) {
+                let mut spare = Vec::new();
+                for (item, at) in round.drain(..).zip(placed.iter()) {
                     let start = Position {
                         segment: round_start.segment,
                         offset: round_start.offset + at,
@@ -236,6 +242,17 @@ impl Shared {
                     // next checkpoint.
                     let bytes = item.bytes() as u64;
                     (item.done)(Ok(Durable { start, end, bytes }));
+                    if let Body::Records(mut records) = item.body {
+                        if records.capacity() <= SPARE_BUFFER_BYTES {
+                            records.clear();
+                            spare.push(records);
+                        }
+                    }
+                }
+                if !spare.is_empty() {
+                    let mut q = self.lock();
+                    let room = SPARE_BUFFERS.saturating_sub(q.spare.len());
+                    q.spare.extend(spare.into_iter().take(room));
                 }
             }
             Err(e) => {
@@ -343,6 +360,7 @@ impl NodeLog {
                 end: writer.position(),
                 failed: None,
                 stop: false,
+                spare: Vec::new(),
             }),
             wake: Condvar::new(),
             rounds: Mutex::new(Rounds {
@@ -350,6 +368,7 @@ impl NodeLog {
                 round: Vec::new(),
                 later: VecDeque::new(),
                 taken: std::collections::HashSet::new(),
+                placed: Vec::new(),
             }),
         });
         let for_syncer = shared.clone();
@@ -574,6 +593,11 @@ fn sync_rounds(shared: &Shared) {
     }
 }
 
+/// Why a group that failed stop refuses what follows.
+fn stopped() -> StoreError {
+    StoreError::Io("this group's log failed; it takes no more groups".into())
+}
+
 /// One group's view of the node log: a [`Log`] of its own parts.
 pub(crate) struct GroupLog {
     keeper: Arc<Keeper>,
@@ -599,31 +623,32 @@ impl GroupLog {
 
     fn refused(&self) -> Option<StoreError> {
         if self.failed {
-            return Some(StoreError::Io(
-                "this group's log failed; it takes no more groups".into(),
-            ));
+            return Some(stopped());
         }
         self.shared().lock().failed.clone()
     }
 
-    /// Queues a part and returns at once; `done` runs after its round.
-    fn queue(&self, body: Body, done: Callback) {
-        let refused = {
+    /// Queues a part; `done` runs after its round, which this call may
+    /// write itself (see below). Returns an emptied buffer for the
+    /// group's next part, if the log has one spare.
+    fn queue(&self, body: Body, done: Callback) -> Option<Vec<u8>> {
+        let (refused, spare) = {
             let mut q = self.shared().lock();
             match &q.failed {
-                Some(e) => Some((e.clone(), done)),
+                Some(e) => (Some((e.clone(), done)), None),
                 None => {
                     q.waiting.push_back(Queued {
                         group: self.group,
                         body,
                         done,
                     });
-                    None
+                    (None, q.spare.pop())
                 }
             }
         };
         if let Some((e, done)) = refused {
-            return done(Err(e));
+            done(Err(e));
+            return None;
         }
         let shared = self.shared();
         // Nobody is writing a round: this appender writes it, with
@@ -646,6 +671,7 @@ impl GroupLog {
                 shared.wake.notify_one();
             }
         }
+        spare
     }
 
     /// Refuses `at` unless it is the group's first position, its end, or
@@ -717,12 +743,15 @@ impl Log for GroupLog {
     where
         F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
     {
-        if let Some(e) = self.refused() {
+        if self.failed {
             self.buf.clear();
-            return durable(Err(e));
+            return durable(Err(stopped()));
         }
+        // A failed log is refused in `queue`, under the lock it takes anyway.
         let records = std::mem::take(&mut self.buf);
-        self.queue(Body::Records(records), Box::new(durable));
+        if let Some(spare) = self.queue(Body::Records(records), Box::new(durable)) {
+            self.buf = spare;
+        }
     }
 
     fn position(&self) -> Position {
