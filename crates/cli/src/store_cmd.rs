@@ -26,14 +26,16 @@ struct CheckArgs {
     /// The node's data directory.
     #[arg(long, default_value = "./forkless-data")]
     data_dir: PathBuf,
-    /// Cut the shard's log after this position, `<segment>:<offset>` (the
-    /// end of a whole group at or after the shard's checkpoint, as the
-    /// check reports it), dropping everything written after it. For an
-    /// operator who has decided to lose a damaged tail.
+    /// Cut the log after this position, `<segment>:<offset>` (the end of
+    /// a whole round or group at or after the checkpoints, as the check
+    /// reports it), dropping everything written after it. A position in
+    /// the node log (segment 2147483648 on) cuts it for every shard. For
+    /// an operator who has decided to lose a damaged tail.
     #[arg(long, value_name = "SEGMENT:OFFSET")]
     truncate_after: Option<String>,
-    /// The shard to cut (needed with --truncate-after when the directory
-    /// has more than one).
+    /// The shard whose own log of before to cut (needed with
+    /// --truncate-after at a position in a shard's own log, when the
+    /// directory has more than one).
     #[arg(long)]
     shard: Option<u32>,
 }
@@ -59,6 +61,8 @@ pub fn run(a: StoreArgs) -> anyhow::Result<bool> {
             .collect();
         let shard = match (a.shard, shards.as_slice()) {
             (Some(s), _) if shards.contains(&s) => s,
+            // A cut of the node log is every shard's: none to name.
+            (None, _) if forkless_store::check::cuts_every_shard(seg) => 0,
             (Some(s), _) => bail!("--shard: the data directory has no shard {s}"),
             (None, [only]) => *only,
             (None, _) => bail!(

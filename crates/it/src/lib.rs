@@ -837,6 +837,29 @@ impl Node {
             p.kill9();
         }
     }
+
+    /// Starts the node again, expecting it to refuse to start: returns how
+    /// it exited (within `timeout`) and its log. Panics if it becomes
+    /// ready instead.
+    pub fn restart_expecting_refusal(
+        &mut self,
+        timeout: Duration,
+    ) -> (std::process::ExitStatus, String) {
+        self.kill9();
+        let mut p = Proc::spawn(&self.args, &self.log);
+        let status = p.wait_exit(timeout);
+        let log = p.log();
+        match status {
+            Some(s) => (s, log),
+            None => {
+                let ready = self.client.ready();
+                p.kill9();
+                panic!(
+                    "the node did not exit within {timeout:?} (ready: {ready}); its log:\n{log}"
+                );
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

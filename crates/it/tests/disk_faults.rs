@@ -99,79 +99,94 @@ fn group_starts(bytes: &[u8]) -> Vec<usize> {
     out
 }
 
+/// Damage in the node log (every shard has writes in it) stops the node
+/// from starting, with an error naming the segment and offset; `forkless
+/// store check` names the same place and the cut that drops it; after
+/// the cut the node starts and serves what was acknowledged before the
+/// damaged round, on every shard, and takes writes.
 #[test]
-fn a_damaged_shard_is_reported_and_the_others_serve() {
-    let _d = deadline("damaged shard", Duration::from_secs(60));
+fn damage_in_the_node_log_stops_the_node_until_the_check_cuts_it() {
+    let _d = deadline("damaged node log", Duration::from_secs(90));
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
     let mut node = Node::start_single(&data, &["--shard-count", "2"]);
     let c = node.client;
-    // Executions on both shards, a few events each.
-    let mut on: [Vec<String>; 2] = [Vec::new(), Vec::new()];
-    for i in 0..12 {
+    // One request at a time: each acknowledged command is a round of its
+    // own, in this order.
+    let mut acked: Vec<(String, u64)> = Vec::new();
+    let mut shards = [false, false];
+    for i in 0..8 {
         let v = c.start(&json!({"workflow": "w", "routing_key": format!("k-{i}")}));
-        let shard = v["shard"].as_u64().unwrap() as usize;
+        shards[v["shard"].as_u64().unwrap() as usize] = true;
         let id = v["execution_id"].as_str().unwrap().to_string();
+        acked.push((id.clone(), 1));
         for k in 0..3 {
             append(&c, &id, &format!("t{k}"), &json!({"k": k})).expect(200);
+            acked.push((id.clone(), k + 2));
         }
-        on[shard].push(id);
     }
-    assert!(!on[0].is_empty() && !on[1].is_empty());
-    // A crash (no checkpoint at close), then one flipped byte in an early
-    // group of shard 1's log, with later groups after it.
+    assert_eq!(shards, [true, true], "executions on both shards");
+    // A crash (no checkpoint at close: the restart replays from the
+    // open's), then one flipped byte in an early round, with later rounds
+    // after it.
     node.kill9();
-    let seg = data.join("shards/1/eventlog/0000000000.seg");
+    let seg = data.join("log/2147483648.seg");
     let mut bytes = std::fs::read(&seg).unwrap();
     let starts = group_starts(&bytes);
-    assert!(starts.len() > 4);
-    bytes[starts[2] + 12] ^= 0x01;
+    assert_eq!(starts.len(), acked.len(), "a round per command");
+    let damaged = 10;
+    bytes[starts[damaged] + 12] ^= 0x01;
     std::fs::write(&seg, &bytes).unwrap();
+    let place = format!("segment 2147483648, offset {}", starts[damaged]);
+    let (status, log) = node.restart_expecting_refusal(Duration::from_secs(30));
+    assert!(!status.success(), "{status}");
+    assert!(log.contains(&place) && log.contains("bad group"), "{log}");
+
+    let dir = data.display().to_string();
+    let t = Duration::from_secs(20);
+    let (code, out, _) = run_cli(&["store", "check", "--data-dir", &dir], t);
+    assert_eq!(code, Some(1), "{out}");
+    let cut = format!("2147483648:{}", starts[damaged]);
+    assert!(
+        out.contains("DAMAGED")
+            && out.contains(&place)
+            && out.contains(&format!("--truncate-after {cut}")),
+        "{out}"
+    );
+    // A cut of the node log needs no --shard: it is every shard's.
+    let (code, out, err) = run_cli(
+        &[
+            "store",
+            "check",
+            "--data-dir",
+            &dir,
+            "--truncate-after",
+            &cut,
+        ],
+        t,
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(
+        out.contains("every shard") && out.contains("all 2 shards ok"),
+        "{out}"
+    );
+
     node.restart();
-
-    let ready = c.get("/readyz");
-    ready.expect(200);
-    let r = ready.json();
-    assert_eq!(r["status"], "degraded", "{r}");
-    assert_eq!(r["failed_shards"].as_array().map(Vec::len), Some(1), "{r}");
-    assert_eq!(r["failed_shards"][0]["shard"], 1, "{r}");
-    let why = r["failed_shards"][0]["reason"].as_str().unwrap();
-    assert!(
-        why.contains("shard 1")
-            && why.contains("segment 0")
-            && why.contains(&format!("offset {}", starts[2])),
-        "{why}"
-    );
-    let cluster = c.get("/api/cluster").json();
-    assert!(cluster["shards"][1]["failed"].is_string(), "{cluster}");
-    assert!(cluster["shards"][0].get("failed").is_none(), "{cluster}");
-    assert_eq!(c.metric("forkless_store_shard_failed{shard=\"1\"}"), 1.0);
-    assert_eq!(c.metric("forkless_store_shard_failed{shard=\"0\"}"), 0.0);
-    assert!(node_log(&node).contains("the shard cannot be opened"));
-    // Shard 0 serves reads and writes; shard 1 refuses, writing nothing.
-    for id in &on[0] {
-        assert_eq!(c.last_seq(id), 4);
-        append(&c, id, "more", &json!({})).expect(200);
+    assert_eq!(c.get("/readyz").json()["status"], "ready");
+    // What was acknowledged before the damaged round is there, and
+    // nothing after it.
+    let (kept, dropped) = acked.split_at(damaged);
+    let last_kept = |id: &str| kept.iter().filter(|(k, _)| k == id).map(|(_, s)| *s).max();
+    for (id, _) in kept.iter().chain(dropped) {
+        let r = c.get(&format!("/api/executions/{id}"));
+        match last_kept(id) {
+            Some(seq) => assert_eq!(c.last_seq(id), seq, "{id}"),
+            None => assert_eq!(r.status, 404, "{id}: {}", r.text()),
+        }
     }
-    for id in &on[1] {
-        let v = append(&c, id, "more", &json!({})).expect_error(503, "shard_unavailable");
-        assert_eq!(v["executed"], false, "{v}");
-    }
-    let v = c
-        .post(
-            "/api/executions",
-            &json!({"workflow": "w", "routing_key": "k-on-1"}),
-        )
-        .json();
-    // The key's shard decides: either served (shard 0) or refused.
-    assert!(
-        v["execution_id"].is_string() || v["error"] == "shard_unavailable",
-        "{v}"
-    );
-}
-
-fn node_log(node: &Node) -> String {
-    std::fs::read_to_string(&node.log).unwrap_or_default()
+    let (id, seq) = &kept[kept.len() - 1];
+    append(&c, id, "after-the-cut", &json!({})).expect(200);
+    assert_eq!(c.last_seq(id), seq + 1);
 }
 
 /// `forkless store check` as an operator runs it: refuses a running node's
@@ -202,7 +217,7 @@ fn store_check_from_the_command_line() {
         out.contains("all 1 shards ok") && out.contains("10 events"),
         "{out}"
     );
-    let seg = data.join("shards/0/eventlog/0000000000.seg");
+    let seg = data.join("log/2147483648.seg");
     let mut bytes = std::fs::read(&seg).unwrap();
     let starts = group_starts(&bytes);
     bytes[starts[3] + 40] ^= 0x10;
@@ -210,7 +225,8 @@ fn store_check_from_the_command_line() {
     let (code, out, _) = run_cli(&["store", "check", "--data-dir", &dir], t);
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("DAMAGED") && out.contains(&format!("segment 0, offset {}", starts[3])),
+        out.contains("DAMAGED")
+            && out.contains(&format!("segment 2147483648, offset {}", starts[3])),
         "{out}"
     );
     let (code, _, err) = run_cli(

@@ -1,5 +1,5 @@
 //! Directory entries are durable: every folder the node creates for its
-//! data (the data directory, `shards/`, `shards/<n>`, the log's folder) is
+//! data (the data directory, `shards/`, `shards/<n>`, the node log's folder) is
 //! synced into its parent before the shard takes its first write, so a
 //! crash cannot make an acknowledged shard vanish with its folder. Read
 //! off the real system calls of a real node with strace (which `.ci/run`
@@ -145,12 +145,12 @@ fn every_data_folder_is_synced_into_its_parent_before_the_first_write() {
     let first_write = first_log_write.expect("the start wrote a log group");
     let shards = data.join("shards");
     let shard = shards.join("0");
-    let eventlog = shard.join("eventlog");
+    let log = data.join("log");
     for (child, parent) in [
         (&data, &base),
         (&shards, &data),
         (&shard, &shards),
-        (&eventlog, &shard),
+        (&log, &data),
     ] {
         let child = child.display().to_string();
         let parent: &Path = parent;

@@ -214,7 +214,9 @@ impl Metrics {
 /// `forkless_store_commits_total{shard, committer}` and
 /// `forkless_store_committed_commands_total{shard}` (their ratio is the
 /// mean group size: how much each fsync carried), the histogram of those
-/// fsyncs (`forkless_store_log_sync_seconds{shard}`), and the log's
+/// fsyncs (`forkless_store_log_sync_seconds{shard}` for a shard with a
+/// log of its own, `forkless_store_node_log_sync_seconds` for the node
+/// log's rounds), and the log's
 /// checkpoints (`forkless_store_checkpoints_total{shard}`,
 /// `forkless_store_checkpoint_seconds_total{shard, phase}`), and which
 /// shards are out of service (`forkless_store_shard_failed{shard}`).
@@ -315,6 +317,7 @@ impl Collector for StoreCollector {
             MetricType::Histogram,
         )?;
         for (shard, _, sync) in &shards {
+            let Some(sync) = sync else { continue };
             syncs
                 .encode_family(&ShardLabel { shard: *shard })?
                 .encode_histogram::<NoLabelSet>(
@@ -323,6 +326,20 @@ impl Collector for StoreCollector {
                     &sync.buckets,
                     None,
                 )?;
+        }
+        if let Some(sync) = self.0.node_log_sync_latency() {
+            let mut rounds = encoder.encode_descriptor(
+                "store_node_log_sync",
+                "How long each round's fdatasync of the node log took, which every acknowledged write waits for; a round carries one group commit of every shard that had one waiting (wall time to its return: a wait for a core after the disk answered counts too)",
+                Some(&Unit::Seconds),
+                MetricType::Histogram,
+            )?;
+            rounds.encode_histogram::<NoLabelSet>(
+                sync.sum_seconds,
+                sync.count(),
+                &sync.buckets,
+                None,
+            )?;
         }
         let mut failed = encoder.encode_descriptor(
             "store_shard_failed",

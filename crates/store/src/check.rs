@@ -104,7 +104,7 @@ impl std::fmt::Display for Report {
                 writeln!(
                     f,
                     "  the last whole round before the damage ends at {seg}:{off} \
-                     (`--shard 0 --truncate-after {seg}:{off}` drops everything after it, for every shard)"
+                     (`--truncate-after {seg}:{off}` drops everything after it, for every shard)"
                 )?;
             }
         }
@@ -120,11 +120,25 @@ impl std::fmt::Display for Report {
                 }
                 continue;
             }
-            writeln!(
-                f,
-                "shard {}: {state}: {} segments, {} bytes of log, {} groups, {} events of {} executions",
-                s.shard, s.segments, s.log_bytes, s.groups, s.events, s.executions
-            )?;
+            if self.node_log.is_some() {
+                // Its groups are parts of the node log's rounds; the
+                // segments are those of its own log of before, if any.
+                let own = match s.segments {
+                    0 => String::new(),
+                    n => format!(" (with its own log of before, {n} segments)"),
+                };
+                writeln!(
+                    f,
+                    "shard {}: {state}: {} groups, {} bytes of log{own}, {} events of {} executions",
+                    s.shard, s.groups, s.log_bytes, s.events, s.executions
+                )?;
+            } else {
+                writeln!(
+                    f,
+                    "shard {}: {state}: {} segments, {} bytes of log, {} groups, {} events of {} executions",
+                    s.shard, s.segments, s.log_bytes, s.groups, s.events, s.executions
+                )?;
+            }
             if let Some((seg, off)) = s.checkpoint {
                 writeln!(
                     f,
@@ -175,9 +189,18 @@ impl std::fmt::Display for Report {
         } else if self.is_healthy() {
             write!(f, "all {} shards ok", self.shards.len())
         } else {
+            let node_damaged = self
+                .node_log
+                .as_ref()
+                .is_some_and(|n| !n.problems.is_empty());
             write!(
                 f,
-                "{damaged} of {} shards damaged{}",
+                "{}{damaged} of {} shards damaged{}",
+                if node_damaged {
+                    "the node log is damaged (every shard has writes in it); "
+                } else {
+                    ""
+                },
                 self.shards.len(),
                 if self.problems.is_empty() {
                     ""
@@ -686,6 +709,12 @@ fn copy_tree(from: &Path, to: &Path, top: bool) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Whether a cut in `segment` is a cut of the node log, which every
+/// shard writes to (then [`truncate_after`]'s shard is not used).
+pub fn cuts_every_shard(segment: u32) -> bool {
+    segment >= crate::node_log::SEGMENT_BASE
+}
+
 /// Cuts shard `shard`'s log after `at` (the end of a whole group, at or
 /// after the database's checkpoint): zeroes the rest of that segment,
 /// removes the segments after it, and makes the database's records and
@@ -693,7 +722,7 @@ fn copy_tree(from: &Path, to: &Path, top: bool) -> Result<(), StoreError> {
 /// replays the log from the checkpoint to the cut. Refuses anything else,
 /// and a running node. Returns what it did.
 pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<String, StoreError> {
-    if at.0 >= crate::node_log::SEGMENT_BASE {
+    if cuts_every_shard(at.0) {
         let mut shards: Vec<u32> = std::fs::read_dir(dir.join("shards"))
             .map_err(|e| log::io(&dir.join("shards"), "listing", e))?
             .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())

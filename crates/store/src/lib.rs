@@ -1,19 +1,18 @@
 //! Per-shard durable state: execution logs, the routing-key and idempotency
 //! indexes, the shard's epoch (the fence), and group commit.
 //!
-//! Each shard (`<data>/shards/<shard>/`) has a log of its own (`log.rs`:
-//! the events, and the write-ahead record of every change) and one fjall
-//! database (execution records and indexes). All writes to a shard go
-//! through one writer at a time: the commit scheduler (`commit.rs`) takes
-//! a group of queued commands, the state machine (`machine.rs`) decides
-//! what each does, and the writer (`writer.rs`) writes the group to the log
-//! with one fsync and only then publishes it to the index and to fjall, so
-//! a reader never sees an event that a crash could take back, and an
-//! append is acknowledged only after it is durable. `node_log.rs` is the
-//! node-wide log that shards move to next (`docs/replication.md`): with
-//! [`StoreConfig::node_log`] on, every shard writes its groups there, one
-//! `fdatasync` a round for all of them (off by default until it is as
-//! fast as a log per shard at one and 64 clients).
+//! Each shard (`<data>/shards/<shard>/`) has one fjall database
+//! (execution records and indexes), and every shard's writes go to the
+//! node log (`node_log.rs`, `<data>/log/`: the events, and the
+//! write-ahead record of every change, one `fdatasync` a round for every
+//! shard that committed; `log.rs` is the segment log under it, and a
+//! shard's own log of before). All writes to a shard go through one
+//! writer at a time: the commit scheduler (`commit.rs`) takes a group of
+//! queued commands, the state machine (`machine.rs`) decides what each
+//! does, and the writer (`writer.rs`) writes the group to the log and
+//! only once it is durable publishes it to the index and to fjall, so a
+//! reader never sees an event that a crash could take back, and an append
+//! is acknowledged only after it is durable.
 //!
 //! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
 //! are opaque bytes; the caller validated them.
@@ -582,6 +581,15 @@ impl Store {
 
     fn shard_dir(&self, shard: ShardId) -> PathBuf {
         self.dir.join("shards").join(shard.get().to_string())
+    }
+
+    /// How long each round's `fdatasync` of the node log took (a round
+    /// carries one group commit of every shard that had one waiting), if
+    /// the shards write to it.
+    pub fn node_log_sync_latency(&self) -> Option<LatencySnapshot> {
+        self.node
+            .as_ref()
+            .map(|n| n.segments().sync_latency.snapshot())
     }
 
     /// Bytes the node log takes on disk (0 without one): every shard's

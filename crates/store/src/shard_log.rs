@@ -59,18 +59,18 @@ impl EventFiles {
         }
     }
 
-    /// The log the shard writes (its sync latencies).
-    pub(crate) fn log(&self) -> &Segments {
-        &self.log
+    /// The log the shard writes, if it is a log of its own (the node
+    /// log's syncs and bytes are the node's, not one shard's).
+    pub(crate) fn own_log(&self) -> Option<&Segments> {
+        (self.log.base() < SEGMENT_BASE).then_some(&*self.log)
     }
 
-    /// Bytes the shard's own log takes, if it has one (the node log's are
-    /// the node's, not one shard's).
+    /// Bytes the shard's own log takes: the one it writes, or the one it
+    /// wrote before it moved to the node log.
     pub(crate) fn own_bytes(&self) -> u64 {
-        if self.log.base() < SEGMENT_BASE {
-            return self.log.disk_bytes();
-        }
-        self.own.as_ref().map_or(0, |own| own.disk_bytes())
+        self.own_log()
+            .or(self.own.as_deref())
+            .map_or(0, |own| own.disk_bytes())
     }
 }
 

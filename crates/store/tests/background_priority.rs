@@ -115,11 +115,13 @@ async fn storage_threads_run_at_their_configured_priorities() {
             .expect("a write through the writer");
         assert!(!out.existing);
     }
+    // The shards' writers, and the node log's syncer, which every
+    // acknowledged write may wait for as well.
     let writers: Vec<_> = threads()
         .into_iter()
-        .filter(|(name, _)| name.ends_with("-writer"))
+        .filter(|(name, _)| name.ends_with("-writer") || name == "node-log-syncer")
         .collect();
-    assert_eq!(writers.len(), 2, "{:?}", threads());
+    assert_eq!(writers.len(), 3, "{:?}", threads());
     let writer_at = if may_raise() { (own - 7).max(-20) } else { own };
     assert!(
         writers.iter().all(|(_, n)| *n == writer_at),
@@ -135,6 +137,7 @@ async fn storage_threads_run_at_their_configured_priorities() {
                     && name != "shard-open"
                     && name != MAY_RAISE_PROBE
                     && !name.ends_with("-writer")
+                    && name != "node-log-syncer"
             })
             .all(|(_, n)| *n == own),
         "{:?}",

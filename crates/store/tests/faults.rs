@@ -133,7 +133,7 @@ async fn zero_filling_ahead_never_takes_the_space_appends_need() {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     assert!(store.failures().is_empty(), "{:?}", store.failures());
-    let leftovers: Vec<_> = std::fs::read_dir(data.join("shards/0/eventlog"))
+    let leftovers: Vec<_> = std::fs::read_dir(data.join("log"))
         .expect("the log's folder")
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().ends_with(".prepared"))
