@@ -141,6 +141,7 @@ fn damage_in_the_node_log_stops_the_node_until_the_check_cuts_it() {
     let (status, log) = node.restart_expecting_refusal(Duration::from_secs(30));
     assert!(!status.success(), "{status}");
     assert!(log.contains(&place) && log.contains("bad group"), "{log}");
+    assert_eq!(log.matches(&place).count(), 1, "said once: {log}");
 
     let dir = data.display().to_string();
     let t = Duration::from_secs(20);

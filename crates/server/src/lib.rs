@@ -62,9 +62,11 @@ pub struct App {
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartupError {
-    #[error("{0}")]
+    // Transparent: the inner error is the message, not also its cause
+    // (printed with its causes, `{0}` said it twice).
+    #[error(transparent)]
     Config(#[from] config::ConfigError),
-    #[error("{0}")]
+    #[error(transparent)]
     Store(#[from] forkless_store::StoreError),
     #[error("cannot listen on {addr}: {reason}")]
     Bind { addr: String, reason: String },
