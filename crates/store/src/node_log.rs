@@ -146,6 +146,8 @@ struct Rounds {
     taken: std::collections::HashSet<u32>,
     /// Where each part of the round starts in it.
     placed: Vec<u64>,
+    /// The round's emptied buffers, on their way to [`Queue::spare`].
+    emptied: Vec<Vec<u8>>,
 }
 
 impl Shared {
@@ -165,6 +167,7 @@ impl Shared {
             later,
             taken,
             placed,
+            emptied,
         } = r;
         {
             let mut q = self.lock();
@@ -232,7 +235,6 @@ impl Shared {
                         }
                     }
                 }
-                let mut spare = Vec::new();
                 for (item, at) in round.drain(..).zip(placed.iter()) {
                     let start = Position {
                         segment: round_start.segment,
@@ -245,14 +247,14 @@ impl Shared {
                     if let Body::Records(mut records) = item.body {
                         if records.capacity() <= SPARE_BUFFER_BYTES {
                             records.clear();
-                            spare.push(records);
+                            emptied.push(records);
                         }
                     }
                 }
-                if !spare.is_empty() {
+                if !emptied.is_empty() {
                     let mut q = self.lock();
                     let room = SPARE_BUFFERS.saturating_sub(q.spare.len());
-                    q.spare.extend(spare.into_iter().take(room));
+                    q.spare.extend(emptied.drain(..).take(room));
                 }
             }
             Err(e) => {
@@ -369,6 +371,7 @@ impl NodeLog {
                 later: VecDeque::new(),
                 taken: std::collections::HashSet::new(),
                 placed: Vec::new(),
+                emptied: Vec::new(),
             }),
         });
         let for_syncer = shared.clone();
