@@ -413,6 +413,30 @@ impl Segments {
         }
     }
 
+    /// Reads `len` bytes at `offset` of `segment` (a place an earlier
+    /// durable write gave; what they hold is the caller's to check).
+    pub(crate) fn read_at(
+        &self,
+        segment: u32,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, StoreError> {
+        let file = self.file(segment)?.ok_or_else(|| {
+            StoreError::Corrupt(format!(
+                "{}: segment {segment} does not exist",
+                self.dir.display()
+            ))
+        })?;
+        let mut buf = vec![0u8; len as usize];
+        file.read_exact_at(&mut buf, offset).map_err(|e| {
+            StoreError::Io(format!(
+                "{}: reading {len} bytes at {offset}: {e}",
+                segment_path(&self.dir, segment).display()
+            ))
+        })?;
+        Ok(buf)
+    }
+
     /// Calls `visit` on every group from `from` (a group boundary) to
     /// `end` (the end of the last durable group), in order, until it says
     /// stop (`false`).

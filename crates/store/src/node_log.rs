@@ -13,7 +13,13 @@
 //! ```text
 //! part = 3 | group u32 | len u32 | record*                        (len: bytes of the records)
 //!      | 4 | group u32 | after_segment u32 | after_offset u64     (the group's parts after that are void)
+//!      | 5 | group u32 | len u32 | vote                           (a Raft group's vote)
+//!      | 6 | group u32 | len u32 | entry                          (one Raft entry)
+//!      | 7 | group u32 | len u32 | truncate                       (a Raft group's entries after an index are void)
 //! ```
+//!
+//! The node log frames the Raft parts (5-7) and keeps them in order; what
+//! their bodies hold is [`crate::raft_log`]'s.
 //!
 //! A crash tears only the last round, all of whose appends were never
 //! acknowledged (their callbacks run after its sync), so the torn tail
@@ -50,6 +56,11 @@ pub(crate) const START: Position = Position {
 
 const PART: u8 = 3;
 const CUT: u8 = 4;
+/// The kinds of a Raft group's parts ([`crate::raft_log`]): framed as a
+/// records part is, read back as [`PartRead::Raft`].
+pub(crate) const VOTE: u8 = 5;
+pub(crate) const ENTRY: u8 = 6;
+pub(crate) const TRUNCATE: u8 = 7;
 /// kind, group, len.
 const PART_HEADER: usize = 1 + 4 + 4;
 /// kind, group, segment, offset.
@@ -87,6 +98,9 @@ impl GroupState {
 enum Body {
     Records(Vec<u8>),
     Cut(Position),
+    /// Parts encoded whole, headers and all ([`push_raft_part`]): a Raft
+    /// group's entries, vote or truncation.
+    Parts(Vec<u8>),
 }
 
 struct Queued {
@@ -101,6 +115,7 @@ impl Queued {
         match &self.body {
             Body::Records(records) => PART_HEADER + records.len(),
             Body::Cut(_) => CUT_BYTES,
+            Body::Parts(parts) => parts.len(),
         }
     }
 }
@@ -213,6 +228,7 @@ impl Shared {
                         header[9..17].copy_from_slice(&after.offset.to_be_bytes());
                         writer.push_raw(&header)
                     }
+                    Body::Parts(parts) => writer.push_raw(parts),
                 });
             }
             writer.commit().map(|bytes| (start, bytes))
@@ -227,7 +243,7 @@ impl Shared {
                     for item in round.iter() {
                         let g = q.groups.entry(item.group).or_insert_with(|| self.fresh());
                         match item.body {
-                            Body::Records(_) => g.end = end,
+                            Body::Records(_) | Body::Parts(_) => g.end = end,
                             Body::Cut(after) => {
                                 g.end = after;
                                 g.cuts.push((after, end));
@@ -244,7 +260,7 @@ impl Shared {
                     // next checkpoint.
                     let bytes = item.bytes() as u64;
                     (item.done)(Ok(Durable { start, end, bytes }));
-                    if let Body::Records(mut records) = item.body {
+                    if let Body::Records(mut records) | Body::Parts(mut records) = item.body {
                         if records.capacity() <= SPARE_BUFFER_BYTES {
                             records.clear();
                             emptied.push(records);
@@ -271,6 +287,71 @@ impl Shared {
             }
         }
         true
+    }
+
+    /// Queues a part of `group`; `done` runs after its round, which this
+    /// call writes itself if `inline` and nobody is writing one (see
+    /// below), else the syncer thread does. Returns an emptied buffer for
+    /// the group's next part, if the log has one spare.
+    fn queue(&self, group: u32, body: Body, done: Callback, inline: bool) -> Option<Vec<u8>> {
+        let (refused, spare) = {
+            let mut q = self.lock();
+            match &q.failed {
+                Some(e) => (Some((e.clone(), done)), None),
+                None => {
+                    q.waiting.push_back(Queued { group, body, done });
+                    (None, q.spare.pop())
+                }
+            }
+        };
+        if let Some((e, done)) = refused {
+            done(Err(e));
+            return None;
+        }
+        let shared = self;
+        if !inline {
+            shared.wake.notify_one();
+            return spare;
+        }
+        // Nobody is writing a round: this appender writes it, with
+        // whatever else is waiting, on its own thread (no hand-off to the
+        // syncer and back, two thread wake-ups, at one writer). Someone is:
+        // they ring the syncer for what they leave waiting.
+        let rounds = match shared.rounds.try_lock() {
+            Ok(r) => Some(r),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        if let Some(mut rounds) = rounds {
+            shared.write_round(&mut rounds);
+            drop(rounds);
+            // Appended during the round: the syncer thread takes it, so
+            // that this appender's caller goes on at once. Looked at only
+            // once the round is let go, so an appender that found it
+            // taken is never left waiting.
+            if !shared.lock().waiting.is_empty() {
+                shared.wake.notify_one();
+            }
+        }
+        spare
+    }
+
+    /// Refuses a read of the whole log from `from` unless it lies between
+    /// where the open read it from and `end`.
+    fn check_from(&self, from: Position, end: Position) -> Result<(), StoreError> {
+        if from < self.opened_from || from > end {
+            return Err(StoreError::Invalid(format!(
+                "{}: cannot read from {}:{}: the log was read from {}:{} and ends at {}:{}",
+                self.dir.display(),
+                from.segment,
+                from.offset,
+                self.opened_from.segment,
+                self.opened_from.offset,
+                end.segment,
+                end.offset
+            )));
+        }
+        Ok(())
     }
 
     /// A group with no part since the log was opened.
@@ -342,7 +423,7 @@ impl NodeLog {
                 let (group, _, body) = part?;
                 let g = groups.entry(group).or_insert_with(fresh);
                 match body {
-                    PartRead::Records(_) => g.end = round.end,
+                    PartRead::Records(_) | PartRead::Raft(..) => g.end = round.end,
                     PartRead::Cut(after) => {
                         g.end = after;
                         g.cuts.push((after, round.end));
@@ -432,18 +513,7 @@ impl NodeLog {
             let q = shared.lock();
             (q.groups.clone(), q.end)
         };
-        if from < shared.opened_from || from > end {
-            return Err(StoreError::Invalid(format!(
-                "{}: cannot read from {}:{}: the log was read from {}:{} and ends at {}:{}",
-                shared.dir.display(),
-                from.segment,
-                from.offset,
-                shared.opened_from.segment,
-                shared.opened_from.offset,
-                end.segment,
-                end.offset
-            )));
-        }
+        shared.check_from(from, end)?;
         each_part(
             &shared.segments,
             from,
@@ -451,6 +521,50 @@ impl NodeLog {
             |group, round_end| groups.get(&group).is_some_and(|g| g.cut_away(round_end)),
             |group, part| visit(group, part).map(|()| true),
         )
+    }
+
+    /// Queues `parts` (whole Raft parts of `group`, [`push_raft_part`])
+    /// for a round of their own, written by the syncer thread, never by
+    /// the caller: a Raft group's appender is an async task, which must
+    /// not wait out a sync. `done` runs once they are durable (or failed),
+    /// with where they start; the rounds keep their order, so the parts of
+    /// an earlier call are durable first. Returns a spare buffer for the
+    /// next call's parts, if the log has one.
+    pub(crate) fn append_parts(
+        &self,
+        group: u32,
+        parts: Vec<u8>,
+        done: impl FnOnce(Result<Durable, StoreError>) + Send + 'static,
+    ) -> Option<Vec<u8>> {
+        self.keeper
+            .shared
+            .queue(group, Body::Parts(parts), Box::new(done), false)
+    }
+
+    /// Calls `visit` on every Raft part ([`PartRead::Raft`]) from `from`
+    /// (a round boundary at or after the position the log was opened
+    /// from) to the end, in order, with its group, kind, body and where
+    /// the body lies.
+    pub(crate) fn read_raft_parts<V>(&self, from: Position, mut visit: V) -> Result<(), StoreError>
+    where
+        V: FnMut(u32, u8, &[u8], Position) -> Result<(), StoreError>,
+    {
+        let shared = &self.keeper.shared;
+        let end = shared.lock().end;
+        shared.check_from(from, end)?;
+        shared.segments.read_groups(from, end, |round| {
+            for part in parts(round) {
+                let (group, at, body) = part?;
+                if let PartRead::Raft(kind, body) = body {
+                    let at = Position {
+                        segment: round.start.segment,
+                        offset: at,
+                    };
+                    visit(group, kind, body, at)?;
+                }
+            }
+            Ok(true)
+        })
     }
 
     /// Group `group`'s view of the log, which ended at `end` when it was
@@ -486,6 +600,30 @@ impl NodeLog {
 pub(crate) enum PartRead<'a> {
     Records(&'a [u8]),
     Cut(Position),
+    /// A Raft group's part: its kind ([`VOTE`], [`ENTRY`], [`TRUNCATE`])
+    /// and body.
+    Raft(u8, &'a [u8]),
+}
+
+/// Appends a Raft part of `kind` for `group` to `buf`, its body written
+/// by `body` (which must only append); returns where the body starts in
+/// `buf`.
+pub(crate) fn push_raft_part(
+    buf: &mut Vec<u8>,
+    kind: u8,
+    group: u32,
+    body: impl FnOnce(&mut Vec<u8>),
+) -> usize {
+    debug_assert!(matches!(kind, VOTE | ENTRY | TRUNCATE));
+    let header = buf.len();
+    buf.push(kind);
+    buf.extend_from_slice(&group.to_be_bytes());
+    buf.extend_from_slice(&[0; 4]);
+    let at = buf.len();
+    body(buf);
+    let len = (buf.len() - at) as u32;
+    buf[header + 5..header + 9].copy_from_slice(&len.to_be_bytes());
+    at
 }
 
 /// The parts of a round: each one's group, where its records start in the
@@ -513,16 +651,20 @@ pub(crate) fn parts<'a>(
                 .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
         };
         let part = match rest[0] {
-            PART => {
+            kind @ (PART | VOTE | ENTRY | TRUNCATE) => {
                 let (Some(group), Some(len)) = (u32_at(1), u32_at(5)) else {
                     return Some(Err(bad("truncated part header")));
                 };
-                let Some(records) = rest.get(PART_HEADER..PART_HEADER + len as usize) else {
+                let Some(body) = rest.get(PART_HEADER..PART_HEADER + len as usize) else {
                     return Some(Err(bad("a part longer than its round")));
                 };
                 let at = base + (pos + PART_HEADER) as u64;
                 pos += PART_HEADER + len as usize;
-                (group, at, PartRead::Records(records))
+                let read = match kind {
+                    PART => PartRead::Records(body),
+                    _ => PartRead::Raft(kind, body),
+                };
+                (group, at, read)
             }
             CUT => {
                 let (Some(group), Some(segment), Some(offset)) = (
@@ -631,50 +773,8 @@ impl GroupLog {
         self.shared().lock().failed.clone()
     }
 
-    /// Queues a part; `done` runs after its round, which this call may
-    /// write itself (see below). Returns an emptied buffer for the
-    /// group's next part, if the log has one spare.
     fn queue(&self, body: Body, done: Callback) -> Option<Vec<u8>> {
-        let (refused, spare) = {
-            let mut q = self.shared().lock();
-            match &q.failed {
-                Some(e) => (Some((e.clone(), done)), None),
-                None => {
-                    q.waiting.push_back(Queued {
-                        group: self.group,
-                        body,
-                        done,
-                    });
-                    (None, q.spare.pop())
-                }
-            }
-        };
-        if let Some((e, done)) = refused {
-            done(Err(e));
-            return None;
-        }
-        let shared = self.shared();
-        // Nobody is writing a round: this appender writes it, with
-        // whatever else is waiting, on its own thread (no hand-off to the
-        // syncer and back, two thread wake-ups, at one writer). Someone is:
-        // they ring the syncer for what they leave waiting.
-        let rounds = match shared.rounds.try_lock() {
-            Ok(r) => Some(r),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        };
-        if let Some(mut rounds) = rounds {
-            shared.write_round(&mut rounds);
-            drop(rounds);
-            // Appended during the round: the syncer thread takes it, so
-            // that this appender's caller goes on at once. Looked at only
-            // once the round is let go, so an appender that found it
-            // taken is never left waiting.
-            if !shared.lock().waiting.is_empty() {
-                shared.wake.notify_one();
-            }
-        }
-        spare
+        self.shared().queue(self.group, body, done, true)
     }
 
     /// Refuses `at` unless it is the group's first position, its end, or
