@@ -118,9 +118,14 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 pub fn init_logging(json: bool) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("FORKLESS_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fjall=warn,lsm_tree=warn"));
+    // A log line that cannot be written (the log's disk is full) is lost,
+    // not reported with `eprintln!`, which panics when stderr fails: the
+    // thread that logged would die with it (a shard's writer, a Raft
+    // group's task) on exactly the disk fault the node must survive.
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false);
     if json {
         b.json().init();
     } else {

@@ -115,6 +115,10 @@ fn damage_in_the_node_log_stops_the_node_until_the_check_cuts_it() {
     // own, in this order.
     let mut acked: Vec<(String, u64)> = Vec::new();
     let mut shards = [false, false];
+    let seg = data.join("log/2147483648.seg");
+    // The rounds written before any command (under Raft, each shard's
+    // group's membership, votes and its leader's first entry).
+    let before = group_starts(&std::fs::read(&seg).unwrap()).len();
     for i in 0..8 {
         let v = c.start(&json!({"workflow": "w", "routing_key": format!("k-{i}")}));
         shards[v["shard"].as_u64().unwrap() as usize] = true;
@@ -130,9 +134,8 @@ fn damage_in_the_node_log_stops_the_node_until_the_check_cuts_it() {
     // open's), then one flipped byte in an early round, with later rounds
     // after it.
     node.kill9();
-    let seg = data.join("log/2147483648.seg");
     let mut bytes = std::fs::read(&seg).unwrap();
-    let starts = group_starts(&bytes);
+    let starts = group_starts(&bytes)[before..].to_vec();
     assert_eq!(starts.len(), acked.len(), "a round per command");
     let damaged = 10;
     bytes[starts[damaged] + 12] ^= 0x01;
@@ -221,13 +224,15 @@ fn store_check_from_the_command_line() {
     let seg = data.join("log/2147483648.seg");
     let mut bytes = std::fs::read(&seg).unwrap();
     let starts = group_starts(&bytes);
-    bytes[starts[3] + 40] ^= 0x10;
+    // A round of a start (the group's own first rounds come before the
+    // starts'), with rounds after it: damage, not a torn tail.
+    let damaged = starts[starts.len() - 3];
+    bytes[damaged + 40] ^= 0x10;
     std::fs::write(&seg, &bytes).unwrap();
     let (code, out, _) = run_cli(&["store", "check", "--data-dir", &dir], t);
     assert_eq!(code, Some(1), "{out}");
     assert!(
-        out.contains("DAMAGED")
-            && out.contains(&format!("segment 2147483648, offset {}", starts[3])),
+        out.contains("DAMAGED") && out.contains(&format!("segment 2147483648, offset {damaged}")),
         "{out}"
     );
     let (code, _, err) = run_cli(

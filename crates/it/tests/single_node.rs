@@ -222,9 +222,15 @@ fn happy_paths_of_every_endpoint() {
     assert!(groups >= 1.0, "{text}");
     assert!(commands >= groups, "{text}");
     // One fdatasync of the node log per round, each timed; these requests
-    // came one at a time, so each round carried one group commit.
+    // came one at a time, so each round carried one group commit, besides
+    // the rounds a shard's Raft group writes to start, if the shards have
+    // one (its membership, its leader's two votes and first entry: four,
+    // at the same time for every shard, so some share a round).
     let syncs = parse_metric(&text, "forkless_store_node_log_sync_seconds_count");
-    assert_eq!(syncs, groups, "{text}");
+    assert!(
+        syncs >= groups && syncs <= groups + 4.0 * 4.0,
+        "{syncs} syncs for {groups} groups: {text}"
+    );
     assert!(
         !text.contains("forkless_store_log_sync_seconds_count{"),
         "no shard has a log of its own: {text}"

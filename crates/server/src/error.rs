@@ -268,11 +268,13 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             executed: Executed::Unknown,
             reason,
         },
-        StoreError::ShardFailed { reason, .. } => ApiError::ShardUnavailable {
-            shard,
-            executed: Executed::No,
-            reason,
-        },
+        StoreError::ShardFailed { reason, .. } | StoreError::NotExecuted { reason, .. } => {
+            ApiError::ShardUnavailable {
+                shard,
+                executed: Executed::No,
+                reason,
+            }
+        }
         // The writer went away with the command: it may have been in the
         // group being committed.
         e @ StoreError::WriterGone => ApiError::ShardUnavailable {

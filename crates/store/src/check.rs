@@ -341,8 +341,18 @@ pub(crate) fn in_own_log(checkpoint: Position, ends: Position, segments: u32) ->
     checkpoint <= ends || (checkpoint.offset == 0 && checkpoint.segment < segments)
 }
 
+/// Where one of a Raft shard's entries lies in the node log.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RaftFound {
+    /// The end of its round.
+    pub(crate) round_end: Position,
+    pub(crate) segment: u32,
+    pub(crate) body_at: u64,
+    pub(crate) len: u32,
+}
+
 /// What a scan of a shard's log found, up to where it stopped.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub(crate) struct LogScan {
     pub(crate) segments: usize,
     /// Each execution's last event: its seq and the status it leaves the
@@ -353,6 +363,10 @@ pub(crate) struct LogScan {
     /// Executions whose record a put in the log writes (a replay puts them
     /// back into the database even if it lost them).
     records: HashSet<ExecutionId>,
+    /// A Raft shard's entries, by index, as the node log's order leaves
+    /// them: an entry at an index voids what the group wrote at and after
+    /// it, and a truncation what follows its index (`raft_log.rs`).
+    pub(crate) raft: BTreeMap<u64, RaftFound>,
 }
 
 impl LogScan {
@@ -373,43 +387,10 @@ impl LogScan {
         let mut events = 0u64;
         while pos < payload.len() {
             match log::parse_record(payload, pos, segment, payload_at) {
-                Ok((
-                    Record::Put {
-                        keyspace: crate::keyspaces::keyspace_id::EXECUTIONS,
-                        key,
-                        ..
-                    },
-                    used,
-                )) => {
-                    if let Some(id) = key
-                        .get(4..)
-                        .and_then(|k| crate::codec::decode_execution_id(k, "execution key").ok())
-                    {
-                        self.records.insert(id);
-                    }
+                Ok((record, used)) => {
+                    events += self.record(r, &record, segment, at);
                     pos += used;
                 }
-                Ok((Record::Event { id, seq, value, .. }, used)) => {
-                    let status = match crate::codec::decode_event(seq, value) {
-                        Ok(e) => crate::terminal_status(&e.event_type)
-                            .unwrap_or(ExecutionStatus::Running),
-                        Err(e) => {
-                            r.problems.push(format!(
-                                "segment {segment}, offset {at}: execution {id} event {seq}: {e}"
-                            ));
-                            ExecutionStatus::Running
-                        }
-                    };
-                    let prev = self.last.insert(id, (seq, status)).map_or(0, |p| p.0);
-                    if seq != prev + 1 {
-                        r.problems.push(format!(
-                            "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
-                        ));
-                    }
-                    events += 1;
-                    pos += used;
-                }
-                Ok((_, used)) => pos += used,
                 Err(e) => {
                     r.problems.push(e.to_string());
                     r.events += events;
@@ -418,6 +399,113 @@ impl LogScan {
             }
         }
         Some(events)
+    }
+
+    /// Takes in one record (of a group or part at `at` of `segment`, for
+    /// messages); returns 1 for an event, else 0.
+    fn record(&mut self, r: &mut ShardReport, record: &Record<'_>, segment: u32, at: u64) -> u64 {
+        match record {
+            Record::Put {
+                keyspace: crate::keyspaces::keyspace_id::EXECUTIONS,
+                key,
+                ..
+            } => {
+                if let Some(id) = key
+                    .get(4..)
+                    .and_then(|k| crate::codec::decode_execution_id(k, "execution key").ok())
+                {
+                    self.records.insert(id);
+                }
+                0
+            }
+            Record::Event { id, seq, value, .. } => {
+                let (id, seq) = (*id, *seq);
+                let status = match crate::codec::decode_event(seq, value) {
+                    Ok(e) => {
+                        crate::terminal_status(&e.event_type).unwrap_or(ExecutionStatus::Running)
+                    }
+                    Err(e) => {
+                        r.problems.push(format!(
+                            "segment {segment}, offset {at}: execution {id} event {seq}: {e}"
+                        ));
+                        ExecutionStatus::Running
+                    }
+                };
+                let prev = self.last.insert(id, (seq, status)).map_or(0, |p| p.0);
+                if seq != prev + 1 {
+                    r.problems.push(format!(
+                        "segment {segment}, offset {at}: execution {id} event {seq} follows event {prev}"
+                    ));
+                }
+                1
+            }
+            Record::Put { .. } => 0,
+        }
+    }
+
+    /// Takes in a Raft shard's entries that count (every entry that holds
+    /// a proposal and was not refused at its apply, `refused`), in index
+    /// order, read from `events`. Returns the events of the entries at or
+    /// before `checkpointed` (what the events index must hold) and the end
+    /// of the last of their rounds.
+    fn raft_entries(
+        &mut self,
+        r: &mut ShardReport,
+        events: &EventFiles,
+        checkpointed: Option<u64>,
+        refused: &dyn Fn(u64, u64) -> Result<bool, StoreError>,
+    ) -> Result<(u64, Option<Position>), StoreError> {
+        let mut before = 0;
+        let mut end = None;
+        let entries: Vec<(u64, RaftFound)> = self.raft.iter().map(|(i, f)| (*i, *f)).collect();
+        for (index, found) in entries {
+            let body = events.read_at(found.segment, found.body_at, found.len)?;
+            let (log_id, payload) = match crate::raft_log::entry_payload(&body) {
+                Ok(e) => e,
+                Err(e) => {
+                    r.problems.push(format!(
+                        "node log segment {}, offset {}: entry {index}: {e}",
+                        found.segment, found.body_at
+                    ));
+                    return Ok((before, end));
+                }
+            };
+            if log_id.index != index {
+                r.problems.push(format!(
+                    "node log segment {}, offset {}: holds entry {}, expected {index}",
+                    found.segment, found.body_at, log_id.index
+                ));
+                return Ok((before, end));
+            }
+            let Some((payload, payload_at)) = payload else {
+                continue;
+            };
+            if refused(index, log_id.leader_id.term)? {
+                continue;
+            }
+            let mut n = 0;
+            let walked = crate::apply::each_item(
+                payload,
+                found.segment,
+                found.body_at + payload_at,
+                |item| {
+                    if let crate::apply::Item::Record(record) = item {
+                        n += self.record(r, &record, found.segment, found.body_at);
+                    }
+                    Ok(true)
+                },
+            );
+            if let Err(e) = walked {
+                r.problems.push(e.to_string());
+                return Ok((before, end));
+            }
+            r.events += n;
+            if checkpointed.is_some_and(|c| index <= c) {
+                before += n;
+                end = Some(found.round_end);
+            }
+        }
+        Ok((before, end))
     }
 }
 
@@ -559,7 +647,6 @@ pub(crate) fn check_database(
     log: &LogScan,
     r: &mut ShardReport,
 ) -> Result<(), StoreError> {
-    let (log_last_seq, event_positions) = (&log.last, &log.event_positions);
     let copy = tempfile::Builder::new()
         .prefix("forkless-check-")
         .tempdir()
@@ -591,6 +678,25 @@ pub(crate) fn check_database(
         }
     };
     r.checkpoint = Some((checkpoint.segment, checkpoint.offset));
+    // A Raft shard's entries: the events index holds those applied as of
+    // its checkpoint, whatever round they lie in.
+    let mut scanned = log.clone();
+    let (raft_before, raft_end) = if log.raft.is_empty() {
+        (0, None)
+    } else {
+        let (checkpointed, _) = crate::raft_group::checkpointed(&ks)?;
+        let refused = |index: u64, term: u64| -> Result<bool, StoreError> {
+            Ok(ks
+                .meta
+                .get(crate::apply::refused_key(index, term))?
+                .is_some())
+        };
+        let found = scanned.raft_entries(r, events, checkpointed.map(|c| c.index), &refused)?;
+        r.executions = scanned.last.len();
+        found
+    };
+    let log = &scanned;
+    let (log_last_seq, event_positions) = (&log.last, &log.event_positions);
     if !checkpoint_ok(checkpoint) {
         let ends = event_positions.last().map(|(p, _)| *p).unwrap_or_default();
         r.problems.push(format!(
@@ -603,7 +709,11 @@ pub(crate) fn check_database(
         .iter()
         .filter(|(end, _)| *end <= checkpoint)
         .map(|(_, n)| n)
-        .sum();
+        .sum::<u64>()
+        + raft_before;
+    // Indexed events lie before the checkpoint, or in a Raft entry
+    // applied as of it.
+    let indexed_through = raft_end.map_or(checkpoint, |e| e.max(checkpoint));
     let snap = ks.db.snapshot();
     let mut indexed_last: BTreeMap<ExecutionId, u64> = BTreeMap::new();
     let mut index_problems = 0usize;
@@ -630,7 +740,7 @@ pub(crate) fn check_database(
                 segment: loc.segment,
                 offset: loc.offset + u64::from(loc.len),
             };
-            if end > checkpoint {
+            if end > indexed_through {
                 r.problems.push(format!(
                     "events index: execution {id} seq {seq} lies at {}:{}, after the checkpoint",
                     loc.segment, loc.offset
@@ -781,7 +891,8 @@ pub fn truncate_after(dir: &Path, shard: ShardId, at: (u32, u64)) -> Result<Stri
     // the log that is left.
     let mut scratch = ShardReport::default();
     let scan = scan_log(&log_dir, Some(cut), &mut scratch)?;
-    let fixed = reconcile(&shard_dir, &scan)?;
+    let events = EventFiles::new(own_segments(&log_dir, scan.segments as u32), None);
+    let fixed = reconcile(&shard_dir, &scan, &events)?;
     Ok(format!(
         "shard {shard}: cut the log after {}:{} ({zeroed} bytes zeroed in segment {}{}); {fixed}",
         at.0,
@@ -801,6 +912,8 @@ pub(crate) struct Reconciled {
     records_removed: usize,
     records_reopened: usize,
     index_entries_removed: usize,
+    /// A Raft shard's applied entries that the cut dropped.
+    entries_unapplied: u64,
 }
 
 impl std::fmt::Display for Reconciled {
@@ -809,7 +922,15 @@ impl std::fmt::Display for Reconciled {
             f,
             "the database now agrees with the log: {} execution records of executions that no longer have events removed, {} records of executions whose closing event was dropped reopened, {} idempotency and routing-key entries naming dropped events removed",
             self.records_removed, self.records_reopened, self.index_entries_removed
-        )
+        )?;
+        if self.entries_unapplied > 0 {
+            write!(
+                f,
+                ", {} applied entries of its Raft group dropped",
+                self.entries_unapplied
+            )?;
+        }
+        Ok(())
     }
 }
 
@@ -820,12 +941,76 @@ impl std::fmt::Display for Reconciled {
 /// status; an event idempotency entry naming a seq past its execution's
 /// last is removed. The next open replays the log from the checkpoint to
 /// the cut, which agrees with all of this.
-pub(crate) fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, StoreError> {
+/// A Raft shard's entries are read through `events` (the node log).
+pub(crate) fn reconcile(
+    shard_dir: &Path,
+    scan: &LogScan,
+    events: &EventFiles,
+) -> Result<Reconciled, StoreError> {
     use crate::codec;
     let db = Database::builder(shard_dir).open().map_err(|e| match e {
         fjall::Error::Locked => StoreError::InUse(shard_dir.display().to_string()),
         e => StoreError::from(e),
     })?;
+    let ks = Keyspaces::open(db)?;
+    let mut batch = ks.db.batch().durability(Some(fjall::PersistMode::SyncAll));
+    let mut n = Reconciled::default();
+    // A Raft shard: what its entries left is the log's word, and the last
+    // entry applied is at most the last entry left.
+    let mut fed = scan.clone();
+    let scan = if scan.raft.is_empty() {
+        scan
+    } else {
+        let refused = |index: u64, term: u64| -> Result<bool, StoreError> {
+            Ok(ks
+                .meta
+                .get(crate::apply::refused_key(index, term))?
+                .is_some())
+        };
+        let mut r = ShardReport::default();
+        fed.raft_entries(&mut r, events, None, &refused)?;
+        if let Some(p) = r.problems.first() {
+            return Err(StoreError::Corrupt(p.clone()));
+        }
+        let (applied, _) = crate::raft_group::applied_state(&ks)?;
+        let kept = fed.raft.keys().next_back().copied();
+        if let Some(applied) = applied.filter(|a| kept.is_none_or(|k| a.index > k)) {
+            // Every entry past the last one left was applied; the last one
+            // left was too (entries are applied in order).
+            let last = match kept {
+                Some(k) => {
+                    let found = fed.raft[&k];
+                    let body = events.read_at(found.segment, found.body_at, found.len)?;
+                    let (log_id, _) = crate::raft_log::entry_payload(&body)
+                        .map_err(|e| StoreError::Corrupt(format!("entry {k}: {e}")))?;
+                    Some(log_id)
+                }
+                None => None,
+            };
+            match last {
+                Some(l) => batch.insert(
+                    &ks.meta,
+                    crate::apply::APPLIED_KEY,
+                    crate::apply::applied_value(l.leader_id.term, l.index).to_vec(),
+                ),
+                None => batch.remove(&ks.meta, crate::apply::APPLIED_KEY),
+            }
+            n.entries_unapplied = applied.index - kept.unwrap_or(0);
+        }
+        // Refusals of entries that are gone: the index may be taken again.
+        for item in ks.meta.prefix(crate::apply::REFUSED_PREFIX) {
+            let k = item.key()?;
+            let index = k
+                .get(crate::apply::REFUSED_PREFIX.len()..)
+                .and_then(|b| b.get(..8))
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .map(u64::from_be_bytes);
+            if index.is_some_and(|i| kept.is_none_or(|k| i > k)) {
+                batch.remove(&ks.meta, k.to_vec());
+            }
+        }
+        &fed
+    };
     let Keyspaces {
         executions,
         event_idem,
@@ -833,9 +1018,7 @@ pub(crate) fn reconcile(shard_dir: &Path, scan: &LogScan) -> Result<Reconciled, 
         start_idem,
         db,
         ..
-    } = Keyspaces::open(db)?;
-    let mut batch = db.batch().durability(Some(fjall::PersistMode::SyncAll));
-    let mut n = Reconciled::default();
+    } = ks;
     let id_at =
         |bytes: Option<&[u8]>| bytes.and_then(|b| codec::decode_execution_id(b, "key").ok());
     for item in executions.iter() {

@@ -8,7 +8,7 @@
 
 use crate::check::{
     check_database, in_own_log, lock_database, own_segments, reconcile, scan_frames, scan_log,
-    Frames, LogScan, ShardReport,
+    Frames, LogScan, RaftFound, ShardReport,
 };
 use crate::log::{GroupRead, Position};
 use crate::node_log::{parts, PartRead, SEGMENT_BASE, START};
@@ -146,8 +146,25 @@ pub(crate) fn scan(
         |segment, at, end, payload| {
             let round = GroupRead::whole(segment, at, end.offset - at, payload);
             for part in parts(&round) {
-                let Ok((g, records_at, PartRead::Records(records))) = part else {
-                    continue;
+                let (g, records_at, records) = match part {
+                    Ok((g, records_at, PartRead::Records(records))) => (g, records_at, records),
+                    Ok((g, body_at, PartRead::Raft(kind, body))) => {
+                        if let Some(shard) = held.get_mut(&g) {
+                            if let Err(e) =
+                                raft_part(&mut shard.scan, kind, body, segment, body_at, end)
+                            {
+                                shard.report.problems.push(format!(
+                                    "node log segment {segment}, offset {body_at}: group {g}: {e}"
+                                ));
+                                return false;
+                            }
+                            shard.report.log_bytes += body.len() as u64;
+                        } else if !strays.contains(&g) {
+                            strays.push(g);
+                        }
+                        continue;
+                    }
+                    _ => continue,
                 };
                 let void = cuts
                     .get(&g)
@@ -192,6 +209,39 @@ pub(crate) fn scan(
         shards: held,
         strays,
     }))
+}
+
+/// Takes in one of a Raft shard's parts (an entry or a truncation; a vote
+/// says nothing the check looks at), in the node log's order.
+fn raft_part(
+    scan: &mut LogScan,
+    kind: u8,
+    body: &[u8],
+    segment: u32,
+    body_at: u64,
+    round_end: Position,
+) -> Result<(), String> {
+    match kind {
+        crate::node_log::ENTRY => {
+            let index = crate::raft_log::entry_log_id(body)?.index;
+            scan.raft.split_off(&index);
+            scan.raft.insert(
+                index,
+                RaftFound {
+                    round_end,
+                    segment,
+                    body_at,
+                    len: body.len() as u32,
+                },
+            );
+        }
+        crate::node_log::TRUNCATE => match crate::raft_log::decode_truncate(body)? {
+            Some(after) => drop(scan.raft.split_off(&(after + 1))),
+            None => scan.raft.clear(),
+        },
+        _ => {}
+    }
+    Ok(())
 }
 
 /// Checks every shard's database against what the scan read.
@@ -302,9 +352,18 @@ pub(crate) fn truncate_after(
     // Unlocked, for the databases to open.
     let scans: Vec<(u32, LogScan)> = cut.shards.into_iter().map(|(s, sh)| (s, sh.scan)).collect();
     let mut fixed = Vec::new();
+    let node_segments = Arc::new(crate::log::Segments::read_only(
+        &node_dir,
+        SEGMENT_BASE,
+        at.segment + 1,
+    ));
     for (s, scan) in &scans {
         let shard_dir = dir.join("shards").join(s.to_string());
-        fixed.push(format!("shard {s}: {}", reconcile(&shard_dir, scan)?));
+        let events = EventFiles::new(node_segments.clone(), None);
+        fixed.push(format!(
+            "shard {s}: {}",
+            reconcile(&shard_dir, scan, &events)?
+        ));
     }
     Ok(format!(
         "cut the node log after {}:{} ({zeroed} bytes zeroed in segment {}{}), for every shard; {}",

@@ -327,6 +327,15 @@ impl Core {
     }
 }
 
+/// What the writer shares with the rest of the shard (its Raft group's
+/// apply, when it has one, updates the same counters, waiters and cache).
+pub(crate) struct WriterState {
+    pub(crate) checkpoints: Arc<CheckpointCounters>,
+    pub(crate) waiters: Arc<crate::waiters::Waiters>,
+    pub(crate) cache: crate::apply::SharedCache,
+    pub(crate) raft: Option<crate::writer::RaftWrite>,
+}
+
 /// Starts the shard's writer thread; submit commands on `tx`'s channel and
 /// then call [`Shared::submitted`]. The thread stops (after a checkpoint)
 /// once every sender is dropped and it is rung. It runs `priority` nice
@@ -344,10 +353,15 @@ pub(crate) fn spawn(
     epoch: Arc<AtomicU64>,
     commits: watch::Sender<u64>,
     requests_in_progress: Option<Arc<AtomicUsize>>,
+    state: WriterState,
 ) -> Result<(Arc<Shared>, std::thread::JoinHandle<()>), StoreError> {
-    let checkpoints = Arc::new(CheckpointCounters::default());
+    let WriterState {
+        checkpoints,
+        waiters,
+        cache,
+        raft,
+    } = state;
     let failure = Arc::new(OnceLock::new());
-    let waiters = Arc::new(crate::waiters::Waiters::default());
     let writer = Writer::new(
         shard,
         ks,
@@ -359,6 +373,8 @@ pub(crate) fn spawn(
         checkpoints.clone(),
         failure.clone(),
         waiters.clone(),
+        cache,
+        raft,
     );
     let core = Mutex::new(Some(Core {
         writer,

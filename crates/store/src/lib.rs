@@ -17,6 +17,14 @@
 //! **Invariant:** this crate knows nothing of HTTP, JSON or peers. Payloads
 //! are opaque bytes; the caller validated them.
 
+#[cfg_attr(
+    not(test),
+    allow(
+        dead_code,
+        reason = "a shard's Raft group is its user (issue 16, step 5); its tests run it now"
+    )
+)]
+mod apply;
 pub mod check;
 mod check_node;
 mod codec;
@@ -30,8 +38,17 @@ mod log_conformance;
 #[doc(hidden)]
 pub mod logbench;
 mod machine;
+mod meta_cache;
 mod node_log;
 mod priority;
+#[cfg_attr(
+    not(test),
+    allow(
+        dead_code,
+        reason = "a shard's Raft group of one is its user (issue 16, step 5); its tests run it now"
+    )
+)]
+mod raft_group;
 #[cfg_attr(
     not(test),
     allow(
@@ -274,6 +291,11 @@ pub enum StoreError {
     /// finds out). Only an idempotency key makes a retry safe.
     #[error("shard {shard}: the commit carrying this write failed ({reason}); it may or may not be on disk")]
     OutcomeUnknown { shard: ShardId, reason: String },
+    /// The write was refused without being executed by the shard's Raft
+    /// group (this node does not lead it, or its entry was refused at
+    /// apply because the shard's state moved under it): safe to retry.
+    #[error("shard {shard} did not execute the write: {reason}")]
+    NotExecuted { shard: ShardId, reason: String },
     /// The shard stopped taking writes (a failed write or sync), or could
     /// not be opened (damage found at open): refused without being tried.
     #[error("shard {shard} is out of service: {reason}")]

@@ -132,6 +132,10 @@ pub(crate) struct Durable {
     /// Where the group landed: what [`Log::event`]'s locations are
     /// relative to.
     pub start: Position,
+    /// Where the frame that holds it starts (a round of the node log, in
+    /// which `start` is one part's place; the group itself in a log of its
+    /// own): a boundary a read may start at.
+    pub round: Position,
     pub end: Position,
     pub bytes: u64,
 }
@@ -703,6 +707,7 @@ impl Log for LogWriter {
         let start = self.position();
         durable(self.commit().map(|bytes| Durable {
             start,
+            round: start,
             end: self.position(),
             bytes,
         }));

@@ -121,13 +121,6 @@ pub(crate) struct Checker {
     epoch: Option<Epoch>,
 }
 
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "a replicated group's apply is its user; Raft comes next"
-    )
-)]
 impl Checker {
     /// Starts an entry.
     pub(crate) fn begin(&mut self) {

@@ -259,7 +259,12 @@ impl Shared {
                     // Its own bytes: what its shard counts towards its
                     // next checkpoint.
                     let bytes = item.bytes() as u64;
-                    (item.done)(Ok(Durable { start, end, bytes }));
+                    (item.done)(Ok(Durable {
+                        start,
+                        round: round_start,
+                        end,
+                        bytes,
+                    }));
                     if let Body::Records(mut records) | Body::Parts(mut records) = item.body {
                         if records.capacity() <= SPARE_BUFFER_BYTES {
                             records.clear();
@@ -543,11 +548,11 @@ impl NodeLog {
 
     /// Calls `visit` on every Raft part ([`PartRead::Raft`]) from `from`
     /// (a round boundary at or after the position the log was opened
-    /// from) to the end, in order, with its group, kind, body and where
-    /// the body lies.
+    /// from) to the end, in order, with its group, kind, body, where the
+    /// body lies and where its round starts.
     pub(crate) fn read_raft_parts<V>(&self, from: Position, mut visit: V) -> Result<(), StoreError>
     where
-        V: FnMut(u32, u8, &[u8], Position) -> Result<(), StoreError>,
+        V: FnMut(u32, u8, &[u8], Position, Position) -> Result<(), StoreError>,
     {
         let shared = &self.keeper.shared;
         let end = shared.lock().end;
@@ -560,7 +565,7 @@ impl NodeLog {
                         segment: round.start.segment,
                         offset: at,
                     };
-                    visit(group, kind, body, at)?;
+                    visit(group, kind, body, at, round.start)?;
                 }
             }
             Ok(true)

@@ -59,7 +59,7 @@ openraft::declare_raft_types!(
     /// is (term, index).
     pub GroupConfig:
         D = Proposal,
-        R = (),
+        R = crate::apply::Applied,
         LeaderId = openraft::impls::leader_id_std::LeaderId<Self::Term, Self::NodeId>,
 );
 
@@ -122,6 +122,9 @@ struct At {
     segment: u32,
     offset: u64,
     len: u32,
+    /// Where the round that holds it starts (a read of the node log may
+    /// start there).
+    round: crate::log::Position,
 }
 
 struct Slot {
@@ -233,7 +236,7 @@ impl RaftLog {
             vote: start.vote,
             ..Tail::default()
         };
-        node.read_raft_parts(start.from, |g, kind, body, at| {
+        node.read_raft_parts(start.from, |g, kind, body, at, round| {
             if g != group {
                 return Ok(());
             }
@@ -258,6 +261,7 @@ impl RaftLog {
                                 segment: at.segment,
                                 offset: at.offset,
                                 len: body.len() as u32,
+                                round,
                             }),
                             entry: None,
                             append: 0,
@@ -282,6 +286,14 @@ impl RaftLog {
         })
     }
 
+    /// A reader of the group's log.
+    pub(crate) fn reader(&self) -> RaftLogRead {
+        RaftLogRead {
+            segments: self.node.segments(),
+            tail: self.tail.clone(),
+        }
+    }
+
     fn buffer(&mut self) -> Vec<u8> {
         let mut buf = std::mem::take(&mut self.spare);
         buf.clear();
@@ -300,6 +312,41 @@ impl RaftLog {
             Ok(made) => made.map(|_| ()).map_err(io_error),
             Err(_) => Err(io::Error::other("the node log's syncer stopped")),
         }
+    }
+}
+
+impl RaftLogRead {
+    /// Where entry `index`'s proposal lies (segment, offset), once the
+    /// entry is durable here.
+    pub(crate) fn proposal_place(&self, index: u64) -> Option<(u32, u64)> {
+        let t = lock(&self.tail);
+        let at = t.entries.get(&index)?.at?;
+        Some((at.segment, at.offset + ENTRY_HEADER as u64 + 1))
+    }
+
+    /// Where a read of the node log must start to find every entry after
+    /// `applied` (every entry, for `None`): the round of the first of
+    /// them, if one is durable (else none is, and the log's end will do).
+    pub(crate) fn replay_from(&self, applied: Option<u64>) -> Option<crate::log::Position> {
+        let t = lock(&self.tail);
+        t.entries
+            .range(applied.map_or(0, |i| i + 1)..)
+            .next()
+            .and_then(|(_, slot)| slot.at)
+            .map(|at| at.round)
+    }
+
+    /// The entries of `range` the group holds (see [`read_entries`]).
+    pub(crate) fn entries<RB: RangeBounds<u64>>(
+        &self,
+        range: RB,
+    ) -> Result<Vec<Entry>, StoreError> {
+        read_entries(&self.segments, &self.tail, range).map_err(|e| StoreError::Io(e.to_string()))
+    }
+
+    /// The group's vote.
+    pub(crate) fn vote(&self) -> Option<Vote> {
+        lock(&self.tail).vote
     }
 }
 
@@ -392,10 +439,7 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
     }
 
     async fn get_log_reader(&mut self) -> Self::LogReader {
-        RaftLogRead {
-            segments: self.node.segments(),
-            tail: self.tail.clone(),
-        }
+        self.reader()
     }
 
     async fn save_vote(&mut self, vote: &Vote) -> Result<(), io::Error> {
@@ -478,6 +522,7 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
                                 segment: durable.start.segment,
                                 offset: durable.start.offset + at as u64,
                                 len: len as u32,
+                                round: durable.round,
                             });
                             let bytes = slot.bytes;
                             t.cached += bytes;
@@ -557,7 +602,7 @@ fn u64_at(body: &[u8], at: usize) -> u64 {
     u64::from_be_bytes(b)
 }
 
-fn entry_log_id(body: &[u8]) -> Result<LogId, String> {
+pub(crate) fn entry_log_id(body: &[u8]) -> Result<LogId, String> {
     if body.len() < ENTRY_HEADER + 1 {
         return Err(format!("an entry of {} bytes is too short", body.len()));
     }
@@ -566,6 +611,25 @@ fn entry_log_id(body: &[u8]) -> Result<LogId, String> {
         openraft::vote::leader_id_std::CommittedLeaderId::new(u64_at(body, 4)),
         u64_at(body, 12),
     ))
+}
+
+/// A proposal in an entry's body, and where it starts in the body.
+pub(crate) type BodyProposal<'a> = Option<(&'a [u8], u64)>;
+
+/// An entry body's log id and, if it holds a proposal, the proposal and
+/// where it starts in the body (checked against the entry's checksum).
+pub(crate) fn entry_payload(body: &[u8]) -> Result<(LogId, BodyProposal<'_>), String> {
+    let log_id = entry_log_id(body)?;
+    let crc = u32::from_be_bytes([body[0], body[1], body[2], body[3]]);
+    if crc32fast::hash(&body[4..]) != crc {
+        return Err("checksum mismatch".into());
+    }
+    let at = ENTRY_HEADER + 1;
+    Ok(match body[ENTRY_HEADER] {
+        NORMAL => (log_id, Some((&body[at..], at as u64))),
+        BLANK | MEMBERSHIP => (log_id, None),
+        k => return Err(format!("unknown payload kind {k}")),
+    })
 }
 
 fn decode_entry(body: &[u8]) -> Result<Entry, String> {
@@ -603,7 +667,7 @@ fn decode_vote(body: &[u8]) -> Result<Vote, String> {
     })
 }
 
-fn decode_truncate(body: &[u8]) -> Result<Option<u64>, String> {
+pub(crate) fn decode_truncate(body: &[u8]) -> Result<Option<u64>, String> {
     match body {
         [0] => Ok(None),
         [1, rest @ ..] if rest.len() == 8 => Ok(Some(u64_at(rest, 0))),
@@ -680,7 +744,7 @@ mod tests {
                     self.membership = StoredMembership::new(Some(entry.log_id), m.clone());
                 }
                 if let Some(r) = responder {
-                    r.send(());
+                    r.send(crate::apply::Applied::Done);
                 }
             }
             Ok(())

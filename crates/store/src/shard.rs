@@ -3,16 +3,20 @@
 //! indexes). Reads go straight to both; writes go through the shard's
 //! single writer thread (see `writer.rs`).
 
+use crate::apply::{Applier, ProposalBuf};
 use crate::codec;
 use crate::commit;
 use crate::index::{self, Tail, CHECKPOINT_KEY};
 use crate::keyspaces::{Keyspaces, EPOCH_KEY};
 use crate::log::{self, Log, Position, Record, Segments};
+use crate::meta_cache::{MetaCache, META_CACHE_GENERATION_ENTRIES};
 use crate::node_log::{NodeLog, SEGMENT_BASE};
 use crate::priority::lower_own_priority;
+use crate::raft_group::{self, Replica};
+use crate::raft_log::{RaftLog, RaftStart};
 use crate::read::{read_meta, view, SharedTail};
 use crate::shard_log::{EventFiles, ShardLog};
-use crate::writer::Command;
+use crate::writer::{Command, RaftWrite};
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
     StoredEvent, WRITER_QUEUE_DEPTH,
@@ -81,6 +85,11 @@ pub struct StoreConfig {
     /// every event (its old log is read where it is); the way back is not
     /// supported.
     pub node_log: bool,
+    /// Whether each shard is a Raft group (run by this node alone: the
+    /// one-node default), its writes proposed as entries of the node log
+    /// and applied on commit (`docs/replication.md`, step 5). Needs
+    /// `node_log`.
+    pub raft: bool,
 }
 
 impl Default for StoreConfig {
@@ -95,6 +104,7 @@ impl Default for StoreConfig {
             log_checkpoint_bytes: 32 * 1024 * 1024,
             writer_priority: 5,
             node_log: true,
+            raft: false,
         }
     }
 }
@@ -365,6 +375,7 @@ fn convert_legacy(
             let bytes = log.commit()?;
             let durable = log::Durable {
                 start,
+                round: start,
                 end: log.position(),
                 bytes,
             };
@@ -452,6 +463,82 @@ impl Drop for WriterRef {
     }
 }
 
+/// The shard's epoch as its database holds it, or `initial` (written
+/// durably) for a new shard.
+fn open_epoch(ks: &Keyspaces, initial: Epoch) -> Result<Arc<AtomicU64>, StoreError> {
+    let epoch = match ks.meta.get(EPOCH_KEY)? {
+        Some(v) => Epoch(codec::decode_u64(&v, "shard epoch")?),
+        None => {
+            let mut batch = ks.db.batch().durability(Some(fjall::PersistMode::SyncAll));
+            batch.insert(
+                &ks.meta,
+                EPOCH_KEY,
+                codec::u64_value(initial.get()).to_vec(),
+            );
+            batch.commit()?;
+            initial
+        }
+    };
+    Ok(Arc::new(AtomicU64::new(epoch.get())))
+}
+
+fn new_cache() -> crate::apply::SharedCache {
+    Arc::new(std::sync::Mutex::new(MetaCache::new(
+        META_CACHE_GENERATION_ENTRIES,
+    )))
+}
+
+/// Indexes again the events of the entries the keyspaces hold as applied
+/// after the checkpoint (`checkpointed`, through `applied`): fjall kept
+/// their puts, the in-memory index did not survive. Returns how many.
+fn reindex(
+    ks: &Keyspaces,
+    reader: &crate::raft_log::RaftLogRead,
+    applier: &mut Applier,
+    checkpointed: Option<openraft::type_config::alias::LogIdOf<crate::raft_log::GroupConfig>>,
+    applied: Option<openraft::type_config::alias::LogIdOf<crate::raft_log::GroupConfig>>,
+) -> Result<u64, StoreError> {
+    let Some(applied) = applied else {
+        return Ok(0);
+    };
+    let first = checkpointed.map_or(0, |c| c.index + 1);
+    if first > applied.index {
+        return Ok(0);
+    }
+    let entries = reader.entries(first..=applied.index)?;
+    let held = entries.first().map(|e| e.log_id.index);
+    if held != Some(first) || entries.len() as u64 != applied.index + 1 - first {
+        return Err(StoreError::Corrupt(format!(
+            "the shard's database holds entries {first} to {} as applied, but the node log holds              {} of them: the node log lost acknowledged writes",
+            applied.index,
+            entries.len()
+        )));
+    }
+    let mut n = 0;
+    for entry in entries {
+        let openraft::EntryPayload::Normal(p) = &entry.payload else {
+            continue;
+        };
+        let index = entry.log_id.index;
+        if ks
+            .meta
+            .get(crate::apply::refused_key(
+                index,
+                entry.log_id.leader_id.term,
+            ))?
+            .is_some()
+        {
+            continue;
+        }
+        let (segment, offset) = reader.proposal_place(index).ok_or_else(|| {
+            StoreError::Corrupt(format!("entry {index} has no place in the node log"))
+        })?;
+        applier.reindex(&p.0, segment, offset)?;
+        n += 1;
+    }
+    Ok(n)
+}
+
 /// A handle on one shard's durable state. Cheap to share (`Arc`).
 pub struct ShardStore {
     shard: ShardId,
@@ -465,6 +552,9 @@ pub struct ShardStore {
     /// Declared after `tx`, so dropped after it: its drop rings the writer
     /// thread, which then finds every handle gone and stops.
     writer: WriterRef,
+    /// The shard's Raft group, if it has one; after the writer, so shut
+    /// down once the writer has stopped (and checkpointed).
+    raft: Option<raft_group::Group>,
     epoch: Arc<AtomicU64>,
     commits: watch::Receiver<u64>,
 }
@@ -562,6 +652,21 @@ impl ShardStore {
                 (tail, Some(own.segments().clone()), 0)
             }
         };
+        if config.raft {
+            if replayed > 0 {
+                tracing::info!(shard = %shard, records = replayed, "replayed the node log since the shard's last checkpoint");
+            }
+            return Self::open_raft(
+                shard,
+                ks,
+                tail,
+                own,
+                checkpoint,
+                node,
+                initial_epoch,
+                config,
+            );
+        }
         if replayed > 0 || checkpoint != Some(end) {
             checkpoint_durably(&mut tail, &ks, end)?;
             if replayed > 0 {
@@ -591,24 +696,132 @@ impl ShardStore {
         initial_epoch: Epoch,
         config: &StoreConfig,
     ) -> Result<ShardStore, StoreError> {
-        let epoch = match ks.meta.get(EPOCH_KEY)? {
-            Some(v) => Epoch(codec::decode_u64(&v, "shard epoch")?),
-            None => {
-                let mut batch = ks.db.batch().durability(Some(fjall::PersistMode::SyncAll));
-                batch.insert(
-                    &ks.meta,
-                    EPOCH_KEY,
-                    codec::u64_value(initial_epoch.get()).to_vec(),
-                );
-                batch.commit()?;
-                initial_epoch
-            }
-        };
-        let epoch = Arc::new(AtomicU64::new(epoch.get()));
-        let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
+        let epoch = open_epoch(&ks, initial_epoch)?;
         let (commits_tx, commits) = watch::channel(0u64);
-        let events = log.events();
+        let state = commit::WriterState {
+            checkpoints: Arc::default(),
+            waiters: Arc::default(),
+            cache: new_cache(),
+            raft: None,
+        };
+        Self::spawn(
+            shard,
+            ks,
+            log,
+            node,
+            Arc::new(RwLock::new(tail)),
+            epoch,
+            (commits_tx, commits),
+            state,
+            config,
+        )
+    }
+
+    /// Opens the shard on its Raft group, run by this node alone, after
+    /// its history of before Raft was replayed into `tail` (`own`: its own
+    /// log of before, if it had one): the group's log is read from the
+    /// checkpoint, the entries the keyspaces hold as applied since are
+    /// indexed again, the shard checkpoints, and the group starts (it
+    /// applies the rest: the entries committed and not yet applied).
+    #[allow(clippy::too_many_arguments)]
+    fn open_raft(
+        shard: ShardId,
+        ks: Keyspaces,
+        tail: Tail,
+        own: Option<Arc<Segments>>,
+        checkpoint: Option<Position>,
+        node: &NodeLog,
+        initial_epoch: Epoch,
+        config: &StoreConfig,
+    ) -> Result<ShardStore, StoreError> {
+        let group = shard.get();
+        let end = node.end();
+        let from = checkpoint
+            .filter(|p| p.segment >= SEGMENT_BASE)
+            .unwrap_or(end);
+        let (checkpointed, vote) = raft_group::checkpointed(&ks)?;
+        let (applied, _) = raft_group::applied_state(&ks)?;
+        let log = RaftLog::open(
+            node,
+            group,
+            RaftStart {
+                from,
+                purged: checkpointed,
+                vote,
+            },
+        )?;
+        let reader = log.reader();
+        let epoch = open_epoch(&ks, initial_epoch)?;
+        let (commits_tx, commits) = watch::channel(0u64);
         let tail = Arc::new(RwLock::new(tail));
+        let cache = new_cache();
+        let waiters: Arc<crate::waiters::Waiters> = Arc::default();
+        let files = EventFiles::new(node.segments(), own);
+        let mut applier = Applier::new(
+            ks.clone(),
+            tail.clone(),
+            cache.clone(),
+            epoch.clone(),
+            files.clone(),
+            waiters.clone(),
+            commits_tx.clone(),
+        );
+        let reindexed = reindex(&ks, &reader, &mut applier, checkpointed, applied)?;
+        if reindexed > 0 {
+            tracing::info!(shard = %shard, entries = reindexed, "indexed again the entries applied since the shard's last checkpoint");
+        }
+        let checkpoints: Arc<crate::writer::CheckpointCounters> = Arc::default();
+        let replica = Arc::new(Replica::new(
+            applier,
+            ks.clone(),
+            node.clone(),
+            reader,
+            config.log_checkpoint_bytes,
+            checkpoints.clone(),
+        ));
+        // Before the group writes: a reopen reads the node log from here.
+        replica.checkpoint_at_open()?;
+        let started = raft_group::start_alone(shard, log, replica.clone())?;
+
+        let state = commit::WriterState {
+            checkpoints,
+            waiters,
+            cache,
+            raft: Some(RaftWrite {
+                raft: started.raft.clone(),
+                replica,
+                proposal: ProposalBuf::default(),
+            }),
+        };
+        let mut store = Self::spawn(
+            shard,
+            ks,
+            ShardLog::Node(node.group_at(group, end), files),
+            Some(node.clone()),
+            tail,
+            epoch,
+            (commits_tx, commits),
+            state,
+            config,
+        )?;
+        store.raft = Some(started);
+        Ok(store)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn spawn(
+        shard: ShardId,
+        ks: Keyspaces,
+        log: ShardLog,
+        node: Option<NodeLog>,
+        tail: SharedTail,
+        epoch: Arc<AtomicU64>,
+        (commits_tx, commits): (watch::Sender<u64>, watch::Receiver<u64>),
+        state: commit::WriterState,
+        config: &StoreConfig,
+    ) -> Result<ShardStore, StoreError> {
+        let (tx, rx) = mpsc::channel(WRITER_QUEUE_DEPTH);
+        let events = log.events();
         let (shared, thread) = commit::spawn(
             shard,
             ks.clone(),
@@ -620,6 +833,7 @@ impl ShardStore {
             epoch.clone(),
             commits_tx,
             config.requests_in_progress.clone(),
+            state,
         )?;
         let writer = WriterRef {
             shared,
@@ -633,6 +847,7 @@ impl ShardStore {
             node,
             tx,
             writer,
+            raft: None,
             epoch,
             commits,
         })
@@ -841,6 +1056,12 @@ mod tests {
             Arc::new(AtomicU64::new(1)),
             commits_tx,
             None,
+            commit::WriterState {
+                checkpoints: Arc::default(),
+                waiters: Arc::default(),
+                cache: new_cache(),
+                raft: None,
+            },
         )
         .expect("the writer thread starts")
     }

@@ -59,6 +59,17 @@ impl EventFiles {
         }
     }
 
+    /// `len` bytes at `offset` of node-log segment `segment` (a Raft
+    /// entry's body).
+    pub(crate) fn read_at(
+        &self,
+        segment: u32,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, StoreError> {
+        self.log.read_at(segment, offset, len)
+    }
+
     /// The log the shard writes, if it is a log of its own (the node
     /// log's syncs and bytes are the node's, not one shard's).
     pub(crate) fn own_log(&self) -> Option<&Segments> {

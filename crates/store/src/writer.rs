@@ -12,19 +12,22 @@
 //! it fails and the shard stops taking writes (the storage may be in an
 //! unknown state after a failed fsync, so it fails stop).
 
+use crate::apply::{Applied, Committed, ProposalBuf, SharedCache};
 use crate::codec;
-use crate::index;
 use crate::keyspaces::Keyspaces;
 use crate::log::{Durable, Loc, Log};
-use crate::machine::{self, HashMap, Machine};
+use crate::machine::{self, Machine};
+use crate::raft_group::{Replica, ShardRaft};
+use crate::raft_log::Proposal;
 use crate::read::SharedTail;
-use crate::shard_log::ShardLog;
+use crate::shard_log::{EventFiles, ShardLog};
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
     StoredEvent,
 };
 use fjall::OwnedWriteBatch;
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
+use openraft::async_runtime::WatchReceiver;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
@@ -136,11 +139,16 @@ pub(crate) struct Writer {
     failed: Option<StoreError>,
     /// The same reason, for readers of the shard's state.
     failure: Arc<OnceLock<String>>,
-    /// Metadata of recently written executions, exactly as on disk: the
-    /// writer is the shard's only writer and updates it only after a commit
-    /// succeeded, so it can never be ahead of or behind the disk. Saves a
-    /// memtable/table lookup per append on the hot path.
-    cache: MetaCache,
+    /// Metadata of recently written executions, exactly as on disk: it is
+    /// updated only after a commit succeeded (by the writer, or by the
+    /// shard's Raft apply), so it can never be ahead of or behind the
+    /// disk. Saves a memtable/table lookup per append on the hot path.
+    cache: SharedCache,
+    /// Where durable events are read from.
+    events: EventFiles,
+    /// The shard's Raft group, if it has one: its groups are proposed to
+    /// it and published by its apply, not written to `log`.
+    raft: Option<RaftWrite>,
     /// What the commands do; it holds what the group being built wrote so
     /// far (empty between groups; kept for its tables' capacity).
     machine: Machine,
@@ -148,6 +156,18 @@ pub(crate) struct Writer {
     durable: Arc<DurableSlot>,
     checkpoints: Arc<CheckpointCounters>,
 }
+
+/// A shard's Raft group as its writer uses it.
+pub(crate) struct RaftWrite {
+    pub(crate) raft: ShardRaft,
+    pub(crate) replica: Arc<Replica>,
+    pub(crate) proposal: ProposalBuf,
+}
+
+/// How long a write waits for its group to commit and apply its entry;
+/// then its outcome is unknown (a leader cut off from its group never
+/// hears; `docs/replication.md`, "Writes whose outcome Raft cannot tell").
+const WRITE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Where the log reports a group durable ([`Log::append`]'s callback),
 /// for the writer that waits for it: the segment log calls back before
@@ -185,57 +205,6 @@ struct PendingEvent {
     recorded_at: u64,
 }
 
-/// Entries in each of the metadata cache's two generations (about 200
-/// bytes an entry, so the cache stays under ~13 MiB a shard).
-const META_CACHE_GENERATION_ENTRIES: usize = 32_768;
-
-/// The writer's cache of execution metadata, bounded by two generations:
-/// writes go to the young one; when it is full it becomes the old one and
-/// the previous old one is dropped. An execution written at least once per
-/// generation (`per_generation` writes of other executions) therefore never
-/// leaves it, and a full cache never goes cold at once: a lookup that
-/// misses the young generation still finds what the old one has.
-struct MetaCache {
-    young: HashMap<ExecutionId, ExecutionMeta>,
-    old: HashMap<ExecutionId, ExecutionMeta>,
-    per_generation: usize,
-}
-
-impl MetaCache {
-    fn new(per_generation: usize) -> Self {
-        Self {
-            young: HashMap::default(),
-            old: HashMap::default(),
-            per_generation: per_generation.max(1),
-        }
-    }
-
-    fn get(&self, id: &ExecutionId) -> Option<&ExecutionMeta> {
-        self.young.get(id).or_else(|| self.old.get(id))
-    }
-
-    /// Records what a commit wrote (never before the commit succeeded).
-    fn extend(&mut self, metas: impl IntoIterator<Item = (ExecutionId, ExecutionMeta)>) {
-        for (id, meta) in metas {
-            if self.young.len() >= self.per_generation {
-                // The old generation's table becomes the young one, emptied
-                // but keeping its capacity: no regrowing on the writer's
-                // path every generation.
-                std::mem::swap(&mut self.old, &mut self.young);
-                self.young.clear();
-            }
-            // A stale copy in the old generation is shadowed by this one
-            // and dropped with the old generation at the next rotation.
-            self.young.insert(id, meta);
-        }
-    }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.young.len() + self.old.len()
-    }
-}
-
 impl Writer {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -249,8 +218,13 @@ impl Writer {
         checkpoints: Arc<CheckpointCounters>,
         failure: Arc<OnceLock<String>>,
         waiters: Arc<crate::waiters::Waiters>,
+        cache: SharedCache,
+        raft: Option<RaftWrite>,
     ) -> Writer {
+        let events = log.events();
         Writer {
+            events,
+            raft,
             waiters,
             checkpoints,
             failure,
@@ -263,7 +237,7 @@ impl Writer {
             epoch,
             commits,
             failed: None,
-            cache: MetaCache::new(META_CACHE_GENERATION_ENTRIES),
+            cache,
             machine: Machine::default(),
             durable: Arc::default(),
         }
@@ -279,23 +253,39 @@ impl Writer {
     /// commands commits nothing and costs no fsync).
     pub(crate) fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
         let now = now_ms();
+        // A log that failed refuses the group before it is tried (the node
+        // log, under a Raft group too: its entries would go there).
         if self.failed.is_none() {
             if let Err(e) = self.log.begin() {
                 self.fail_stop(e);
             }
+        }
+        if let Some(r) = &mut self.raft {
+            let term = r.raft.metrics().borrow_watched().current_term;
+            r.proposal.begin(term);
         }
         self.pending.clear();
         // Applied to the keyspaces only once the group is durable in the
         // log, which is what makes them durable: no sync of fjall's own.
         let mut batch = self.ks.db.batch().durability(None);
         self.machine.begin();
+        let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+        let out = match &mut self.raft {
+            Some(r) => Out::Proposal(&mut r.proposal),
+            None => Out::Log {
+                log: &mut self.log,
+                batch: &mut batch,
+            },
+        };
         let mut group = Group {
-            ks: &self.ks,
-            tail: &self.tail,
-            cache: &self.cache,
-            epoch: &self.epoch,
-            log: &mut self.log,
-            batch: &mut batch,
+            committed: Committed {
+                ks: &self.ks,
+                tail: &self.tail,
+                cache: &cache,
+                epoch: &self.epoch,
+                events: &self.events,
+            },
+            out,
             pending: &mut self.pending,
         };
         let mut replies = Vec::with_capacity(cmds.len());
@@ -328,6 +318,12 @@ impl Writer {
                 }
             });
         }
+        // The cache's lock goes before the entry is proposed: the apply
+        // takes it.
+        drop(cache);
+        if self.raft.is_some() {
+            return self.commit_to_raft(replies, asked);
+        }
         let wrote = !self.log.is_empty();
         if wrote {
             let slot = self.durable.clone();
@@ -354,7 +350,10 @@ impl Writer {
                 self.epoch.store(e.get(), Ordering::Release);
             }
             self.waiters.wake(self.machine.written());
-            self.cache.extend(self.machine.take_written());
+            self.cache
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(self.machine.take_written());
             self.commits.send_modify(|c| *c += 1);
         }
         if self.failed.is_none()
@@ -364,14 +363,87 @@ impl Writer {
                 // This group is durable and visible; later ones are
                 // refused, since the keyspaces' state is unknown.
                 self.fail_stop(e.clone());
-                // The group's own answers stand: it is durable and visible.
-                replies = replies
-                    .into_iter()
-                    .map(|r| match r {
-                        Reply::Checkpoint(tx, Ok(())) => Reply::Checkpoint(tx, Err(e.clone())),
-                        r => r,
-                    })
-                    .collect();
+                replies = checkpoint_failed(replies, &e);
+            }
+        }
+        (replies, wrote)
+    }
+
+    /// Proposes the group's proposal to the shard's Raft group and waits
+    /// until its entry is committed and applied (the apply publishes it,
+    /// on every replica); then the answers stand, or fail with what Raft
+    /// said: not executed (this node does not lead, or the entry was
+    /// refused at its apply), or not known.
+    fn commit_to_raft(&mut self, replies: Vec<Reply>, asked: bool) -> (Vec<Reply>, bool) {
+        let Some(r) = &mut self.raft else {
+            return (replies, false);
+        };
+        let wrote = r.proposal.has_records();
+        let mut replies = replies;
+        if wrote {
+            let proposal = Proposal(r.proposal.take());
+            let raft = r.raft.clone();
+            let outcome = crate::raft_group::run(
+                async move { raft.client_write(proposal).await },
+                WRITE_WITHIN,
+            );
+            let shard = self.shard;
+            let not_executed = |reason: String| StoreError::NotExecuted { shard, reason };
+            let unknown = |reason: String| StoreError::OutcomeUnknown { shard, reason };
+            use openraft::errors::{ClientWriteError, RaftError};
+            let failed = match outcome {
+                Ok(Some(Ok(resp))) => match resp.data {
+                    Applied::Done => None,
+                    Applied::Refused(why) => Some(not_executed(format!(
+                        "its entry was refused at apply: {why}"
+                    ))),
+                },
+                Ok(Some(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))))) => {
+                    Some(not_executed(format!(
+                        "this node does not lead the shard's group (leader: {:?})",
+                        f.leader_id
+                    )))
+                }
+                Ok(Some(Err(RaftError::APIError(ClientWriteError::LogEntryDiscarded(_))))) => {
+                    Some(unknown(
+                        "its entry was discarded by a newer leader; it may have been committed"
+                            .into(),
+                    ))
+                }
+                Ok(Some(Err(RaftError::APIError(e)))) => Some(not_executed(e.to_string())),
+                Ok(Some(Err(RaftError::Fatal(f)))) => {
+                    let e = unknown(format!("the shard's Raft group stopped: {f}"));
+                    self.fail_stop(e.clone());
+                    Some(e)
+                }
+                Ok(None) => Some(unknown(format!(
+                    "its entry was not committed and applied within {} s",
+                    WRITE_WITHIN.as_secs()
+                ))),
+                // The wait itself broke (the task proposing it stopped):
+                // what the group did is unknown, and so is its state.
+                Err(e) => {
+                    let e = unknown(e.to_string());
+                    self.fail_stop(e.clone());
+                    Some(e)
+                }
+            };
+            // What the group wrote is published by the apply (or not at
+            // all): the machine's overlay goes.
+            self.machine.take_written().for_each(drop);
+            if let Some(e) = failed {
+                return (
+                    replies.into_iter().map(|r| r.fail(e.clone())).collect(),
+                    false,
+                );
+            }
+        }
+        if asked && self.failed.is_none() {
+            if let Some(r) = &self.raft {
+                if let Err(e) = r.replica.checkpoint() {
+                    self.fail_stop(e.clone());
+                    replies = checkpoint_failed(replies, &e);
+                }
             }
         }
         (replies, wrote)
@@ -472,6 +544,14 @@ impl Writer {
 
     /// Checkpoints on the way out, so that the next open replays nothing.
     pub(crate) fn close(&mut self) {
+        if let Some(r) = &self.raft {
+            if self.failed.is_none() && r.replica.since_checkpoint() > 0 {
+                if let Err(e) = r.replica.checkpoint() {
+                    tracing::warn!(shard = %self.shard, error = %e, "checkpoint at close failed; the next open replays the log");
+                }
+            }
+            return;
+        }
         if self.failed.is_none() && self.since_checkpoint() > 0 {
             if let Err(e) = self.checkpoint() {
                 tracing::warn!(shard = %self.shard, error = %e, "checkpoint at close failed; the next open replays the log");
@@ -480,74 +560,85 @@ impl Writer {
     }
 }
 
+/// The checkpoint after a group failed: the group's own answers stand
+/// (it is durable and visible); the checkpoint's answer fails.
+fn checkpoint_failed(replies: Vec<Reply>, e: &StoreError) -> Vec<Reply> {
+    replies
+        .into_iter()
+        .map(|r| match r {
+            Reply::Checkpoint(tx, Ok(())) => Reply::Checkpoint(tx, Err(e.clone())),
+            r => r,
+        })
+        .collect()
+}
+
+/// Where a group's records go: the shard's log (and its puts into the
+/// batch applied once the group is durable), or a proposal to the shard's
+/// Raft group.
+enum Out<'a> {
+    Log {
+        log: &'a mut ShardLog,
+        batch: &'a mut OwnedWriteBatch,
+    },
+    Proposal(&'a mut ProposalBuf),
+}
+
 /// The writer's side of the state machine for one group: the shard's
-/// committed state (the metadata cache, the keyspaces, the log) to check
-/// commands against, and the group being built to write them into.
+/// committed state to check commands against, and the group being built
+/// to write them into.
 struct Group<'a> {
-    ks: &'a Keyspaces,
-    tail: &'a SharedTail,
-    cache: &'a MetaCache,
-    epoch: &'a AtomicU64,
-    log: &'a mut ShardLog,
-    batch: &'a mut OwnedWriteBatch,
+    committed: Committed<'a>,
+    out: Out<'a>,
     pending: &'a mut Vec<PendingEvent>,
 }
 
 impl machine::State for Group<'_> {
     fn epoch(&self) -> Epoch {
-        Epoch(self.epoch.load(Ordering::Acquire))
+        self.committed.epoch()
     }
 
     fn meta(&self, id: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
-        if let Some(m) = self.cache.get(&id) {
-            return Ok(Some(m.clone()));
-        }
-        // Only this thread writes the shard, so the latest committed state
-        // is the state.
-        let (snap, tail) = crate::read::view(self.ks, self.tail, id, u64::MAX, 0);
-        crate::read::read_meta(self.ks, &snap, id, tail.as_ref())
+        self.committed.meta(id)
     }
 
     fn start_idem(&self, key: &[u8]) -> Result<Option<ExecutionId>, StoreError> {
-        self.ks
-            .start_idem
-            .get(key)?
-            .map(|v| codec::decode_execution_id(&v, "start idempotency index"))
-            .transpose()
+        self.committed.start_idem(key)
     }
 
     fn event_idem(&self, key: &[u8]) -> Result<Option<u64>, StoreError> {
-        self.ks
-            .event_idem
-            .get(key)?
-            .map(|v| codec::decode_u64(&v, "event idempotency index"))
-            .transpose()
+        self.committed.event_idem(key)
     }
 
     /// From the group being built if an earlier command of it wrote the
     /// event, else from the log.
     fn stored_event(&self, id: ExecutionId, seq: u64) -> Result<StoredEvent, StoreError> {
         if let Some(p) = self.pending.iter().find(|p| p.id == id && p.seq == seq) {
-            return codec::decode_event(seq, self.log.pending_event(p.loc)?);
+            let value = match &self.out {
+                Out::Log { log, .. } => log.pending_event(p.loc)?,
+                Out::Proposal(proposal) => proposal.pending_event(p.loc)?,
+            };
+            return codec::decode_event(seq, value);
         }
-        let (snap, tail) = crate::read::view(self.ks, self.tail, id, seq - 1, 1);
-        let locs = index::locations(self.ks, &snap, id, seq - 1, seq, tail.as_ref())?;
-        let (_, loc) = locs.first().ok_or_else(|| {
-            StoreError::Corrupt(format!("execution {id}: event {seq} is not indexed"))
-        })?;
-        let value = self.log.read_event(*loc, id, seq)?;
-        codec::decode_event(seq, &value)
+        self.committed.stored_event(id, seq)
     }
 }
 
 impl machine::Sink for Group<'_> {
-    /// One replica evaluates and applies against one state: nothing to
-    /// check again (a replicated group's apply checks them).
-    fn precondition(&mut self, _: machine::Precondition<'_>) {}
+    /// Kept in a proposal, for every replica to check at apply; a single
+    /// log evaluated and applied against one state has nothing to check
+    /// again.
+    fn precondition(&mut self, p: machine::Precondition<'_>) {
+        if let Out::Proposal(proposal) = &mut self.out {
+            proposal.precondition(&p);
+        }
+    }
 
     fn event(&mut self, id: ExecutionId, seq: u64, recorded_at: u64, value: &[u8]) {
         let partition = id.partition();
-        let loc = self.log.event(partition, id, seq, value);
+        let loc = match &mut self.out {
+            Out::Log { log, .. } => log.event(partition, id, seq, value),
+            Out::Proposal(proposal) => proposal.event(partition, id, seq, value),
+        };
         self.pending.push(PendingEvent {
             partition,
             id,
@@ -557,11 +648,17 @@ impl machine::Sink for Group<'_> {
         });
     }
 
-    /// To the log now, to the keyspaces once the group is durable.
+    /// To the log now, to the keyspaces once the group is durable (or to
+    /// the proposal, which the apply puts into the keyspaces).
     fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) {
-        self.log.put(keyspace, key, value);
-        if let Some(ks) = self.ks.by_id(keyspace) {
-            self.batch.insert(ks, key, value);
+        match &mut self.out {
+            Out::Log { log, batch } => {
+                log.put(keyspace, key, value);
+                if let Some(ks) = self.committed.ks.by_id(keyspace) {
+                    batch.insert(ks, key, value);
+                }
+            }
+            Out::Proposal(proposal) => proposal.put(keyspace, key, value),
         }
     }
 }
@@ -571,73 +668,4 @@ fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ExecutionStatus;
-
-    fn id(n: u64) -> ExecutionId {
-        ExecutionId::new(n as i64 + 1).expect("a valid execution id")
-    }
-
-    fn meta(n: u64, last_seq: u64) -> (ExecutionId, ExecutionMeta) {
-        let id = id(n);
-        (
-            id,
-            ExecutionMeta {
-                id,
-                status: ExecutionStatus::Running,
-                last_seq,
-                created_at_ms: 1,
-                updated_at_ms: 1,
-                workflow: "w".into(),
-                routing_key: None,
-            },
-        )
-    }
-
-    #[test]
-    fn meta_cache_is_bounded_by_two_generations() {
-        let mut c = MetaCache::new(100);
-        for i in 0..10_000 {
-            c.extend([meta(i, 1)]);
-            assert!(c.len() <= 200, "{} entries after {i} writes", c.len());
-        }
-        // The last generation and the one before it are still there...
-        assert!(c.get(&id(9_999)).is_some());
-        assert!(c.get(&id(9_850)).is_some());
-        // ...and nothing older.
-        assert!(c.get(&id(9_000)).is_none());
-    }
-
-    #[test]
-    fn meta_cache_keeps_an_execution_written_once_a_generation() {
-        let mut c = MetaCache::new(100);
-        for round in 0..50u64 {
-            c.extend([meta(1, round + 1)]);
-            // 99 writes of other executions: less than a generation.
-            for i in 0..99 {
-                c.extend([meta(1_000 + round * 100 + i, 1)]);
-            }
-            assert_eq!(c.get(&id(1)).map(|m| m.last_seq), Some(round + 1));
-        }
-    }
-
-    #[test]
-    fn meta_cache_answers_the_newest_state_across_rotations() {
-        let mut c = MetaCache::new(3);
-        c.extend([meta(7, 1), meta(8, 1), meta(9, 1)]);
-        // 7 is rewritten in the next generation; its old copy is shadowed.
-        c.extend([meta(7, 2)]);
-        assert_eq!(c.get(&id(7)).map(|m| m.last_seq), Some(2));
-        c.extend([meta(10, 1), meta(11, 1)]);
-        assert_eq!(c.get(&id(7)).map(|m| m.last_seq), Some(2));
-        // Another rotation drops the generation that had 7 at seq 1 and
-        // moves the one with seq 2 to old: still the newest.
-        c.extend([meta(12, 1)]);
-        assert_eq!(c.get(&id(7)).map(|m| m.last_seq), Some(2));
-        assert!(c.get(&id(8)).is_none());
-    }
 }

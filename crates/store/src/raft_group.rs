@@ -1,0 +1,609 @@
+//! A shard's Raft group: its state machine over the shard's state
+//! ([`ShardMachine`], applying entries with [`Applier`]), the network of
+//! a group whose only member is this node ([`Alone`]), its configuration,
+//! and how it starts (`docs/replication.md`, step 5).
+//!
+//! What a replica keeps in its `meta` keyspace for Raft, beside the
+//! events index's checkpoint (`index::CHECKPOINT_KEY`, the node-log
+//! position a reopen reads from):
+//!
+//! - `raft.applied`: the last entry applied, in the batch of the entry's
+//!   own puts ([`crate::apply::APPLIED_KEY`]);
+//! - `raft.membership`: the last membership applied (JSON);
+//! - `raft.checkpoint`: the last entry applied as of the checkpoint, and
+//!   the vote then: at open, the group's log starts after that entry (its
+//!   purge mark), and its vote is the last vote part after the
+//!   checkpoint's position, else this one.
+//!
+//! **Snapshots are checkpoints.** A checkpoint makes the shard's state as
+//! of an applied entry durable in its keyspaces (the events stay in the
+//! log), which is what openraft needs a snapshot for on this replica: to
+//! know which entries it may purge. Sending a snapshot to another replica
+//! (the shard's keyspaces and every event) comes with the transport; until
+//! then a snapshot cannot be installed, and a group has no other member
+//! to send one to.
+
+use crate::apply::{self, Applied, Applier};
+use crate::keyspaces::Keyspaces;
+use crate::node_log::NodeLog;
+use crate::raft_log::{GroupConfig, RaftLogRead};
+use crate::writer::CheckpointCounters;
+use crate::StoreError;
+use futures_util::StreamExt;
+use openraft::errors::{RPCError, ReplicationClosed, StreamingError, Unreachable};
+use openraft::network::RPCOption;
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+};
+use openraft::storage::{EntryResponder, RaftSnapshotBuilder, RaftStateMachine};
+use openraft::type_config::alias::{
+    LogIdOf, SnapshotMetaOf, SnapshotOf, StoredMembershipOf, VoteOf,
+};
+use openraft::{BasicNode, EntryPayload, OptionalSend, RaftNetworkFactory, RaftNetworkV2};
+use std::io;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+type LogId = LogIdOf<GroupConfig>;
+type Vote = VoteOf<GroupConfig>;
+type Membership = StoredMembershipOf<GroupConfig>;
+type Meta = SnapshotMetaOf<GroupConfig>;
+
+pub(crate) const MEMBERSHIP_KEY: &[u8] = b"raft.membership";
+pub(crate) const CHECKPOINT_KEY: &[u8] = b"raft.checkpoint";
+
+/// What a snapshot holds: the entry it is as of (its data are the shard's
+/// keyspaces and events on this replica; see the module's doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSnapshot {
+    pub applied: Option<LogId>,
+}
+
+fn io_error(e: StoreError) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+/// The applied state as the keyspaces hold it: the last entry applied and
+/// the membership.
+pub(crate) fn applied_state(ks: &Keyspaces) -> Result<(Option<LogId>, Membership), StoreError> {
+    let applied = ks
+        .meta
+        .get(apply::APPLIED_KEY)?
+        .map(|v| apply::decode_applied(&v))
+        .transpose()?
+        .map(|(term, index)| log_id(term, index));
+    let membership = match ks.meta.get(MEMBERSHIP_KEY)? {
+        Some(v) => serde_json::from_slice(&v)
+            .map_err(|e| StoreError::Corrupt(format!("the group's membership: {e}")))?,
+        None => Membership::default(),
+    };
+    Ok((applied, membership))
+}
+
+/// The group's state as of its last checkpoint: the last entry applied
+/// then, and the vote then.
+pub(crate) fn checkpointed(ks: &Keyspaces) -> Result<(Option<LogId>, Option<Vote>), StoreError> {
+    let Some(v) = ks.meta.get(CHECKPOINT_KEY)? else {
+        return Ok((None, None));
+    };
+    let bad = || StoreError::Corrupt("the group's checkpoint record".into());
+    let applied = match v.first() {
+        Some(0) => None,
+        Some(1) if v.len() >= 17 => {
+            let (term, index) = apply::decode_applied(&v[1..17])?;
+            Some(log_id(term, index))
+        }
+        _ => return Err(bad()),
+    };
+    let rest = if applied.is_some() { &v[17..] } else { &v[1..] };
+    let vote = match rest {
+        [] => None,
+        [t @ .., committed] if t.len() == 16 && *committed <= 1 => {
+            let term = u64::from_be_bytes(t[..8].try_into().map_err(|_| bad())?);
+            let node = u64::from_be_bytes(t[8..].try_into().map_err(|_| bad())?);
+            let mut vote = Vote::new(term, node);
+            vote.committed = *committed == 1;
+            Some(vote)
+        }
+        _ => return Err(bad()),
+    };
+    Ok((applied, vote))
+}
+
+fn encode_checkpointed(applied: Option<LogId>, vote: Option<Vote>) -> Vec<u8> {
+    let mut v = Vec::with_capacity(34);
+    match applied {
+        None => v.push(0),
+        Some(l) => {
+            v.push(1);
+            v.extend_from_slice(&apply::applied_value(l.leader_id.term, l.index));
+        }
+    }
+    if let Some(vote) = vote {
+        v.extend_from_slice(&vote.leader_id.term.to_be_bytes());
+        v.extend_from_slice(&vote.leader_id.voted_for.to_be_bytes());
+        v.push(u8::from(vote.committed));
+    }
+    v
+}
+
+pub(crate) fn log_id(term: u64, index: u64) -> LogId {
+    LogId::new(
+        openraft::vote::leader_id_std::CommittedLeaderId::new(term),
+        index,
+    )
+}
+
+/// A shard's replica state behind its Raft group: what applies entries
+/// and checkpoints, shared by the state machine openraft drives and the
+/// shard's writer (which asks for checkpoints: the sweep's, and the one at
+/// close).
+pub(crate) struct Replica {
+    applier: Mutex<Applier>,
+    ks: Keyspaces,
+    node: NodeLog,
+    log: RaftLogRead,
+    /// Node-log bytes written between checkpoints
+    /// ([`crate::StoreConfig::log_checkpoint_bytes`]).
+    every: u64,
+    /// Shared with the shard's writer, which reports them.
+    checkpoints: Arc<CheckpointCounters>,
+    /// The last checkpoint, as a snapshot's meta.
+    current: Mutex<Option<Meta>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Replica {
+    pub(crate) fn new(
+        applier: Applier,
+        ks: Keyspaces,
+        node: NodeLog,
+        log: RaftLogRead,
+        every: u64,
+        checkpoints: Arc<CheckpointCounters>,
+    ) -> Replica {
+        checkpoints
+            .at_written
+            .store(node.written(), Ordering::Relaxed);
+        Replica {
+            applier: Mutex::new(applier),
+            ks,
+            every: every.max(1),
+            checkpoints,
+            node,
+            log,
+            current: Mutex::new(None),
+        }
+    }
+
+    /// Checkpoints the shard as of the last entry applied (see
+    /// [`Replica::checkpoint_locked`]).
+    pub(crate) fn checkpoint(&self) -> Result<(), StoreError> {
+        let mut applier = lock(&self.applier);
+        self.checkpoint_locked(&mut applier, true)
+    }
+
+    /// The checkpoint of the shard's open, before its group starts: not
+    /// counted with those it makes as it applies (as a shard's open
+    /// checkpoint never was).
+    pub(crate) fn checkpoint_at_open(&self) -> Result<(), StoreError> {
+        let mut applier = lock(&self.applier);
+        self.checkpoint_locked(&mut applier, false)
+    }
+
+    /// Whether the node log has written `every` bytes since the last
+    /// checkpoint.
+    pub(crate) fn due(&self) -> bool {
+        self.since_checkpoint() >= self.every
+    }
+
+    /// Node-log bytes written since the last checkpoint.
+    pub(crate) fn since_checkpoint(&self) -> u64 {
+        self.node
+            .written()
+            .saturating_sub(self.checkpoints.at_written.load(Ordering::Relaxed))
+    }
+
+    /// The checkpoint with the applier held (no entry is applied
+    /// meanwhile): the events index, the position a reopen reads the node
+    /// log from (the round of the first entry not yet applied, or the
+    /// log's end), the last entry applied and the vote, made durable
+    /// together.
+    fn checkpoint_locked(&self, applier: &mut Applier, counted: bool) -> Result<(), StoreError> {
+        let start = std::time::Instant::now();
+        let written = self.node.written();
+        let (applied, membership) = applied_state(&self.ks)?;
+        let end = self.node.end();
+        let from = self
+            .log
+            .replay_from(applied.map(|a| a.index))
+            .map_or(end, |p| p.min(end));
+        let extra = encode_checkpointed(applied, self.log.vote());
+        let (written_index, indexed) = applier.checkpoint(from, CHECKPOINT_KEY, extra)?;
+        let c = &self.checkpoints;
+        c.at_written.store(written, Ordering::Relaxed);
+        if counted {
+            c.made.fetch_add(1, Ordering::Relaxed);
+            let took = start.elapsed();
+            c.index_micros
+                .fetch_add(indexed.as_micros() as u64, Ordering::Relaxed);
+            c.sync_micros
+                .fetch_add((took - indexed).as_micros() as u64, Ordering::Relaxed);
+        }
+        tracing::debug!(
+            entries = written_index.entries,
+            events = written_index.events,
+            at = ?from,
+            "checkpoint of a Raft group"
+        );
+        *lock(&self.current) = Some(Meta {
+            last_log_id: applied,
+            last_membership: membership,
+        });
+        Ok(())
+    }
+}
+
+/// A shard's state machine: openraft applies the group's committed
+/// entries through it, on every replica.
+pub(crate) struct ShardMachine {
+    replica: Arc<Replica>,
+    /// Declared after `replica`, so dropped after it: tells once openraft
+    /// lets go of the machine, and of the shard's database with it, which
+    /// it does on a task of its own after the group is shut down. The
+    /// shard's drop waits for it, so that a reopen (or the offline check)
+    /// right after finds the folder free.
+    _released: Released,
+}
+
+struct Released(std::sync::mpsc::SyncSender<()>);
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        let _ = self.0.try_send(());
+    }
+}
+
+/// A checkpoint's meta, handed to openraft as a snapshot.
+pub(crate) struct CheckpointSnapshot {
+    replica: Arc<Replica>,
+}
+
+impl RaftSnapshotBuilder<GroupConfig> for CheckpointSnapshot {
+    type SnapshotData = ShardSnapshot;
+
+    /// The last checkpoint (the state machine makes them as it applies,
+    /// so this never races an apply).
+    async fn build_snapshot(
+        &mut self,
+    ) -> Result<SnapshotOf<GroupConfig, ShardSnapshot>, io::Error> {
+        let meta = lock(&self.replica.current)
+            .clone()
+            .ok_or_else(|| io::Error::other("no checkpoint yet since the group opened"))?;
+        Ok(openraft::Snapshot {
+            snapshot: ShardSnapshot {
+                applied: meta.last_log_id,
+            },
+            meta,
+        })
+    }
+}
+
+impl RaftStateMachine<GroupConfig> for ShardMachine {
+    type SnapshotData = ShardSnapshot;
+    type SnapshotBuilder = CheckpointSnapshot;
+
+    async fn applied_state(&mut self) -> Result<(Option<LogId>, Membership), io::Error> {
+        applied_state(&self.replica.ks).map_err(io_error)
+    }
+
+    async fn apply<S>(&mut self, mut entries: S) -> Result<(), io::Error>
+    where
+        S: futures_util::Stream<Item = Result<EntryResponder<GroupConfig>, io::Error>>
+            + Unpin
+            + OptionalSend,
+    {
+        while let Some(item) = entries.next().await {
+            let (entry, responder) = item?;
+            let term = entry.log_id.leader_id.term;
+            let index = entry.log_id.index;
+            let r = &*self.replica;
+            let mut applier = lock(&r.applier);
+            let applied = match &entry.payload {
+                EntryPayload::Normal(p) => {
+                    let (segment, offset) = r.log.proposal_place(index).ok_or_else(|| {
+                        io::Error::other(format!(
+                            "entry {index} is applied before it is durable on this replica"
+                        ))
+                    })?;
+                    applier
+                        .apply(term, index, &p.0, segment, offset)
+                        .map_err(io_error)?
+                }
+                EntryPayload::Blank => {
+                    applier.apply_other(term, index, None).map_err(io_error)?;
+                    Applied::Done
+                }
+                EntryPayload::Membership(m) => {
+                    let stored = Membership::new(Some(entry.log_id), m.clone());
+                    let json = serde_json::to_vec(&stored).map_err(io::Error::other)?;
+                    applier
+                        .apply_other(term, index, Some((MEMBERSHIP_KEY, json)))
+                        .map_err(io_error)?;
+                    Applied::Done
+                }
+            };
+            if r.due() {
+                r.checkpoint_locked(&mut applier, true).map_err(io_error)?;
+            }
+            drop(applier);
+            if let Some(r) = responder {
+                r.send(applied);
+            }
+        }
+        Ok(())
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        CheckpointSnapshot {
+            replica: self.replica.clone(),
+        }
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        _meta: &Meta,
+        _snapshot: ShardSnapshot,
+    ) -> Result<(), io::Error> {
+        Err(io::Error::other(
+            "installing a shard's snapshot needs its transfer between replicas, which is not built yet",
+        ))
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<SnapshotOf<GroupConfig, ShardSnapshot>>, io::Error> {
+        Ok(lock(&self.replica.current)
+            .clone()
+            .map(|meta| openraft::Snapshot {
+                snapshot: ShardSnapshot {
+                    applied: meta.last_log_id,
+                },
+                meta,
+            }))
+    }
+}
+
+/// The network of a group whose only member is this node: there is no
+/// one to send to, and any attempt is an error (never a granted vote).
+/// The transport between nodes replaces it.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Alone;
+
+fn nobody() -> Unreachable<GroupConfig> {
+    Unreachable::from_string("this node runs the group alone: there is no transport to its peers")
+}
+
+impl RaftNetworkFactory<GroupConfig> for Alone {
+    type Network = Alone;
+
+    async fn new_client(&mut self, _target: u64, _node: &BasicNode) -> Alone {
+        Alone
+    }
+}
+
+impl RaftNetworkV2<GroupConfig> for Alone {
+    type SnapshotData = ShardSnapshot;
+
+    async fn append_entries(
+        &mut self,
+        _rpc: AppendEntriesRequest<GroupConfig>,
+        _option: RPCOption,
+    ) -> Result<AppendEntriesResponse<GroupConfig>, RPCError<GroupConfig>> {
+        Err(RPCError::Unreachable(nobody()))
+    }
+
+    async fn vote(
+        &mut self,
+        _rpc: VoteRequest<GroupConfig>,
+        _option: RPCOption,
+    ) -> Result<VoteResponse<GroupConfig>, RPCError<GroupConfig>> {
+        Err(RPCError::Unreachable(nobody()))
+    }
+
+    async fn pre_vote(
+        &mut self,
+        _rpc: VoteRequest<GroupConfig>,
+        _option: RPCOption,
+    ) -> Result<VoteResponse<GroupConfig>, RPCError<GroupConfig>> {
+        Err(RPCError::Unreachable(nobody()))
+    }
+
+    async fn full_snapshot(
+        &mut self,
+        _vote: Vote,
+        _snapshot: SnapshotOf<GroupConfig, ShardSnapshot>,
+        _cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        _option: RPCOption,
+    ) -> Result<SnapshotResponse<GroupConfig>, StreamingError<GroupConfig>> {
+        Err(StreamingError::Unreachable(nobody()))
+    }
+}
+
+/// The configuration of every shard's group: one leader per term, pre-vote
+/// on, leader restore off (a restarted leader is elected again: it does
+/// not save the commit index), snapshots only as checkpoints.
+pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
+    let config = openraft::Config {
+        cluster_name: "forkless".into(),
+        heartbeat_interval: 100,
+        election_timeout_min: 500,
+        election_timeout_max: 1000,
+        enable_pre_vote: Some(true),
+        enable_leader_restore: Some(false),
+        // The state machine checkpoints by itself as it applies.
+        snapshot_policy: openraft::SnapshotPolicy::Never,
+        ..Default::default()
+    };
+    config
+        .validate()
+        .map(Arc::new)
+        .map_err(|e| StoreError::Invalid(format!("the Raft configuration: {e}")))
+}
+
+/// A shard's Raft group, as the writer and the shard hold it.
+pub(crate) type ShardRaft = openraft::Raft<GroupConfig, ShardMachine>;
+
+/// This node's id in a group it runs alone (the one-node default). A
+/// replicated group's ids are the nodes' incarnations
+/// (`docs/replication.md`, "Node ids").
+pub(crate) const ALONE_ID: u64 = 1;
+
+/// How long a group may take to elect its leader and apply what its log
+/// held at open before the shard's open gives up.
+const READY_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The runtime every shard's group runs on (openraft's core, state
+/// machine and tick tasks). Its own, so that a wait for a group from any
+/// thread (the shard's writer thread; a caller committing on its own
+/// thread of the API's runtime) never blocks the runtime the group needs.
+fn runtime() -> Result<&'static tokio::runtime::Runtime, StoreError> {
+    static RUNTIME: std::sync::OnceLock<Result<tokio::runtime::Runtime, String>> =
+        std::sync::OnceLock::new();
+    RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("raft")
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| StoreError::Io(format!("starting the Raft runtime: {e}")))
+}
+
+/// Runs `f` on the groups' runtime and waits for it, from any thread, for
+/// at most `within` (`None` once that has passed: `f` goes on, and its
+/// outcome is not known here).
+pub(crate) fn run<F>(f: F, within: std::time::Duration) -> Result<Option<F::Output>, StoreError>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    runtime()?.spawn(async move {
+        let _ = tx.send(f.await);
+    });
+    match rx.recv_timeout(within) {
+        Ok(out) => Ok(Some(out)),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Ok(None),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            Err(StoreError::Io("the Raft runtime stopped a task".into()))
+        }
+    }
+}
+
+/// Starts the group of shard `shard` run by this node alone, on its log
+/// and state: initializes it if it is new, else elects this node again
+/// (a restarted leader is not restored), and waits until it leads and has
+/// applied every entry its log held, so that reads see every write
+/// acknowledged before the open. Its timers are then turned off: a group
+/// with no other member has no one to hear from.
+pub(crate) fn start_alone(
+    shard: forkless_types::ShardId,
+    log: crate::raft_log::RaftLog,
+    replica: Arc<Replica>,
+) -> Result<Group, StoreError> {
+    let config = config()?;
+    let (released, on_release) = std::sync::mpsc::sync_channel(1);
+    let started = run(
+        async move {
+            let fail = |what: &str, e: &dyn std::fmt::Display| {
+                StoreError::Io(format!("shard {shard}'s Raft group: {what}: {e}"))
+            };
+            let machine = ShardMachine {
+                replica,
+                _released: Released(released),
+            };
+            let raft = ShardRaft::new(ALONE_ID, config, Alone, log, machine)
+                .await
+                .map_err(|e| fail("starting", &e))?;
+            let initialized = raft
+                .is_initialized()
+                .await
+                .map_err(|e| fail("reading its state", &e))?;
+            if initialized {
+                raft.trigger()
+                    .elect(false)
+                    .await
+                    .map_err(|e| fail("electing", &e))?;
+            } else {
+                let mut members = std::collections::BTreeMap::new();
+                members.insert(ALONE_ID, BasicNode::default());
+                raft.initialize(members)
+                    .await
+                    .map_err(|e| fail("initializing", &e))?;
+            }
+            let led = raft
+                .wait(Some(READY_WITHIN))
+                .state(openraft::ServerState::Leader, "the group's leader")
+                .await
+                .map_err(|e| fail("waiting for its leader", &e))?;
+            raft.wait(Some(READY_WITHIN))
+                .applied_index_at_least(led.last_log_index, "every entry applied")
+                .await
+                .map_err(|e| fail("applying its log", &e))?;
+            let rc = raft.runtime_config();
+            rc.tick(false);
+            rc.heartbeat(false);
+            Ok::<_, StoreError>(raft)
+        },
+        READY_WITHIN * 3,
+    )?;
+    let raft = started.unwrap_or_else(|| {
+        Err(StoreError::Io(format!(
+            "shard {shard}'s Raft group did not start within {} s",
+            (READY_WITHIN * 3).as_secs()
+        )))
+    })?;
+    Ok(Group {
+        raft,
+        released: Mutex::new(on_release),
+    })
+}
+
+/// How long a group may take to stop.
+const STOPS_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A started group: shut down, and its state machine let go of, when
+/// dropped.
+pub(crate) struct Group {
+    pub(crate) raft: ShardRaft,
+    /// In a mutex only so that the shard is `Sync`; used once, at drop.
+    released: Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        let raft = self.raft.clone();
+        match run(async move { raft.shutdown().await }, STOPS_WITHIN) {
+            Ok(Some(Ok(()))) => {}
+            Ok(Some(Err(e))) => {
+                tracing::warn!(error = %e, "a shard's Raft group stopped with an error")
+            }
+            Ok(None) => tracing::warn!("a shard's Raft group did not stop within its time"),
+            Err(e) => tracing::warn!(error = %e, "a shard's Raft group could not be stopped"),
+        }
+        // A machine that never started was dropped with the open that
+        // failed; one that ran goes with the group's tasks.
+        if lock(&self.released).recv_timeout(STOPS_WITHIN).is_err() {
+            tracing::warn!(
+                "a shard's state machine was not let go of in time; its folder may stay locked"
+            );
+        }
+    }
+}
