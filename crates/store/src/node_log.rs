@@ -529,12 +529,14 @@ impl NodeLog {
     }
 
     /// Queues `parts` (whole Raft parts of `group`, [`push_raft_part`])
-    /// for a round of their own, written by the syncer thread, never by
-    /// the caller: a Raft group's appender is an async task, which must
-    /// not wait out a sync. `done` runs once they are durable (or failed),
-    /// with where they start; the rounds keep their order, so the parts of
-    /// an earlier call are durable first. Returns a spare buffer for the
-    /// next call's parts, if the log has one.
+    /// for a round, which the caller writes itself if no round is being
+    /// written (as a shard's appender does: a Raft group's core then waits
+    /// out the sync on its runtime's thread, which costs that thread but
+    /// saves the hand-off to the syncer and back), else the syncer thread
+    /// does. `done` runs once they are durable (or failed), with where they
+    /// start; the rounds keep their order, so the parts of an earlier call
+    /// are durable first. Returns a spare buffer for the next call's parts,
+    /// if the log has one.
     pub(crate) fn append_parts(
         &self,
         group: u32,
@@ -543,7 +545,7 @@ impl NodeLog {
     ) -> Option<Vec<u8>> {
         self.keeper
             .shared
-            .queue(group, Body::Parts(parts), Box::new(done), false)
+            .queue(group, Body::Parts(parts), Box::new(done), true)
     }
 
     /// Calls `visit` on every Raft part ([`PartRead::Raft`]) from `from`

@@ -53,15 +53,35 @@ use std::io;
 use std::ops::RangeBounds;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-openraft::declare_raft_types!(
-    /// The types of a shard's Raft group: one leader per term
-    /// (`leader_id_std`), so a term names its leader and an entry's log id
-    /// is (term, index).
-    pub GroupConfig:
-        D = Proposal,
-        R = crate::apply::Applied,
-        LeaderId = openraft::impls::leader_id_std::LeaderId<Self::Term, Self::NodeId>,
-);
+/// The types of a shard's Raft group: one leader per term
+/// (`leader_id_std`), so a term names its leader and an entry's log id is
+/// (term, index); a write is answered into a [`crate::raft_group::WriteSlot`]
+/// (written out rather than with `declare_raft_types!`, which cannot name
+/// a responder of our own).
+#[derive(Debug, Clone, Copy, Default, Eq, PartialEq, Ord, PartialOrd)]
+pub struct GroupConfig {}
+
+impl openraft::RaftTypeConfig for GroupConfig {
+    type D = Proposal;
+    type R = crate::apply::Applied;
+    type NodeId = u64;
+    type Node = openraft::BasicNode;
+    type Term = u64;
+    type LeaderId = openraft::impls::leader_id_std::LeaderId<u64, u64>;
+    type Vote = openraft::impls::Vote<Self::LeaderId>;
+    type Payload = EntryPayload<Self::D, Self::NodeId, Self::Node>;
+    type Entry = openraft::Entry<<Self::LeaderId as RaftLeaderId>::Committed, Self::Payload>;
+    type Responder<T>
+        = crate::raft_group::WriteSlot<T>
+    where
+        T: OptionalSend + 'static;
+    type Batch<T>
+        = openraft::impls::InlineBatch<T>
+    where
+        T: OptionalSend + 'static;
+    type AsyncRuntime = openraft::impls::TokioRuntime;
+    type ErrorSource = openraft::impls::BoxedErrorSource;
+}
 
 /// What a shard proposes: the bytes of one group of its records (events,
 /// puts and the preconditions every replica checks, `machine.rs`), kept

@@ -17,7 +17,7 @@ use crate::codec;
 use crate::keyspaces::Keyspaces;
 use crate::log::{Durable, Loc, Log};
 use crate::machine::{self, Machine};
-use crate::raft_group::{Replica, ShardRaft};
+use crate::raft_group::{Answer, Replica, ShardRaft};
 use crate::raft_log::Proposal;
 use crate::read::SharedTail;
 use crate::shard_log::{EventFiles, ShardLog};
@@ -382,51 +382,69 @@ impl Writer {
         let mut replies = replies;
         if wrote {
             let proposal = Proposal(r.proposal.take());
-            let raft = r.raft.clone();
-            let outcome = crate::raft_group::run(
-                async move { raft.client_write(proposal).await },
-                WRITE_WITHIN,
-            );
             let shard = self.shard;
             let not_executed = |reason: String| StoreError::NotExecuted { shard, reason };
             let unknown = |reason: String| StoreError::OutcomeUnknown { shard, reason };
-            use openraft::errors::{ClientWriteError, RaftError};
-            let failed = match outcome {
-                Ok(Some(Ok(resp))) => match resp.data {
+            use openraft::errors::ClientWriteError;
+            // Handed to the group's core from this thread (its queue takes
+            // it at once, with room for 65,536), answered by its apply.
+            // Unconstrained: on a caller's thread of a runtime, tokio's
+            // cooperative budget would keep refusing the send, and this
+            // thread would poll it forever.
+            let (slot, answer) = crate::raft_group::WriteSlot::new();
+            let sent = futures_executor::block_on(tokio::task::unconstrained(
+                r.raft.client_write_ff(proposal, Some(slot)),
+            ));
+            let answer = match sent {
+                Ok(()) => answer.wait(WRITE_WITHIN),
+                Err(fatal) => {
+                    let e = unknown(format!("the shard's Raft group stopped: {fatal}"));
+                    self.fail_stop(e.clone());
+                    return (
+                        replies.into_iter().map(|r| r.fail(e.clone())).collect(),
+                        false,
+                    );
+                }
+            };
+            let failed = match answer {
+                Answer::Done(Ok(resp)) => match resp.data {
                     Applied::Done => None,
                     Applied::Refused(why) => Some(not_executed(format!(
                         "its entry was refused at apply: {why}"
                     ))),
                 },
-                Ok(Some(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))))) => {
+                Answer::Done(Err(ClientWriteError::ForwardToLeader(f))) => {
                     Some(not_executed(format!(
                         "this node does not lead the shard's group (leader: {:?})",
                         f.leader_id
                     )))
                 }
-                Ok(Some(Err(RaftError::APIError(ClientWriteError::LogEntryDiscarded(_))))) => {
-                    Some(unknown(
-                        "its entry was discarded by a newer leader; it may have been committed"
-                            .into(),
-                    ))
-                }
-                Ok(Some(Err(RaftError::APIError(e)))) => Some(not_executed(e.to_string())),
-                Ok(Some(Err(RaftError::Fatal(f)))) => {
-                    let e = unknown(format!("the shard's Raft group stopped: {f}"));
+                Answer::Done(Err(ClientWriteError::LogEntryDiscarded(_))) => Some(unknown(
+                    "its entry was discarded by a newer leader; it may have been committed".into(),
+                )),
+                Answer::Done(Err(e)) => Some(not_executed(e.to_string())),
+                // The group stopped with the entry (a failed write of its
+                // log, a panic): what it did is unknown, and so is its state.
+                Answer::Dropped => {
+                    let fatal = match &r.raft.metrics().borrow_watched().running_state {
+                        Err(fatal) => Some(fatal.to_string()),
+                        Ok(()) => None,
+                    };
+                    // The group's metrics may not say yet; a failed node
+                    // log does.
+                    let why = fatal
+                        .or_else(|| self.log.begin().err().map(|e| e.to_string()))
+                        .unwrap_or_else(|| "no reason given".into());
+                    let e = unknown(format!(
+                        "the shard's Raft group stopped with this write: {why}"
+                    ));
                     self.fail_stop(e.clone());
                     Some(e)
                 }
-                Ok(None) => Some(unknown(format!(
+                Answer::Waiting => Some(unknown(format!(
                     "its entry was not committed and applied within {} s",
                     WRITE_WITHIN.as_secs()
                 ))),
-                // The wait itself broke (the task proposing it stopped):
-                // what the group did is unknown, and so is its state.
-                Err(e) => {
-                    let e = unknown(e.to_string());
-                    self.fail_stop(e.clone());
-                    Some(e)
-                }
             };
             // What the group wrote is published by the apply (or not at
             // all): the machine's overlay goes.
