@@ -6,10 +6,11 @@
 //! the group is durable and published (then the lock is let go first).
 //! What committing a group does is the writer's ([`crate::writer`]).
 
+use crate::checkpoints::CheckpointCounters;
 use crate::keyspaces::Keyspaces;
 use crate::read::SharedTail;
 use crate::shard_log::ShardLog;
-use crate::writer::{CheckpointCounters, Command, Reply, Writer};
+use crate::writer::{Command, Reply, Writer};
 use crate::{StoreError, GROUP_COMMIT_BYTES_MAX, GROUP_COMMIT_COMMANDS_MAX};
 use forkless_types::ShardId;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

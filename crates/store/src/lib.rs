@@ -27,6 +27,7 @@
 mod apply;
 pub mod check;
 mod check_node;
+mod checkpoints;
 mod codec;
 mod commit;
 mod index;
@@ -61,6 +62,7 @@ mod read;
 mod shard;
 mod shard_log;
 mod waiters;
+mod write_slot;
 mod writer;
 
 pub use commit::CommitStats;

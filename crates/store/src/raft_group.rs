@@ -24,10 +24,10 @@
 //! to send one to.
 
 use crate::apply::{self, Applied, Applier};
+use crate::checkpoints::CheckpointCounters;
 use crate::keyspaces::Keyspaces;
 use crate::node_log::NodeLog;
 use crate::raft_log::{GroupConfig, RaftLogRead};
-use crate::writer::CheckpointCounters;
 use crate::StoreError;
 use futures_util::StreamExt;
 use openraft::errors::{RPCError, ReplicationClosed, StreamingError, Unreachable};
@@ -452,86 +452,6 @@ pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
         .validate()
         .map(Arc::new)
         .map_err(|e| StoreError::Invalid(format!("the Raft configuration: {e}")))
-}
-
-/// Where a proposal's outcome arrives for the thread that waits for it
-/// (the shard's writer, or a caller committing on its own thread): the
-/// group's responder, so the answer goes from openraft's apply straight to
-/// the waiting thread, with no task in between.
-pub struct WriteSlot<T> {
-    slot: Arc<Slot<T>>,
-    answered: bool,
-}
-
-struct Slot<T> {
-    state: Mutex<Answer<T>>,
-    filled: std::sync::Condvar,
-}
-
-/// What a [`WriteSlot`] came to.
-pub(crate) enum Answer<T> {
-    Waiting,
-    Done(T),
-    /// The group let go of the proposal without answering (it stopped).
-    Dropped,
-}
-
-impl<T> WriteSlot<T> {
-    /// A slot, and the wait on it.
-    pub(crate) fn new() -> (WriteSlot<T>, SlotWait<T>) {
-        let slot = Arc::new(Slot {
-            state: Mutex::new(Answer::Waiting),
-            filled: std::sync::Condvar::new(),
-        });
-        (
-            WriteSlot {
-                slot: slot.clone(),
-                answered: false,
-            },
-            SlotWait(slot),
-        )
-    }
-
-    fn fill(&mut self, answer: Answer<T>) {
-        self.answered = true;
-        *lock(&self.slot.state) = answer;
-        self.slot.filled.notify_one();
-    }
-}
-
-impl<T> Drop for WriteSlot<T> {
-    fn drop(&mut self) {
-        if !self.answered {
-            self.fill(Answer::Dropped);
-        }
-    }
-}
-
-impl<C, T> openraft::raft::responder::Responder<C, T> for WriteSlot<T>
-where
-    C: openraft::RaftTypeConfig,
-    T: OptionalSend + 'static,
-{
-    fn on_complete(mut self, result: T) {
-        self.fill(Answer::Done(result));
-    }
-}
-
-/// The waiting side of a [`WriteSlot`].
-pub(crate) struct SlotWait<T>(Arc<Slot<T>>);
-
-impl<T> SlotWait<T> {
-    /// The answer, once there is one, waiting at most `within` (then
-    /// [`Answer::Waiting`]).
-    pub(crate) fn wait(self, within: std::time::Duration) -> Answer<T> {
-        let state = lock(&self.0.state);
-        let (mut state, _) = self
-            .0
-            .filled
-            .wait_timeout_while(state, within, |s| matches!(s, Answer::Waiting))
-            .unwrap_or_else(|e| e.into_inner());
-        std::mem::replace(&mut *state, Answer::Waiting)
-    }
 }
 
 /// A shard's Raft group, as the writer and the shard hold it.

@@ -55,7 +55,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The types of a shard's Raft group: one leader per term
 /// (`leader_id_std`), so a term names its leader and an entry's log id is
-/// (term, index); a write is answered into a [`crate::raft_group::WriteSlot`]
+/// (term, index); a write is answered into a [`crate::write_slot::WriteSlot`]
 /// (written out rather than with `declare_raft_types!`, which cannot name
 /// a responder of our own).
 #[derive(Debug, Clone, Copy, Default, Eq, PartialEq, Ord, PartialOrd)]
@@ -72,7 +72,7 @@ impl openraft::RaftTypeConfig for GroupConfig {
     type Payload = EntryPayload<Self::D, Self::NodeId, Self::Node>;
     type Entry = openraft::Entry<<Self::LeaderId as RaftLeaderId>::Committed, Self::Payload>;
     type Responder<T>
-        = crate::raft_group::WriteSlot<T>
+        = crate::write_slot::WriteSlot<T>
     where
         T: OptionalSend + 'static;
     type Batch<T>

@@ -770,7 +770,7 @@ impl ShardStore {
         if reindexed > 0 {
             tracing::info!(shard = %shard, entries = reindexed, "indexed again the entries applied since the shard's last checkpoint");
         }
-        let checkpoints: Arc<crate::writer::CheckpointCounters> = Arc::default();
+        let checkpoints: Arc<crate::checkpoints::CheckpointCounters> = Arc::default();
         let replica = Arc::new(Replica::new(
             applier,
             ks.clone(),

@@ -13,14 +13,16 @@
 //! unknown state after a failed fsync, so it fails stop).
 
 use crate::apply::{Applied, Committed, ProposalBuf, SharedCache};
+use crate::checkpoints::CheckpointCounters;
 use crate::codec;
 use crate::keyspaces::Keyspaces;
 use crate::log::{Durable, Loc, Log};
 use crate::machine::{self, Machine};
-use crate::raft_group::{Answer, Replica, ShardRaft};
+use crate::raft_group::{Replica, ShardRaft};
 use crate::raft_log::Proposal;
 use crate::read::SharedTail;
 use crate::shard_log::{EventFiles, ShardLog};
+use crate::write_slot::{Answer, WriteSlot};
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
     StoredEvent,
@@ -103,19 +105,6 @@ impl Reply {
             other => other,
         }
     }
-}
-
-/// Checkpoints made and the time they took, in microseconds: building and
-/// committing the index batch (readers wait for the commit, under the
-/// tail's write lock) and syncing the keyspaces' journal after it (the
-/// shard's next group waits for both, on the writer thread).
-#[derive(Default)]
-pub(crate) struct CheckpointCounters {
-    pub(crate) made: AtomicU64,
-    pub(crate) index_micros: AtomicU64,
-    pub(crate) sync_micros: AtomicU64,
-    /// What the log's [`Log::written`] said at the last checkpoint.
-    pub(crate) at_written: AtomicU64,
 }
 
 pub(crate) struct Writer {
@@ -391,7 +380,7 @@ impl Writer {
             // Unconstrained: on a caller's thread of a runtime, tokio's
             // cooperative budget would keep refusing the send, and this
             // thread would poll it forever.
-            let (slot, answer) = crate::raft_group::WriteSlot::new();
+            let (slot, answer) = WriteSlot::new();
             let sent = futures_executor::block_on(tokio::task::unconstrained(
                 r.raft.client_write_ff(proposal, Some(slot)),
             ));
