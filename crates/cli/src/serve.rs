@@ -69,6 +69,10 @@ pub struct ServeArgs {
     /// and the same priority). Linux only.
     #[arg(long, env = "FORKLESS_WRITER_PRIORITY")]
     writer_priority: Option<i32>,
+    /// Experimental: every shard a Raft group this node runs alone, true
+    /// or false [default: false] (docs/replication.md, step 5).
+    #[arg(long, env = "FORKLESS_STORE_RAFT", value_name = "BOOL")]
+    store_raft: Option<bool>,
     /// How long a forward may wait for the owner, ms [default: 2000].
     #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
     forward_timeout_ms: Option<u64>,
@@ -98,6 +102,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         request_read_timeout_ms: a.request_read_timeout_ms,
         background_nice: a.background_nice,
         writer_priority: a.writer_priority,
+        store_raft: a.store_raft,
         connections_max: a.connections_max,
         idle_timeout_ms: a.idle_timeout_ms,
         write_timeout_ms: a.write_timeout_ms,

@@ -154,6 +154,10 @@ pub struct StoreSettings {
     /// thread runs (0: the same priority), if the process may (root or
     /// CAP_SYS_NICE; otherwise a warning at start). Linux only.
     pub writer_priority: i32,
+    /// Experimental, off by default: every shard a Raft group this node
+    /// runs alone (`docs/replication.md`, step 5). Not yet as fast as the
+    /// default at one client (`BENCHMARKS.md`).
+    pub raft: bool,
 }
 
 impl Default for StoreSettings {
@@ -164,6 +168,7 @@ impl Default for StoreSettings {
             journal_bytes_max: d.journal_bytes_max,
             background_nice: d.background_nice,
             writer_priority: d.writer_priority,
+            raft: d.raft,
         }
     }
 }
@@ -507,6 +512,9 @@ pub fn resolve(
     if let Some(n) = overrides.writer_priority {
         cfg.store.writer_priority = n;
     }
+    if let Some(raft) = overrides.store_raft {
+        cfg.store.raft = raft;
+    }
     cfg.store.validate()?;
     overrides.apply_limits(&mut cfg.limits);
     if let Some(t) = overrides.forward_timeout_ms {
@@ -670,6 +678,7 @@ pub struct Overrides {
     pub request_read_timeout_ms: Option<u64>,
     pub background_nice: Option<i32>,
     pub writer_priority: Option<i32>,
+    pub store_raft: Option<bool>,
     pub connections_max: Option<usize>,
     pub idle_timeout_ms: Option<u64>,
     pub write_timeout_ms: Option<u64>,
@@ -966,8 +975,9 @@ peer_addr = "127.0.0.1:7172"
         assert_eq!(d.store, StoreSettings::default());
         assert_eq!(d.store.background_nice, 10);
         assert_eq!(d.store.writer_priority, 5);
+        assert!(!d.store.raft, "Raft groups are not the default yet");
         let c = check(
-            "[store]\nbackground_nice = 0\nwriter_priority = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\n",
+            "[store]\nbackground_nice = 0\nwriter_priority = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\nraft = true\n",
             None,
             None,
         )
@@ -979,8 +989,16 @@ peer_addr = "127.0.0.1:7172"
                 journal_bytes_max: 128 << 20,
                 background_nice: 0,
                 writer_priority: 0,
+                raft: true,
             }
         );
+        // The flag (or FORKLESS_STORE_RAFT) wins over the file.
+        let off = Overrides {
+            store_raft: Some(false),
+            ..Default::default()
+        };
+        let file = parse_file("[store]\nraft = true\n").unwrap();
+        assert!(!resolve(Some(file), None, off).unwrap().store.raft);
         // The flag wins over the file, and is checked the same way.
         let file = || parse_file("[store]\nbackground_nice = 3\n").unwrap();
         let o = |n| Overrides {

@@ -86,6 +86,7 @@ impl App {
                 journal_bytes_max: cfg.store.journal_bytes_max,
                 background_nice: cfg.store.background_nice,
                 writer_priority: cfg.store.writer_priority,
+                raft: cfg.store.raft,
                 requests_in_progress: Some(in_progress.clone()),
                 ..StoreConfig::default()
             },
