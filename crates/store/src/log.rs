@@ -385,19 +385,10 @@ impl Segments {
         id: ExecutionId,
         seq: u64,
     ) -> Result<Vec<u8>, StoreError> {
-        let file = self.file(loc.segment)?.ok_or_else(|| {
+        let buf = self.pread(loc.segment, loc.offset, loc.len, || {
             StoreError::Corrupt(format!(
                 "execution {id} seq {seq}: index names segment {} which does not exist",
                 loc.segment
-            ))
-        })?;
-        let mut buf = vec![0u8; loc.len as usize];
-        file.read_exact_at(&mut buf, loc.offset).map_err(|e| {
-            StoreError::Io(format!(
-                "{}: reading {} bytes at {}: {e}",
-                segment_path(&self.dir, loc.segment).display(),
-                loc.len,
-                loc.offset
             ))
         })?;
         match parse_record(&buf, 0, loc.segment, loc.offset)? {
@@ -425,12 +416,24 @@ impl Segments {
         offset: u64,
         len: u32,
     ) -> Result<Vec<u8>, StoreError> {
-        let file = self.file(segment)?.ok_or_else(|| {
+        self.pread(segment, offset, len, || {
             StoreError::Corrupt(format!(
                 "{}: segment {segment} does not exist",
                 self.dir.display()
             ))
-        })?;
+        })
+    }
+
+    /// `len` bytes at `offset` of `segment`; `missing` if there is no
+    /// such segment.
+    fn pread(
+        &self,
+        segment: u32,
+        offset: u64,
+        len: u32,
+        missing: impl FnOnce() -> StoreError,
+    ) -> Result<Vec<u8>, StoreError> {
+        let file = self.file(segment)?.ok_or_else(missing)?;
         let mut buf = vec![0u8; len as usize];
         file.read_exact_at(&mut buf, offset).map_err(|e| {
             StoreError::Io(format!(
