@@ -579,14 +579,32 @@ impl Store {
             }
             Ok(())
         })?;
+        // Every Raft group's log in one more read (not one read each). A
+        // shard whose replay cannot be set up here reads its own at its
+        // open, and fails there with the reason.
+        let mut raft_replays: BTreeMap<u32, raft_log::RaftReplay> = BTreeMap::new();
+        if self.config.raft {
+            let end = node.end();
+            raft_replays = databases
+                .iter()
+                .filter_map(|(s, db)| db.raft_replay(s.get(), end).ok().map(|r| (s.get(), r)))
+                .collect();
+            node.read_raft_parts(from, |group, kind, body, at, round| {
+                if let Some(r) = raft_replays.get_mut(&group) {
+                    r.part(group, kind, body, at, round);
+                }
+                Ok(())
+            })?;
+        }
         std::thread::scope(|scope| {
             let handles: Vec<_> = databases
                 .into_iter()
                 .map(|(s, db)| {
                     let replay = replays.remove(&s.get());
+                    let raft_replay = raft_replays.remove(&s.get());
                     let (config, node) = (&self.config, &node);
                     let h = scope.spawn(move || {
-                        ShardStore::open_on_node(db, s, Epoch(0), config, node, replay)
+                        ShardStore::open_on_node(db, s, Epoch(0), config, node, replay, raft_replay)
                             .map_err(|e| in_shard(s, e))
                     });
                     (s, h)
@@ -703,7 +721,7 @@ impl Store {
         log::create_dir_durably(&path)?;
         let opened = match &self.node {
             Some(node) => shard::ShardDatabase::open(&path, &self.config).and_then(|db| {
-                ShardStore::open_on_node(db, shard, initial_epoch, &self.config, node, None)
+                ShardStore::open_on_node(db, shard, initial_epoch, &self.config, node, None, None)
             }),
             None => ShardStore::open(&path, shard, initial_epoch, &self.config),
         };

@@ -217,6 +217,89 @@ impl Tail {
 /// the piece, body length) of each of its entries.
 type Piece = (Vec<u8>, Vec<(u64, usize, usize)>);
 
+/// A group's log as it is read back from the node log: what it holds
+/// after `start.purged`, and its vote.
+pub(crate) struct RaftReplay {
+    group: u32,
+    from: crate::log::Position,
+    tail: Tail,
+    /// The first part of the group that could not be read: the group's
+    /// open fails, not the read every group shares.
+    failed: Option<StoreError>,
+}
+
+impl RaftReplay {
+    pub(crate) fn new(group: u32, start: RaftStart) -> RaftReplay {
+        RaftReplay {
+            group,
+            from: start.from,
+            tail: Tail {
+                purged: start.purged,
+                vote: start.vote,
+                ..Tail::default()
+            },
+            failed: None,
+        }
+    }
+
+    /// Takes in one Raft part of group `g` (kind, body, where the body
+    /// lies, where its round starts), in the node log's order; a part of
+    /// another group, or in a round before this group's `from`, is not
+    /// this replay's.
+    pub(crate) fn part(
+        &mut self,
+        g: u32,
+        kind: u8,
+        body: &[u8],
+        at: crate::log::Position,
+        round: crate::log::Position,
+    ) {
+        if g != self.group || round < self.from || self.failed.is_some() {
+            return;
+        }
+        let group = self.group;
+        let bad = |what: String| {
+            StoreError::Corrupt(format!(
+                "node log segment {}, offset {}: group {group}: {what}",
+                at.segment, at.offset
+            ))
+        };
+        let tail = &mut self.tail;
+        let took = match kind {
+            ENTRY => entry_log_id(body).map(|log_id| {
+                if tail.purged.is_some_and(|p| log_id.index <= p.index) {
+                    return;
+                }
+                tail.cut_from(log_id.index);
+                tail.entries.insert(
+                    log_id.index,
+                    Slot {
+                        log_id,
+                        at: Some(At {
+                            segment: at.segment,
+                            offset: at.offset,
+                            len: body.len() as u32,
+                            round,
+                        }),
+                        entry: None,
+                        append: 0,
+                        bytes: body.len(),
+                    },
+                );
+            }),
+            VOTE => decode_vote(body).map(|v| tail.vote = Some(v)),
+            TRUNCATE => decode_truncate(body).map(|after| match after {
+                Some(index) => tail.cut_from(index + 1),
+                None => tail.cut_from(0),
+            }),
+            _ => Ok(()),
+        };
+        if let Err(what) = took {
+            self.failed = Some(bad(what));
+        }
+    }
+}
+
 /// One Raft group's log storage on the node log.
 pub struct RaftLog {
     node: NodeLog,
@@ -251,53 +334,26 @@ impl RaftLog {
         group: u32,
         start: RaftStart,
     ) -> Result<RaftLog, StoreError> {
-        let mut tail = Tail {
-            purged: start.purged,
-            vote: start.vote,
-            ..Tail::default()
-        };
+        let mut replay = RaftReplay::new(group, start);
         node.read_raft_parts(start.from, |g, kind, body, at, round| {
-            if g != group {
-                return Ok(());
-            }
-            let bad = |what: String| {
-                StoreError::Corrupt(format!(
-                    "node log segment {}, offset {}: group {group}: {what}",
-                    at.segment, at.offset
-                ))
-            };
-            match kind {
-                ENTRY => {
-                    let log_id = entry_log_id(body).map_err(bad)?;
-                    if tail.purged.is_some_and(|p| log_id.index <= p.index) {
-                        return Ok(());
-                    }
-                    tail.cut_from(log_id.index);
-                    tail.entries.insert(
-                        log_id.index,
-                        Slot {
-                            log_id,
-                            at: Some(At {
-                                segment: at.segment,
-                                offset: at.offset,
-                                len: body.len() as u32,
-                                round,
-                            }),
-                            entry: None,
-                            append: 0,
-                            bytes: body.len(),
-                        },
-                    );
-                }
-                VOTE => tail.vote = Some(decode_vote(body).map_err(bad)?),
-                TRUNCATE => match decode_truncate(body).map_err(bad)? {
-                    Some(index) => tail.cut_from(index + 1),
-                    None => tail.cut_from(0),
-                },
-                _ => {}
-            }
+            replay.part(g, kind, body, at, round);
             Ok(())
         })?;
+        RaftLog::replayed(node, replay)
+    }
+
+    /// The group's log from its replay (fed by one read of the node log
+    /// for every group, at the store's open).
+    pub(crate) fn replayed(node: &NodeLog, replay: RaftReplay) -> Result<RaftLog, StoreError> {
+        let RaftReplay {
+            group,
+            tail,
+            failed,
+            ..
+        } = replay;
+        if let Some(e) = failed {
+            return Err(e);
+        }
         Ok(RaftLog {
             node: node.clone(),
             group,

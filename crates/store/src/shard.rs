@@ -13,7 +13,7 @@ use crate::meta_cache::{MetaCache, META_CACHE_GENERATION_ENTRIES};
 use crate::node_log::{NodeLog, SEGMENT_BASE};
 use crate::priority::lower_own_priority;
 use crate::raft_group::{self, Replica};
-use crate::raft_log::{RaftLog, RaftStart};
+use crate::raft_log::{RaftLog, RaftReplay, RaftStart};
 use crate::read::{read_meta, view, SharedTail};
 use crate::shard_log::{EventFiles, ShardLog};
 use crate::writer::{Command, RaftWrite};
@@ -322,6 +322,34 @@ impl ShardDatabase {
         self.node_checkpoint()
             .map(|from| Replay::new(&self.ks, from))
     }
+
+    /// A replay of group `group`'s Raft log, for a node log that ends at
+    /// `end` (see [`raft_start`]).
+    pub(crate) fn raft_replay(&self, group: u32, end: Position) -> Result<RaftReplay, StoreError> {
+        Ok(RaftReplay::new(
+            group,
+            raft_start(&self.ks, self.checkpoint, end)?,
+        ))
+    }
+}
+
+/// Where a shard's Raft group's log starts at open: read from the shard's
+/// checkpoint in the node log (or the log's end, for a shard with none
+/// there), after the entry its checkpoint had applied, with the vote of
+/// then.
+fn raft_start(
+    ks: &Keyspaces,
+    checkpoint: Option<Position>,
+    end: Position,
+) -> Result<RaftStart, StoreError> {
+    let (purged, vote) = raft_group::checkpointed(ks)?;
+    Ok(RaftStart {
+        from: checkpoint
+            .filter(|p| p.segment >= SEGMENT_BASE)
+            .unwrap_or(end),
+        purged,
+        vote,
+    })
 }
 
 fn open_keyspaces(path: &Path, config: &StoreConfig) -> Result<Keyspaces, StoreError> {
@@ -598,6 +626,7 @@ impl ShardStore {
         config: &StoreConfig,
         node: &NodeLog,
         replayed: Option<Replay>,
+        raft_replay: Option<RaftReplay>,
     ) -> Result<ShardStore, StoreError> {
         let ShardDatabase {
             path,
@@ -663,6 +692,7 @@ impl ShardStore {
                 own,
                 checkpoint,
                 node,
+                raft_replay,
                 initial_epoch,
                 config,
             );
@@ -731,25 +761,21 @@ impl ShardStore {
         own: Option<Arc<Segments>>,
         checkpoint: Option<Position>,
         node: &NodeLog,
+        replay: Option<RaftReplay>,
         initial_epoch: Epoch,
         config: &StoreConfig,
     ) -> Result<ShardStore, StoreError> {
         let group = shard.get();
         let end = node.end();
-        let from = checkpoint
-            .filter(|p| p.segment >= SEGMENT_BASE)
-            .unwrap_or(end);
-        let (checkpointed, vote) = raft_group::checkpointed(&ks)?;
+        let start = raft_start(&ks, checkpoint, end)?;
+        let checkpointed = start.purged;
         let (applied, _) = raft_group::applied_state(&ks)?;
-        let log = RaftLog::open(
-            node,
-            group,
-            RaftStart {
-                from,
-                purged: checkpointed,
-                vote,
-            },
-        )?;
+        // Read with every other shard's at the store's open; alone, for a
+        // shard opened later.
+        let log = match replay {
+            Some(replay) => RaftLog::replayed(node, replay)?,
+            None => RaftLog::open(node, group, start)?,
+        };
         let reader = log.reader();
         let epoch = open_epoch(&ks, initial_epoch)?;
         let (commits_tx, commits) = watch::channel(0u64);
