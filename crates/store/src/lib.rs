@@ -58,6 +58,7 @@ mod raft_group;
     )
 )]
 mod raft_log;
+mod raft_net;
 mod read;
 mod shard;
 mod shard_log;
@@ -67,6 +68,9 @@ mod writer;
 
 pub use commit::CommitStats;
 pub use latency::LatencySnapshot;
+pub use raft_group::{RaftStatus, RaftWatch};
+pub use raft_log::GroupConfig;
+pub use raft_net::{CallError, Peers, Replication, Rpc, RpcReply};
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use waiters::Interest;
 

@@ -437,7 +437,18 @@ impl RaftNetworkV2<GroupConfig> for Alone {
 /// on, leader restore off (a restarted leader is elected again: it does
 /// not save the commit index), snapshots only as checkpoints.
 pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
+    config_with(openraft::Config::default().max_in_snapshot_log_to_keep)
+}
+
+/// Entries a replicated group keeps in its log behind its last snapshot,
+/// so that a follower that was away catches up from the log: a snapshot
+/// cannot be sent yet (`docs/replication.md`). The entries stay on disk
+/// in any case; what this bounds is the place of each kept in memory.
+const REPLICATED_LOG_KEPT: u64 = 100_000;
+
+fn config_with(kept: u64) -> Result<Arc<openraft::Config>, StoreError> {
     let config = openraft::Config {
+        max_in_snapshot_log_to_keep: kept,
         cluster_name: "forkless".into(),
         heartbeat_interval: 100,
         election_timeout_min: 500,
@@ -572,6 +583,78 @@ pub(crate) fn start_alone(
     })?;
     Ok(Group {
         raft,
+        replicated: false,
+        released: Mutex::new(on_release),
+    })
+}
+
+/// Starts the group of shard `shard` as one replica of several: on its
+/// log and state, with `rep`'s transport to the others. A new group is
+/// initialized with the shard's replicas as the config names them, on
+/// every replica alike (openraft allows it on each member when the
+/// membership is the same: the vote decides who leads). It does not wait
+/// for a leader: the group elects one once a quorum of its replicas is up,
+/// and until then this node refuses the shard's writes as not its leader.
+pub(crate) fn start_replicated(
+    shard: forkless_types::ShardId,
+    log: crate::raft_log::RaftLog,
+    replica: Arc<Replica>,
+    rep: &crate::raft_net::Replication,
+) -> Result<Group, StoreError> {
+    let config = config_with(REPLICATED_LOG_KEPT)?;
+    let members = (rep.members)(shard);
+    if !members.contains_key(&rep.me) {
+        return Err(StoreError::Invalid(format!(
+            "shard {shard}'s replicas ({:?}) do not include this node ({})",
+            members.keys().collect::<Vec<_>>(),
+            rep.me
+        )));
+    }
+    let me = rep.me;
+    let network = crate::raft_net::PeerNetwork {
+        me,
+        group: shard.get(),
+        peers: rep.peers.clone(),
+    };
+    let (released, on_release) = std::sync::mpsc::sync_channel(1);
+    let started = run(
+        async move {
+            let fail = |what: &str, e: &dyn std::fmt::Display| {
+                StoreError::Io(format!("shard {shard}'s Raft group: {what}: {e}"))
+            };
+            let machine = ShardMachine {
+                replica,
+                _released: Released(released),
+            };
+            let raft = ShardRaft::new(me, config, network, log, machine)
+                .await
+                .map_err(|e| fail("starting", &e))?;
+            let initialized = raft
+                .is_initialized()
+                .await
+                .map_err(|e| fail("reading its state", &e))?;
+            if !initialized {
+                use openraft::errors::{InitializeError, RaftError};
+                match raft.initialize(members).await {
+                    Ok(()) => {}
+                    // Another replica's entries reached it first.
+                    Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
+                    Err(e) => return Err(fail("initializing", &e)),
+                }
+            }
+            Ok::<_, StoreError>(raft)
+        },
+        READY_WITHIN,
+    )?;
+    let raft = started.unwrap_or_else(|| {
+        Err(StoreError::Io(format!(
+            "shard {shard}'s Raft group did not start within {} s",
+            READY_WITHIN.as_secs()
+        )))
+    })?;
+    Ok(Group {
+        raft,
+        replicated: true,
         released: Mutex::new(on_release),
     })
 }
@@ -583,6 +666,9 @@ const STOPS_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 /// dropped.
 pub(crate) struct Group {
     pub(crate) raft: ShardRaft,
+    /// Whether the group has replicas on other nodes (else this node runs
+    /// it alone).
+    pub(crate) replicated: bool,
     /// In a mutex only so that the shard is `Sync`; used once, at drop.
     released: Mutex<std::sync::mpsc::Receiver<()>>,
 }
@@ -605,5 +691,79 @@ impl Drop for Group {
                 "a shard's state machine was not let go of in time; its folder may stay locked"
             );
         }
+    }
+}
+
+/// A shard's Raft group as this replica sees it now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RaftStatus {
+    /// This replica's id.
+    pub me: u64,
+    /// The leader it knows of, if any.
+    pub leader: Option<u64>,
+    pub term: u64,
+    /// `leader`, `follower`, `candidate` or `learner`.
+    pub state: &'static str,
+    pub last_log_index: Option<u64>,
+    pub committed: Option<u64>,
+    pub applied: Option<u64>,
+    /// The voters of its membership.
+    pub voters: Vec<u64>,
+    /// On the leader: each follower's last entry known to match its own.
+    pub matched: Vec<(u64, Option<u64>)>,
+}
+
+impl RaftStatus {
+    pub(crate) fn of(m: &openraft::RaftMetrics<GroupConfig>) -> RaftStatus {
+        RaftStatus {
+            me: m.id,
+            leader: m.current_leader,
+            term: m.current_term,
+            state: match m.state {
+                openraft::ServerState::Leader => "leader",
+                openraft::ServerState::Follower => "follower",
+                openraft::ServerState::Candidate => "candidate",
+                openraft::ServerState::Learner => "learner",
+                openraft::ServerState::Shutdown => "shutdown",
+            },
+            last_log_index: m.last_log_index,
+            committed: m.local_committed.map(|l| l.index),
+            applied: m.last_applied.map(|l| l.index),
+            voters: m.membership_config.membership().voter_ids().collect(),
+            matched: m
+                .replication
+                .as_ref()
+                .map(|r| {
+                    r.iter()
+                        .filter(|(id, _)| **id != m.id)
+                        .map(|(id, l)| (*id, l.map(|l| l.index)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// Waits for a shard's group to change (leader, term, progress).
+pub struct RaftWatch(
+    openraft::type_config::alias::WatchReceiverOf<GroupConfig, openraft::RaftMetrics<GroupConfig>>,
+);
+
+impl RaftWatch {
+    pub(crate) fn new(raft: &ShardRaft) -> RaftWatch {
+        RaftWatch(raft.metrics())
+    }
+
+    /// The group's status after its next change; `None` once it stopped.
+    pub async fn changed(&mut self) -> Option<RaftStatus> {
+        use openraft::async_runtime::WatchReceiver;
+        self.0.changed().await.ok()?;
+        Some(RaftStatus::of(&self.0.borrow_watched()))
+    }
+
+    /// The group's status now.
+    pub fn now(&self) -> RaftStatus {
+        use openraft::async_runtime::WatchReceiver;
+        RaftStatus::of(&self.0.borrow_watched())
     }
 }

@@ -90,6 +90,10 @@ pub struct StoreConfig {
     /// and applied on commit (`docs/replication.md`, step 5). Needs
     /// `node_log`.
     pub raft: bool,
+    /// Set on a node of a replicated cluster: each shard this node opens
+    /// is a replica of a Raft group whose other replicas it reaches
+    /// through this (`docs/replication.md`). Needs `raft`.
+    pub replication: Option<crate::raft_net::Replication>,
 }
 
 impl Default for StoreConfig {
@@ -105,6 +109,7 @@ impl Default for StoreConfig {
             writer_priority: 5,
             node_log: true,
             raft: false,
+            replication: None,
         }
     }
 }
@@ -807,7 +812,10 @@ impl ShardStore {
         ));
         // Before the group writes: a reopen reads the node log from here.
         replica.checkpoint_at_open()?;
-        let started = raft_group::start_alone(shard, log, replica.clone())?;
+        let started = match &config.replication {
+            Some(rep) => raft_group::start_replicated(shard, log, replica.clone(), rep)?,
+            None => raft_group::start_alone(shard, log, replica.clone())?,
+        };
 
         let state = commit::WriterState {
             checkpoints,
@@ -881,6 +889,40 @@ impl ShardStore {
 
     pub fn id(&self) -> ShardId {
         self.shard
+    }
+
+    /// Whether the shard is a Raft group with replicas on other nodes.
+    pub fn is_replicated(&self) -> bool {
+        self.raft.as_ref().is_some_and(|g| g.replicated)
+    }
+
+    /// The shard's Raft group as this replica sees it, if it has one.
+    pub fn raft_status(&self) -> Option<raft_group::RaftStatus> {
+        self.raft
+            .as_ref()
+            .map(|g| raft_group::RaftWatch::new(&g.raft).now())
+    }
+
+    /// A watch on the shard's Raft group, if it has one.
+    pub fn raft_watch(&self) -> Option<raft_group::RaftWatch> {
+        self.raft
+            .as_ref()
+            .map(|g| raft_group::RaftWatch::new(&g.raft))
+    }
+
+    /// Hands a call from another replica of the shard's group to the
+    /// group, and returns its answer.
+    pub async fn handle_rpc(
+        &self,
+        rpc: crate::raft_net::Rpc,
+    ) -> Result<crate::raft_net::RpcReply, String> {
+        match &self.raft {
+            Some(g) if g.replicated => crate::raft_net::handle(&g.raft, rpc).await,
+            _ => Err(format!(
+                "shard {} is not a replicated Raft group on this node",
+                self.shard
+            )),
+        }
     }
 
     /// The shard's current epoch: writes must carry exactly this.

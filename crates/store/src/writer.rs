@@ -18,7 +18,7 @@ use crate::codec;
 use crate::keyspaces::Keyspaces;
 use crate::log::{Durable, Loc, Log};
 use crate::machine::{self, Machine};
-use crate::raft_group::{Replica, ShardRaft};
+use crate::raft_group::{self, Replica, ShardRaft};
 use crate::raft_log::Proposal;
 use crate::read::SharedTail;
 use crate::shard_log::{EventFiles, ShardLog};
@@ -153,6 +153,71 @@ pub(crate) struct RaftWrite {
     pub(crate) proposal: ProposalBuf,
 }
 
+/// How long a new leader's writer waits for its term's first entry to be
+/// applied before it evaluates a group (the entries of the terms before
+/// are applied with it); then the group is refused, not executed.
+const LEADER_READY_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl RaftWrite {
+    /// The term this node leads the shard's group at, once it has applied
+    /// an entry of that term; else why the shard's writes cannot be
+    /// evaluated here (not executed: safe to retry, at the leader).
+    fn leading(&self, shard: ShardId) -> Result<u64, StoreError> {
+        let ready = |m: &openraft::RaftMetrics<crate::raft_log::GroupConfig>| {
+            m.current_leader == Some(m.id)
+                && m.last_applied
+                    .is_some_and(|l| l.leader_id.term == m.current_term)
+        };
+        let (id, leader, term) = {
+            let m = self.raft.metrics();
+            let m = m.borrow_watched();
+            if ready(&m) {
+                return Ok(m.current_term);
+            }
+            (m.id, m.current_leader, m.current_term)
+        };
+        let not_leading = |leader: Option<u64>, term: u64| {
+            StoreError::NotExecuted {
+            shard,
+            reason: match leader {
+                Some(l) => format!(
+                    "this node ({id}) does not lead the shard's Raft group: node {l} does, at term {term}"
+                ),
+                None => format!("the shard's Raft group has no leader at term {term} (an election is under way)"),
+            },
+        }
+        };
+        if leader != Some(id) {
+            return Err(not_leading(leader, term));
+        }
+        // Elected: wait for its first entry to apply.
+        let raft = self.raft.clone();
+        let waited = raft_group::run(
+            async move {
+                raft.wait(Some(LEADER_READY_WITHIN))
+                    .metrics(ready, "the leader's first entry applied")
+                    .await
+            },
+            LEADER_READY_WITHIN * 2,
+        )?;
+        match waited {
+            Some(Ok(m)) => Ok(m.current_term),
+            _ => {
+                let m = self.raft.metrics();
+                let m = m.borrow_watched();
+                Err(StoreError::NotExecuted {
+                    shard,
+                    reason: format!(
+                        "this node was elected at term {} but has not applied that term's first entry within {} s",
+                        m.current_term,
+                        LEADER_READY_WITHIN.as_secs()
+                    ),
+                })
+            }
+        }
+    }
+}
+
 /// How long a write waits for its group to commit and apply its entry;
 /// then its outcome is unknown (a leader cut off from its group never
 /// hears; `docs/replication.md`, "Writes whose outcome Raft cannot tell").
@@ -249,9 +314,15 @@ impl Writer {
                 self.fail_stop(e);
             }
         }
+        // Under Raft the group is evaluated against this replica's applied
+        // state, which is the group's only once this node leads and has
+        // applied its term's first entry (everything committed before it).
+        let mut not_leading = None;
         if let Some(r) = &mut self.raft {
-            let term = r.raft.metrics().borrow_watched().current_term;
-            r.proposal.begin(term);
+            match r.leading(self.shard) {
+                Ok(term) => r.proposal.begin(term),
+                Err(e) => not_leading = Some(e),
+            }
         }
         self.pending.clear();
         // Applied to the keyspaces only once the group is durable in the
@@ -288,6 +359,19 @@ impl Writer {
                     Command::Append(_, tx) => Reply::Append(tx, Err(e.clone())),
                     Command::AdvanceEpoch(_, tx) => Reply::Epoch(tx, Err(e.clone())),
                     Command::Checkpoint(tx) => Reply::Checkpoint(tx, Err(e.clone())),
+                });
+                continue;
+            }
+            if let Some(e) = &not_leading {
+                replies.push(match cmd {
+                    Command::Start(_, tx) => Reply::Start(tx, Err(e.clone())),
+                    Command::Append(_, tx) => Reply::Append(tx, Err(e.clone())),
+                    Command::AdvanceEpoch(_, tx) => Reply::Epoch(tx, Err(e.clone())),
+                    // A replica checkpoints what it applied, leader or not.
+                    Command::Checkpoint(tx) => {
+                        asked = true;
+                        Reply::Checkpoint(tx, Ok(()))
+                    }
                 });
                 continue;
             }

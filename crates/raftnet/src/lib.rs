@@ -1,0 +1,538 @@
+//! The Raft transport between forkless nodes: one TCP connection from
+//! each node to each peer, carrying the calls of every shard's group
+//! (`docs/replication.md`, "Many groups on two cores").
+//!
+//! ```text
+//! frame     = len u32 (big-endian) | postcard(message)          (tokio-util's length-delimited codec)
+//! to server = Hello { version, from, secret } | Call { id, group, rpc }
+//! to client = Welcome | Refused(reason) | Answer { id, result }
+//! ```
+//!
+//! A connection begins with `Hello`, which carries the cluster secret;
+//! a server answers `Welcome` or `Refused` (and closes). Then the client
+//! sends calls, each with an id of its own, and the server answers each
+//! as its group does, in any order: a call is handed to its group on a
+//! task of its own, so one slow group does not hold up another's
+//! heartbeats. What each side holds is bounded: calls in flight on a
+//! connection ([`IN_FLIGHT_MAX`]), a frame's bytes ([`FRAME_BYTES_MAX`]),
+//! connections a server takes ([`CONNECTIONS_MAX`]), and the time a peer
+//! may take to say hello ([`HELLO_WITHIN`]).
+//!
+//! A call that cannot be sent, or whose connection breaks before its
+//! answer, is `Unreachable`; one not answered within its time is a
+//! `Timeout`. Neither is ever an answer (a vote not heard is not granted).
+
+use bytes::Bytes;
+use forkless_store::{CallError, Peers, Rpc, RpcReply, ShardStore};
+use futures_util::future::BoxFuture;
+use futures_util::{SinkExt, StreamExt};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use tokio::time::Instant;
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+
+/// The protocol's version: a peer that says another is refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// The most bytes one frame may hold. An AppendEntries carries at most
+/// openraft's `max_payload_entries` entries of at most a round's budget
+/// each; a frame over this closes the connection.
+pub const FRAME_BYTES_MAX: usize = 80 << 20;
+/// Calls one connection holds in flight, on either side; over it a call
+/// is refused at once (`Unreachable`), and a server stops reading until
+/// one is answered.
+pub const IN_FLIGHT_MAX: usize = 1024;
+/// Connections a node's Raft listener holds open at once.
+pub const CONNECTIONS_MAX: usize = 256;
+/// How long a new connection may take to say hello.
+pub const HELLO_WITHIN: Duration = Duration::from_secs(5);
+/// How long a connect and its handshake may take.
+const CONNECT_WITHIN: Duration = Duration::from_secs(1);
+/// After a failed connect, calls to that peer fail at once for this long
+/// instead of each trying again.
+const RETRY_CONNECT_AFTER: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Serialize, Deserialize)]
+enum ToServer {
+    Hello {
+        version: u32,
+        from: u64,
+        secret: String,
+    },
+    Call {
+        id: u64,
+        group: u32,
+        rpc: Rpc,
+    },
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+enum ToClient {
+    Welcome,
+    Refused(String),
+    Answer {
+        id: u64,
+        result: Result<RpcReply, String>,
+    },
+}
+
+fn codec() -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder()
+        .max_frame_length(FRAME_BYTES_MAX)
+        .new_codec()
+}
+
+fn encode<T: Serialize>(msg: &T) -> Result<Bytes, String> {
+    postcard::to_stdvec(msg)
+        .map(Bytes::from)
+        .map_err(|e| format!("encoding a Raft message: {e}"))
+}
+
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, String> {
+    postcard::from_bytes(bytes).map_err(|e| format!("a malformed Raft message: {e}"))
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn same_secret(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+type Reply = oneshot::Sender<Result<RpcReply, CallError>>;
+type Outgoing = (u32, Rpc, Reply);
+
+/// This node's connections to its peers: [`Peers`] for the store.
+#[derive(Clone)]
+pub struct Links {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    me: u64,
+    secret: String,
+    links: BTreeMap<u64, Link>,
+}
+
+struct Link {
+    addr: String,
+    conn: tokio::sync::Mutex<Conn>,
+}
+
+#[derive(Default)]
+struct Conn {
+    tx: Option<mpsc::Sender<Outgoing>>,
+    /// The last connect that failed, and why.
+    failed: Option<(Instant, String)>,
+}
+
+impl Links {
+    /// Connections from node `me` to each of `peers` (id → Raft address),
+    /// made when first needed and again after one breaks.
+    pub fn new(me: u64, secret: String, peers: impl IntoIterator<Item = (u64, String)>) -> Links {
+        let links = peers
+            .into_iter()
+            .filter(|(id, _)| *id != me)
+            .map(|(id, addr)| {
+                (
+                    id,
+                    Link {
+                        addr,
+                        conn: tokio::sync::Mutex::new(Conn::default()),
+                    },
+                )
+            })
+            .collect();
+        Links {
+            inner: Arc::new(Inner { me, secret, links }),
+        }
+    }
+}
+
+impl Peers for Links {
+    fn call(
+        &self,
+        target: u64,
+        group: u32,
+        rpc: Rpc,
+        within: Duration,
+    ) -> BoxFuture<'static, Result<RpcReply, CallError>> {
+        let inner = self.inner.clone();
+        Box::pin(async move {
+            let deadline = Instant::now() + within;
+            let tx = inner.sender(target, deadline).await?;
+            let (reply, answer) = oneshot::channel();
+            tx.try_send((group, rpc, reply)).map_err(|e| {
+                CallError::Unreachable(match e {
+                    mpsc::error::TrySendError::Full(_) => format!(
+                        "node {target} has {IN_FLIGHT_MAX} calls waiting to be sent (it does not read)"
+                    ),
+                    mpsc::error::TrySendError::Closed(_) => {
+                        format!("the connection to node {target} closed")
+                    }
+                })
+            })?;
+            match tokio::time::timeout_at(deadline, answer).await {
+                Err(_) => Err(CallError::Timeout),
+                Ok(Err(_)) => Err(CallError::Unreachable(format!(
+                    "the connection to node {target} broke before its answer"
+                ))),
+                Ok(Ok(r)) => r,
+            }
+        })
+    }
+}
+
+impl Inner {
+    /// The connection to `target`, made now if there is none.
+    async fn sender(
+        &self,
+        target: u64,
+        deadline: Instant,
+    ) -> Result<mpsc::Sender<Outgoing>, CallError> {
+        let link = self.links.get(&target).ok_or_else(|| {
+            CallError::Unreachable(format!("node {target} is not a peer of this node"))
+        })?;
+        let mut conn = tokio::time::timeout_at(deadline, link.conn.lock())
+            .await
+            .map_err(|_| CallError::Timeout)?;
+        if let Some(tx) = &conn.tx {
+            if !tx.is_closed() {
+                return Ok(tx.clone());
+            }
+        }
+        conn.tx = None;
+        if let Some((at, why)) = &conn.failed {
+            if at.elapsed() < RETRY_CONNECT_AFTER {
+                return Err(CallError::Unreachable(why.clone()));
+            }
+        }
+        let within = deadline.min(Instant::now() + CONNECT_WITHIN);
+        match tokio::time::timeout_at(within, self.connect(target, &link.addr)).await {
+            Ok(Ok(framed)) => {
+                let (tx, rx) = mpsc::channel(IN_FLIGHT_MAX);
+                tokio::spawn(run_client(framed, rx, target));
+                conn.failed = None;
+                conn.tx = Some(tx.clone());
+                Ok(tx)
+            }
+            Ok(Err(why)) => {
+                conn.failed = Some((Instant::now(), why.clone()));
+                Err(CallError::Unreachable(why))
+            }
+            Err(_) => {
+                let why = format!(
+                    "connecting to node {target} at {} took over {} ms",
+                    link.addr,
+                    within.saturating_duration_since(Instant::now()).as_millis()
+                );
+                conn.failed = Some((Instant::now(), why.clone()));
+                Err(CallError::Unreachable(why))
+            }
+        }
+    }
+
+    async fn connect(
+        &self,
+        target: u64,
+        addr: &str,
+    ) -> Result<Framed<TcpStream, LengthDelimitedCodec>, String> {
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connecting to node {target} at {addr}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let mut framed = Framed::new(tcp, codec());
+        let hello = encode(&ToServer::Hello {
+            version: PROTOCOL_VERSION,
+            from: self.me,
+            secret: self.secret.clone(),
+        })?;
+        framed
+            .send(hello)
+            .await
+            .map_err(|e| format!("saying hello to node {target}: {e}"))?;
+        match framed.next().await {
+            Some(Ok(b)) => match decode::<ToClient>(&b)? {
+                ToClient::Welcome => Ok(framed),
+                ToClient::Refused(why) => Err(format!("node {target} refused this node: {why}")),
+                other => Err(format!("node {target} answered hello with {other:?}")),
+            },
+            Some(Err(e)) => Err(format!("node {target}'s answer to hello: {e}")),
+            None => Err(format!("node {target} closed the connection at hello")),
+        }
+    }
+}
+
+/// One connection's client side: sends the calls handed to it, and gives
+/// each answer to its caller. Ends when the connection breaks (every call
+/// in flight then fails as unreachable) or every sender is gone.
+async fn run_client(
+    framed: Framed<TcpStream, LengthDelimitedCodec>,
+    mut calls: mpsc::Receiver<Outgoing>,
+    target: u64,
+) {
+    let (mut sink, mut stream) = framed.split();
+    let mut pending: HashMap<u64, Reply> = HashMap::new();
+    let mut next_id = 0u64;
+    let why = loop {
+        tokio::select! {
+            call = calls.recv() => {
+                let Some((group, rpc, reply)) = call else { break None };
+                if pending.len() >= IN_FLIGHT_MAX {
+                    // Callers that gave up (timed out) leave their slot.
+                    pending.retain(|_, r| !r.is_closed());
+                }
+                if pending.len() >= IN_FLIGHT_MAX {
+                    let _ = reply.send(Err(CallError::Unreachable(format!(
+                        "node {target} has {IN_FLIGHT_MAX} calls unanswered"
+                    ))));
+                    continue;
+                }
+                next_id += 1;
+                let frame = match encode(&ToServer::Call { id: next_id, group, rpc }) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        let _ = reply.send(Err(CallError::Remote(e)));
+                        continue;
+                    }
+                };
+                pending.insert(next_id, reply);
+                if let Err(e) = sink.feed(frame).await {
+                    break Some(format!("writing: {e}"));
+                }
+                if calls.is_empty() {
+                    if let Err(e) = sink.flush().await {
+                        break Some(format!("writing: {e}"));
+                    }
+                }
+            }
+            frame = stream.next() => {
+                let bytes = match frame {
+                    None => break Some("the peer closed the connection".into()),
+                    Some(Err(e)) => break Some(format!("reading: {e}")),
+                    Some(Ok(b)) => b,
+                };
+                match decode::<ToClient>(&bytes) {
+                    Ok(ToClient::Answer { id, result }) => {
+                        if let Some(reply) = pending.remove(&id) {
+                            let _ = reply.send(result.map_err(CallError::Remote));
+                        }
+                    }
+                    Ok(other) => break Some(format!("an unexpected message: {other:?}")),
+                    Err(e) => break Some(e),
+                }
+            }
+        }
+    };
+    if let Some(why) = why {
+        tracing::info!(peer = target, calls_in_flight = pending.len(), reason = %why, "Raft connection to a peer closed");
+    }
+}
+
+/// Where a server finds the shard a call is for.
+pub type Groups = Arc<dyn Fn(u32) -> Option<Arc<ShardStore>> + Send + Sync>;
+
+/// Serves the Raft calls of peers on `listener` until `stop` turns true.
+pub async fn serve(
+    listener: TcpListener,
+    secret: String,
+    groups: Groups,
+    mut stop: watch::Receiver<bool>,
+) {
+    let open = Arc::new(AtomicUsize::new(0));
+    let secret: Arc<str> = secret.into();
+    loop {
+        let accepted = tokio::select! {
+            r = listener.accept() => r,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let (tcp, from) = match accepted {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "accepting a Raft connection failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if open.fetch_add(1, Ordering::AcqRel) >= CONNECTIONS_MAX {
+            open.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!(%from, limit = CONNECTIONS_MAX, "refused a Raft connection over the limit");
+            continue;
+        }
+        let _ = tcp.set_nodelay(true);
+        let (open, secret, groups, stop) =
+            (open.clone(), secret.clone(), groups.clone(), stop.clone());
+        tokio::spawn(async move {
+            if let Err(why) = serve_connection(tcp, &secret, groups, stop).await {
+                tracing::info!(%from, reason = %why, "Raft connection from a peer closed");
+            }
+            open.fetch_sub(1, Ordering::AcqRel);
+        });
+    }
+}
+
+async fn serve_connection(
+    tcp: TcpStream,
+    secret: &str,
+    groups: Groups,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let mut framed = Framed::new(tcp, codec());
+    let hello = match tokio::time::timeout(HELLO_WITHIN, framed.next()).await {
+        Err(_) => return Err(format!("no hello within {} s", HELLO_WITHIN.as_secs())),
+        Ok(None) => return Err("closed before hello".into()),
+        Ok(Some(Err(e))) => return Err(format!("reading hello: {e}")),
+        Ok(Some(Ok(b))) => b,
+    };
+    let peer = match decode::<ToServer>(&hello)? {
+        ToServer::Hello {
+            version,
+            from,
+            secret: theirs,
+        } => {
+            let refused = if version != PROTOCOL_VERSION {
+                Some(format!(
+                    "protocol version {version}; this node speaks {PROTOCOL_VERSION}"
+                ))
+            } else if !same_secret(&theirs, secret) {
+                Some("wrong cluster secret".to_string())
+            } else {
+                None
+            };
+            if let Some(why) = refused {
+                if let Ok(f) = encode(&ToClient::Refused(why.clone())) {
+                    let _ = framed.send(f).await;
+                }
+                return Err(format!("refused node {from}: {why}"));
+            }
+            from
+        }
+        other => return Err(format!("a call before hello: {other:?}")),
+    };
+    framed
+        .send(encode(&ToClient::Welcome)?)
+        .await
+        .map_err(|e| format!("answering hello: {e}"))?;
+    let (mut sink, mut stream) = framed.split();
+    let (out, mut answers) = mpsc::channel::<Bytes>(IN_FLIGHT_MAX);
+    let writer = tokio::spawn(async move {
+        while let Some(f) = answers.recv().await {
+            if sink.feed(f).await.is_err() {
+                return;
+            }
+            if answers.is_empty() && sink.flush().await.is_err() {
+                return;
+            }
+        }
+    });
+    let permits = Arc::new(Semaphore::new(IN_FLIGHT_MAX));
+    let ended = loop {
+        let frame = tokio::select! {
+            f = stream.next() => f,
+            _ = stop.wait_for(|s| *s) => break Ok(()),
+        };
+        let bytes = match frame {
+            None => break Ok(()),
+            Some(Err(e)) => break Err(format!("node {peer}: reading: {e}")),
+            Some(Ok(b)) => b,
+        };
+        let (id, group, rpc) = match decode::<ToServer>(&bytes) {
+            Ok(ToServer::Call { id, group, rpc }) => (id, group, rpc),
+            Ok(other) => break Err(format!("node {peer}: an unexpected message: {other:?}")),
+            Err(e) => break Err(format!("node {peer}: {e}")),
+        };
+        // Stops reading while IN_FLIGHT_MAX calls are unanswered.
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break Ok(());
+        };
+        let (groups, out) = (groups.clone(), out.clone());
+        tokio::spawn(async move {
+            let result = match groups(group) {
+                Some(st) => st.handle_rpc(rpc).await,
+                None => Err(format!("this node holds no replica of shard {group}")),
+            };
+            if let Ok(f) = encode(&ToClient::Answer { id, result }) {
+                let _ = out.send(f).await;
+            }
+            drop(permit);
+        });
+    };
+    drop(out);
+    let _ = writer.await;
+    ended
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret("abc", "abc"));
+        assert!(!same_secret("abc", "abd"));
+        assert!(!same_secret("abc", "ab"));
+        assert!(!same_secret("", "a"));
+    }
+
+    #[tokio::test]
+    async fn an_unknown_peer_and_a_dead_one_are_unreachable_never_an_answer() {
+        let links = Links::new(1, "s".into(), [(2, "127.0.0.1:1".to_string())]);
+        let rpc = || Rpc::Vote(openraft_vote());
+        match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
+            Err(CallError::Unreachable(why)) => assert!(why.contains("not a peer"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        match links.call(2, 0, rpc(), Duration::from_secs(1)).await {
+            Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:1"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // Within the retry pause, at once, with the same reason.
+        match links.call(2, 0, rpc(), Duration::from_secs(1)).await {
+            Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:1"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn openraft_vote() -> openraft::raft::VoteRequest<forkless_store::GroupConfig> {
+        openraft::raft::VoteRequest::new(openraft::impls::Vote::new(2, 1), None)
+    }
+
+    #[tokio::test]
+    async fn a_wrong_secret_is_refused_at_hello() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, "right".into(), groups, stop));
+        let links = Links::new(1, "wrong".into(), [(2, addr)]);
+        match links
+            .call(2, 0, Rpc::Vote(openraft_vote()), Duration::from_secs(2))
+            .await
+        {
+            Err(CallError::Unreachable(why)) => {
+                assert!(why.contains("wrong cluster secret"), "{why}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_for_a_shard_the_peer_does_not_hold_is_its_error() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        let links = Links::new(1, "s".into(), [(2, addr)]);
+        match links
+            .call(2, 7, Rpc::Vote(openraft_vote()), Duration::from_secs(2))
+            .await
+        {
+            Err(CallError::Remote(why)) => assert!(why.contains("shard 7"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
