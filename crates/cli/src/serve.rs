@@ -121,8 +121,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
 }
 
 pub fn init_logging(json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("FORKLESS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,fjall=warn,lsm_tree=warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FORKLESS_LOG").unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,fjall=warn,lsm_tree=warn,openraft=error")
+    });
     // A log line that cannot be written (the log's disk is full) is lost,
     // not reported with `eprintln!`, which panics when stderr fails: the
     // thread that logged would die with it (a shard's writer, a Raft

@@ -903,6 +903,8 @@ pub struct ClusterNode {
     pub id: u16,
     pub api: SocketAddr,
     pub peer: SocketAddr,
+    /// The Raft transport's address, in a replicated cluster.
+    pub raft: Option<SocketAddr>,
     pub data_dir: PathBuf,
     pub log: PathBuf,
     pub proc: Option<Proc>,
@@ -926,6 +928,9 @@ pub struct Cluster {
     pub timing: PeerTiming,
     pub nodes: Vec<ClusterNode>,
     pub secret: String,
+    /// Set for a replicated cluster (every shard a Raft group on this
+    /// many nodes).
+    pub replication_factor: Option<u32>,
 }
 
 impl Cluster {
@@ -955,6 +960,7 @@ impl Cluster {
                     id,
                     api: addr(ports[2 * i as usize]),
                     peer: addr(ports[2 * i as usize + 1]),
+                    raft: None,
                     data_dir: dir.path().join(format!("node-{id}")),
                     log: dir.path().join(format!("node-{id}.log")),
                     proc: None,
@@ -968,6 +974,81 @@ impl Cluster {
             timing,
             nodes,
             secret: "it-secret-0123456789abcdef".into(),
+            replication_factor: None,
+        }
+    }
+
+    /// Picks ports and data dirs for a replicated cluster of `node_count`
+    /// nodes (every shard a Raft group on `factor` of them), starting none.
+    pub fn prepare_replicated(
+        node_count: u16,
+        shard_count: u32,
+        factor: u32,
+        timing: PeerTiming,
+    ) -> Cluster {
+        let mut c = Cluster::prepare(node_count, shard_count, timing);
+        let ports = free_ports(node_count as usize);
+        for (n, p) in c.nodes.iter_mut().zip(ports) {
+            n.raft = Some(addr(p));
+        }
+        c.replication_factor = Some(factor);
+        c
+    }
+
+    /// Starts a replicated cluster and waits until every node is ready
+    /// and every shard has a leader that every node knows.
+    pub fn start_replicated(
+        node_count: u16,
+        shard_count: u32,
+        factor: u32,
+        timing: PeerTiming,
+    ) -> Cluster {
+        let mut c = Cluster::prepare_replicated(node_count, shard_count, factor, timing);
+        let ids: Vec<u16> = (1..=node_count).collect();
+        c.start_nodes(&ids, &[]);
+        for id in ids {
+            c.wait_leaders_known(id, &[]);
+        }
+        c
+    }
+
+    /// Waits (up to 20 s) until node `via` knows a leader of every shard
+    /// elected at a term at least 1 and not on any of `not_on`, and
+    /// returns each shard's (leader, term).
+    pub fn wait_leaders_known(&self, via: u16, not_on: &[u16]) -> Vec<(u16, u64)> {
+        let c = self.client(via);
+        let until = Instant::now() + Duration::from_secs(20);
+        let known = || {
+            let v = c
+                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                .ok()?
+                .json();
+            let shards = v["shards"].as_array()?;
+            let known: Vec<(u16, u64)> = shards
+                .iter()
+                .filter_map(|s| {
+                    let leader = s["leader"].as_u64()? as u16;
+                    let term = s["term"].as_u64()?;
+                    (term >= 1 && !not_on.contains(&leader)).then_some((leader, term))
+                })
+                .collect();
+            (known.len() == shards.len()).then_some(known)
+        };
+        loop {
+            if let Some(k) = known() {
+                return k;
+            }
+            if Instant::now() > until {
+                let now = c
+                    .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                    .map(|r| r.text())
+                    .unwrap_or_else(|e| e.to_string());
+                panic!(
+                    "node {via} did not know every shard's leader (not on {not_on:?}) within 20 s; it says {now}\n{}",
+                    self.logs()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
         }
     }
 
@@ -1043,11 +1124,17 @@ impl Cluster {
             "shard_count = {}\nsecret = \"{}\"\n\n[peer]\nforward_connect_timeout_ms = {}\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n",
             self.shard_count, self.secret, t.forward_connect_timeout_ms, t.forward_timeout_ms, t.probe_interval_ms, t.probe_timeout_ms
         );
+        if let Some(f) = self.replication_factor {
+            s = format!("replication_factor = {f}\n{s}");
+        }
         for n in &self.nodes {
             s.push_str(&format!(
                 "\n[[nodes]]\nid = {}\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
                 n.id, n.api, n.peer
             ));
+            if let Some(r) = n.raft {
+                s.push_str(&format!("raft_addr = \"{r}\"\n"));
+            }
         }
         for (shard, owner, epoch) in shards {
             s.push_str(&format!(
@@ -1416,7 +1503,9 @@ pub mod workload {
                             // Nothing was written: the belief still holds.
                             Outcome::Refused
                         }
-                        (503, "owner_unavailable") => {
+                        // No owner reachable, or (a replicated shard) the
+                        // node asked does not lead it or lost leadership.
+                        (503, "owner_unavailable") | (503, "shard_unavailable") => {
                             if r.header("retry-after").is_none() {
                                 return Err(format!("503 without Retry-After: {v}"));
                             }

@@ -194,6 +194,9 @@ pub struct StaticDirectory {
     /// Derived from `assignments` whenever they change, so the per-request
     /// questions are one atomic load, not a walk over every shard.
     derived: Derived,
+    /// Routing stays active even while this node owns every shard (a
+    /// replicated cluster: ownership moves with each election).
+    always_route: bool,
 }
 
 #[derive(Debug, Default)]
@@ -203,7 +206,7 @@ struct Derived {
 }
 
 impl Derived {
-    fn update(&self, local: NodeId, a: &[ShardAssignment]) {
+    fn update(&self, local: NodeId, a: &[ShardAssignment], always_route: bool) {
         self.map_version.store(
             a.iter().map(|a| a.epoch.get()).max().unwrap_or(0),
             Ordering::Release,
@@ -211,7 +214,7 @@ impl Derived {
         // Routing is inert exactly when this node owns every shard (the
         // embedded default, or a one-node cluster). A multi-node cluster with
         // one shard routes like any other: non-owners forward.
-        let active = a.iter().any(|a| a.owner != local);
+        let active = always_route || a.iter().any(|a| a.owner != local);
         self.routing_active.store(active, Ordering::Release);
     }
 }
@@ -243,7 +246,7 @@ impl StaticDirectory {
         }
         let liveness = Liveness::new(nodes.keys().copied());
         let derived = Derived::default();
-        derived.update(local, &assignments);
+        derived.update(local, &assignments, false);
         Ok(StaticDirectory {
             local,
             shard_count,
@@ -251,6 +254,7 @@ impl StaticDirectory {
             assignments: RwLock::new(assignments),
             liveness,
             derived,
+            always_route: false,
             conflicts: (0..shard_count.get())
                 .map(|_| AtomicBool::new(false))
                 .collect(),
@@ -280,6 +284,16 @@ impl StaticDirectory {
             Ok(d) => d,
             Err(e) => unreachable!("single-node directory is always valid: {e}"),
         }
+    }
+
+    /// The directory of a replicated cluster: its owners are elected and
+    /// move between nodes, so routing never goes inert, even while this
+    /// node leads every shard.
+    pub fn always_route(mut self) -> StaticDirectory {
+        self.always_route = true;
+        let a = self.assignments();
+        self.derived.update(self.local, &a, true);
+        self
     }
 
     pub fn liveness(&self) -> &Liveness {
@@ -323,7 +337,7 @@ impl StaticDirectory {
         if epoch > cur.epoch {
             *cur = ShardAssignment { owner, epoch };
             self.set_conflict(shard, false);
-            self.derived.update(self.local, &a);
+            self.derived.update(self.local, &a, self.always_route);
             return Observation::Moved;
         }
         // Two nodes claiming one shard at one epoch (a config moved it
@@ -506,6 +520,36 @@ mod tests {
             d.liveness().record(n2, false),
             (PeerState::Up, PeerState::Down)
         );
+    }
+
+    /// A replicated cluster's directory routes even while this node leads
+    /// every shard; a static one goes inert then.
+    #[test]
+    fn a_replicated_directory_never_goes_inert() {
+        let all_mine = |always: bool| {
+            let d = StaticDirectory::new(
+                NodeId::new(1).unwrap(),
+                ShardCount::new(2).unwrap(),
+                vec![node(1), node(2)],
+                vec![
+                    ShardAssignment {
+                        owner: NodeId::new(2).unwrap(),
+                        epoch: Epoch(0),
+                    };
+                    2
+                ],
+            )
+            .unwrap();
+            let d = if always { d.always_route() } else { d };
+            let n1 = NodeId::new(1).unwrap();
+            assert!(d.routing_active());
+            d.observe(ShardId(0), n1, Epoch(3));
+            d.observe(ShardId(1), n1, Epoch(3));
+            assert!(d.owns(ShardId(0)) && d.owns(ShardId(1)));
+            d.routing_active()
+        };
+        assert!(!all_mine(false));
+        assert!(all_mine(true));
     }
 
     #[test]

@@ -303,7 +303,34 @@ fn number_header(n: u64) -> HeaderValue {
 /// This node's routing decision now for a request on `shard` that has taken
 /// `hops` hops, and the owner it was made from.
 fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
-    let owner = app.dir.owner_of(shard);
+    let mut owner = app.dir.owner_of(shard);
+    // A replicated shard this node holds a replica of is its own exactly
+    // while its group says this node leads: the group knows sooner than
+    // the directory, which follows it.
+    if let Some(l) = app.store.shard(shard).and_then(|st| st.leadership()) {
+        owner = match l.leader {
+            Some(n) if n == l.me => Owner::Local {
+                epoch: Epoch(l.term),
+            },
+            Some(n) => match forkless_types::NodeId::new(n).and_then(|n| app.dir.node(n)) {
+                Some(info) => {
+                    let hint = forkless_routing::OwnerHint {
+                        node: info.id,
+                        api_addr: info.api_addr.clone(),
+                        peer_addr: info.peer_addr.clone(),
+                        epoch: Epoch(l.term),
+                    };
+                    if app.dir.liveness().is_alive(info.id) {
+                        Owner::Remote(hint)
+                    } else {
+                        Owner::Unknown { hint: Some(hint) }
+                    }
+                }
+                None => Owner::Unknown { hint: None },
+            },
+            None => Owner::Unknown { hint: None },
+        };
+    }
     // Only an owned shard's copy matters to the decision.
     let local_fence = match owner {
         Owner::Local { .. } => app.store.shard(shard).map(|st| st.epoch()),
@@ -375,7 +402,18 @@ where
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
             match app.store.shard(route.shard) {
-                Some(st) => match local(epoch, st).await {
+                // A replicated shard's fence is its group's term, checked
+                // at apply; its store keeps the epoch it opened at.
+                Some(st) => match local(
+                    if st.is_replicated() {
+                        st.epoch()
+                    } else {
+                        epoch
+                    },
+                    st,
+                )
+                .await
+                {
                     Ok(v) => return Routed::Local(v, RouteHeaders::new(app, &route, &owner)),
                     Err(e) => e.into_response(),
                 },
@@ -1230,10 +1268,47 @@ async fn cluster(State(app): AppState) -> Response {
                 "owner": a.map(|a| a.owner.get()),
                 "epoch": a.map(|a| a.epoch.get()),
                 "local": app.dir.owns(ShardId(s)),
-                "store_epoch": local.map(|st| st.epoch().get()),
+                "store_epoch": local.as_ref().map(|st| st.epoch().get()),
             });
             if let Some(why) = failed {
                 shard["failed"] = json!(why);
+            }
+            if let Some(r) = app
+                .cfg
+                .cluster
+                .as_ref()
+                .and_then(|c| c.replication.as_ref())
+            {
+                shard["replicas"] = json!(r
+                    .replicas(ShardId(s))
+                    .iter()
+                    .map(|n| n.get())
+                    .collect::<Vec<_>>());
+                // The group's own view where this node holds a replica,
+                // else what the directory learned (epoch 0: none yet).
+                match local.and_then(|st| st.raft_status()) {
+                    Some(g) => {
+                        shard["leader"] = json!(g.leader);
+                        shard["term"] = json!(g.term);
+                        shard["raft"] = json!({
+                            "state": g.state,
+                            "last_log_index": g.last_log_index,
+                            "committed": g.committed,
+                            "applied": g.applied,
+                            "voters": g.voters,
+                            "followers": g.matched.iter().map(|(id, m)| json!({
+                                "node": id,
+                                "matched": m,
+                                "lag": g.last_log_index.map(|l| l.saturating_sub(m.unwrap_or(0))),
+                            })).collect::<Vec<_>>(),
+                        });
+                    }
+                    None => {
+                        let known = a.filter(|a| a.epoch.get() > 0);
+                        shard["leader"] = json!(known.map(|a| a.owner.get()));
+                        shard["term"] = json!(known.map(|a| a.epoch.get()));
+                    }
+                }
             }
             shard
         })

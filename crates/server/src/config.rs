@@ -6,7 +6,7 @@
 //! start on a bad one, saying what is wrong.
 
 use forkless_routing::{NodeInfo, ShardAssignment, StaticDirectory};
-use forkless_types::{Epoch, NodeId, ShardCount};
+use forkless_types::{Epoch, NodeId, ShardCount, ShardId};
 use serde::Deserialize;
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -224,6 +224,11 @@ pub struct FileConfig {
     pub nodes: Vec<FileNode>,
     #[serde(default)]
     pub shards: Vec<FileShard>,
+    /// How many nodes hold a replica of each shard. 2 or more makes every
+    /// shard a Raft group on that many nodes, its leader the owner (every
+    /// node then needs a `raft_addr`, and `[[shards]]` is left out); 1, or
+    /// left out, is the static cluster: one copy, owners from the file.
+    pub replication_factor: Option<u64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -232,6 +237,8 @@ pub struct FileNode {
     pub id: u64,
     pub api_addr: String,
     pub peer_addr: String,
+    /// Where the node's Raft transport listens (a replicated cluster).
+    pub raft_addr: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -263,6 +270,31 @@ pub struct ClusterConfig {
     pub nodes: Vec<NodeInfo>,
     pub assignments: Vec<ShardAssignment>,
     pub secret: String,
+    /// Set when every shard is a Raft group on several nodes.
+    pub replication: Option<Replicated>,
+}
+
+/// A replicated cluster: each shard on `factor` nodes, placed by
+/// [`Replicated::replicas`].
+#[derive(Debug, Clone)]
+pub struct Replicated {
+    pub factor: usize,
+    /// Every node's Raft address.
+    pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
+}
+
+impl Replicated {
+    /// The nodes holding a replica of `shard`: `factor` nodes in id order,
+    /// starting at the (shard mod nodes)-th, so that each node holds as
+    /// many replicas as any other (within one) and the first replicas of
+    /// consecutive shards fall on different nodes.
+    pub fn replicas(&self, shard: ShardId) -> Vec<NodeId> {
+        let ids: Vec<NodeId> = self.raft_addrs.keys().copied().collect();
+        let n = ids.len();
+        (0..self.factor.min(n))
+            .map(|i| ids[(shard.get() as usize + i) % n])
+            .collect()
+    }
 }
 
 impl ClusterConfig {
@@ -318,6 +350,10 @@ impl ServerConfig {
                 c.nodes.clone(),
                 c.assignments.clone(),
             )
+            .map(|d| match c.replication {
+                Some(_) => d.always_route(),
+                None => d,
+            })
             .map_err(|e| ConfigError::Invalid(e.to_string())),
         }
     }
@@ -391,7 +427,50 @@ pub fn validate_cluster(
         });
     }
     let n = shard_count.get() as usize;
-    let assignments = if file.shards.is_empty() {
+    let replication = match file.replication_factor {
+        None | Some(1) => None,
+        Some(0) => return bad("replication_factor must be at least 1".into()),
+        Some(f) if f as usize > nodes.len() => {
+            return bad(format!(
+                "replication_factor {f} is more than the {} node(s) listed: each replica needs a node of its own",
+                nodes.len()
+            ))
+        }
+        Some(f) => {
+            if !file.shards.is_empty() {
+                return bad("shards: a replicated cluster's owners are its shards' Raft leaders, elected; leave [[shards]] out".into());
+            }
+            let mut raft_addrs = std::collections::BTreeMap::new();
+            for (i, fnode) in file.nodes.iter().enumerate() {
+                let Some(a) = &fnode.raft_addr else {
+                    return bad(format!(
+                        "nodes[{i}].raft_addr is missing: with replication_factor {f} every node needs the address its Raft transport listens on"
+                    ));
+                };
+                let a = parse_addr(&format!("nodes[{i}].raft_addr"), a)?;
+                if !addrs.insert(a) {
+                    return bad(format!(
+                        "nodes[{i}]: address {a} is used twice in the cluster"
+                    ));
+                }
+                raft_addrs.insert(nodes[i].id, a);
+            }
+            Some(Replicated {
+                factor: f as usize,
+                raft_addrs,
+            })
+        }
+    };
+    let assignments = if let Some(r) = &replication {
+        // No owner until a leader is elected: the first replica stands in
+        // at epoch 0, which any elected leader's term (1 or more) replaces.
+        (0..n)
+            .map(|s| ShardAssignment {
+                owner: r.replicas(ShardId(s as u32))[0],
+                epoch: Epoch(0),
+            })
+            .collect()
+    } else if file.shards.is_empty() {
         // Spread evenly: shard s goes to the (s mod nodes)-th node by id.
         let mut sorted: Vec<_> = nodes.iter().map(|x| x.id).collect();
         sorted.sort();
@@ -460,6 +539,7 @@ pub fn validate_cluster(
         nodes,
         assignments,
         secret,
+        replication,
     })
 }
 

@@ -78,6 +78,15 @@ impl App {
     pub async fn open(cfg: ServerConfig) -> Result<Arc<App>, StartupError> {
         let dir = Arc::new(cfg.directory()?);
         let in_progress = Arc::new(AtomicUsize::new(0));
+        let replicated = cfg.cluster.as_ref().and_then(|c| c.replication.clone());
+        let replication = replicated.as_ref().map(|r| {
+            let secret = cfg
+                .cluster
+                .as_ref()
+                .map(|c| c.secret.clone())
+                .unwrap_or_default();
+            store_replication(cfg.node_id, r, secret)
+        });
         let store = Arc::new(Store::open(
             &cfg.data_dir,
             cfg.shard_count,
@@ -86,13 +95,26 @@ impl App {
                 journal_bytes_max: cfg.store.journal_bytes_max,
                 background_nice: cfg.store.background_nice,
                 writer_priority: cfg.store.writer_priority,
-                raft: cfg.store.raft,
+                // A replicated shard is a Raft group whatever the setting.
+                raft: cfg.store.raft || replication.is_some(),
+                replication,
                 requests_in_progress: Some(in_progress.clone()),
                 ..StoreConfig::default()
             },
         )?);
         for s in 0..cfg.shard_count.get() {
             let shard = ShardId(s);
+            if let Some(r) = &replicated {
+                // Every shard this node holds a replica of; its epoch is
+                // its group's term, never moved by the config.
+                if r.replicas(shard).contains(&cfg.node_id) {
+                    match store.open_shard(shard, forkless_types::Epoch(1)) {
+                        Ok(_) | Err(forkless_store::StoreError::ShardFailed { .. }) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                continue;
+            }
             if let forkless_routing::Owner::Local { epoch } = dir.owner_of(shard) {
                 let st = match store.open_shard(shard, epoch) {
                     Ok(st) => st,
@@ -141,6 +163,84 @@ impl App {
     }
 }
 
+/// How this node's shards reach their other replicas: the Raft transport
+/// to every peer, and each shard's replicas as the cluster file places them.
+fn store_replication(
+    me: forkless_types::NodeId,
+    r: &config::Replicated,
+    secret: String,
+) -> forkless_store::Replication {
+    let addrs: std::collections::BTreeMap<u64, String> = r
+        .raft_addrs
+        .iter()
+        .map(|(id, a)| (u64::from(id.get()), a.to_string()))
+        .collect();
+    let placement = r.clone();
+    let members = addrs.clone();
+    forkless_store::Replication {
+        me: u64::from(me.get()),
+        members: Arc::new(move |shard| {
+            placement
+                .replicas(shard)
+                .into_iter()
+                .map(|n| {
+                    let id = u64::from(n.get());
+                    let addr = members.get(&id).cloned().unwrap_or_default();
+                    (id, forkless_store::BasicNode::new(addr))
+                })
+                .collect()
+        }),
+        peers: Arc::new(forkless_raftnet::Links::new(
+            u64::from(me.get()),
+            secret,
+            addrs,
+        )),
+    }
+}
+
+/// Keeps the directory's owner of each replicated shard this node holds a
+/// replica of at its group's leader (the higher term wins), and logs every
+/// change of leader; ends when the group stops or the node does.
+async fn follow_leaders(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for st in app.store.hosted() {
+        let Some(mut watch) = st.raft_watch().filter(|_| st.is_replicated()) else {
+            continue;
+        };
+        let (app, shard) = (app.clone(), st.id());
+        tasks.spawn(async move {
+            let mut seen = None;
+            let mut now = Some(watch.now());
+            while let Some(l) = now {
+                if seen != Some((l.leader, l.term)) {
+                    seen = Some((l.leader, l.term));
+                    match l.leader.and_then(forkless_types::NodeId::new) {
+                        Some(leader) => {
+                            app.dir
+                                .observe(shard, leader, forkless_types::Epoch(l.term));
+                            tracing::info!(
+                                shard = shard.get(),
+                                leader = l.leader,
+                                term = l.term,
+                                this_node_leads = l.leader == Some(l.me),
+                                "shard leader known"
+                            );
+                        }
+                        None => tracing::info!(
+                            shard = shard.get(),
+                            term = l.term,
+                            "shard has no leader (an election is under way)"
+                        ),
+                    }
+                }
+                now = watch.changed().await;
+            }
+        });
+    }
+    let _ = stop.wait_for(|s| *s).await;
+    tasks.abort_all();
+}
+
 /// Runs the node until `shutdown` resolves: the client listener, the peer
 /// listener (if distinct) and the peer prober.
 pub async fn run(
@@ -172,6 +272,16 @@ pub async fn run(
         Some(a) => Some(bind(a).await?),
         None => None,
     };
+    let raft_listener = match app
+        .cfg
+        .cluster
+        .as_ref()
+        .and_then(|c| c.replication.as_ref())
+        .and_then(|r| r.raft_addrs.get(&app.cfg.node_id))
+    {
+        Some(a) => Some(bind(*a).await?),
+        None => None,
+    };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let app_stop = app.clone();
     tokio::spawn(async move {
@@ -191,6 +301,17 @@ pub async fn run(
             service.clone(),
             stop_rx.clone(),
         )));
+    }
+    if let Some(listener) = raft_listener {
+        let store = app.store.clone();
+        let groups: forkless_raftnet::Groups = Arc::new(move |g| store.shard(ShardId(g)));
+        tokio::spawn(forkless_raftnet::serve(
+            listener,
+            app.secret.clone(),
+            groups,
+            stop_rx.clone(),
+        ));
+        tokio::spawn(follow_leaders(app.clone(), stop_rx.clone()));
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
         // Ready once its first round of probes has completed.

@@ -162,7 +162,9 @@ pub async fn fence_hosted_copy(app: &App, shard: ShardId) {
     let (Some(local), Some(a)) = (app.store.shard(shard), app.dir.assignment(shard)) else {
         return;
     };
-    if a.owner == app.cfg.node_id || local.epoch() >= a.epoch {
+    // A replicated shard is fenced by its group's terms, not by epochs
+    // learned from peers.
+    if a.owner == app.cfg.node_id || local.epoch() >= a.epoch || local.is_replicated() {
         return;
     }
     match local.advance_epoch(a.epoch).await {

@@ -68,7 +68,8 @@ mod writer;
 
 pub use commit::CommitStats;
 pub use latency::LatencySnapshot;
-pub use raft_group::{RaftStatus, RaftWatch};
+pub use openraft::BasicNode;
+pub use raft_group::{Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
 pub use raft_net::{CallError, Peers, Replication, Rpc, RpcReply};
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};

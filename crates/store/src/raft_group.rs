@@ -292,6 +292,10 @@ impl RaftSnapshotBuilder<GroupConfig> for CheckpointSnapshot {
     }
 }
 
+/// How long the apply of a committed entry waits for the entry to become
+/// durable on this replica (its round's sync) before the group stops.
+const DURABLE_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl RaftStateMachine<GroupConfig> for ShardMachine {
     type SnapshotData = ShardSnapshot;
     type SnapshotBuilder = CheckpointSnapshot;
@@ -311,18 +315,24 @@ impl RaftStateMachine<GroupConfig> for ShardMachine {
             let term = entry.log_id.leader_id.term;
             let index = entry.log_id.index;
             let r = &*self.replica;
+            // Every entry, not only those with events: fjall must never
+            // record as applied an entry a crash could take from this
+            // replica's log.
+            let (segment, offset) = r
+                .log
+                .durable_place(index, DURABLE_WITHIN)
+                .await
+                .ok_or_else(|| {
+                    io::Error::other(format!(
+                        "entry {index} is committed but did not become durable on this replica within {} s",
+                        DURABLE_WITHIN.as_secs()
+                    ))
+                })?;
             let mut applier = lock(&r.applier);
             let applied = match &entry.payload {
-                EntryPayload::Normal(p) => {
-                    let (segment, offset) = r.log.proposal_place(index).ok_or_else(|| {
-                        io::Error::other(format!(
-                            "entry {index} is applied before it is durable on this replica"
-                        ))
-                    })?;
-                    applier
-                        .apply(term, index, &p.0, segment, offset)
-                        .map_err(io_error)?
-                }
+                EntryPayload::Normal(p) => applier
+                    .apply(term, index, &p.0, segment, offset)
+                    .map_err(io_error)?,
                 EntryPayload::Blank => {
                     applier.apply_other(term, index, None).map_err(io_error)?;
                     Applied::Done
@@ -744,26 +754,43 @@ impl RaftStatus {
     }
 }
 
-/// Waits for a shard's group to change (leader, term, progress).
+/// Who leads a shard's group, as this replica knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Leadership {
+    pub me: u64,
+    pub leader: Option<u64>,
+    pub term: u64,
+}
+
+/// Waits for a change of who leads a shard's group (or its term).
 pub struct RaftWatch(
-    openraft::type_config::alias::WatchReceiverOf<GroupConfig, openraft::RaftMetrics<GroupConfig>>,
+    openraft::type_config::alias::WatchReceiverOf<
+        GroupConfig,
+        openraft::metrics::RaftServerMetrics<GroupConfig>,
+    >,
 );
 
 impl RaftWatch {
     pub(crate) fn new(raft: &ShardRaft) -> RaftWatch {
-        RaftWatch(raft.metrics())
+        RaftWatch(raft.server_metrics())
     }
 
-    /// The group's status after its next change; `None` once it stopped.
-    pub async fn changed(&mut self) -> Option<RaftStatus> {
+    /// Who leads after the group's next change of leader, term or state;
+    /// `None` once it stopped.
+    pub async fn changed(&mut self) -> Option<Leadership> {
         use openraft::async_runtime::WatchReceiver;
         self.0.changed().await.ok()?;
-        Some(RaftStatus::of(&self.0.borrow_watched()))
+        Some(self.now())
     }
 
-    /// The group's status now.
-    pub fn now(&self) -> RaftStatus {
+    /// Who leads now.
+    pub fn now(&self) -> Leadership {
         use openraft::async_runtime::WatchReceiver;
-        RaftStatus::of(&self.0.borrow_watched())
+        let m = self.0.borrow_watched();
+        Leadership {
+            me: m.id,
+            leader: m.current_leader,
+            term: m.vote.leader_id.term,
+        }
     }
 }

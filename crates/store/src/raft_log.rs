@@ -305,6 +305,8 @@ pub struct RaftLog {
     node: NodeLog,
     group: u32,
     tail: Arc<Mutex<Tail>>,
+    /// Rung whenever entries become durable (their places known).
+    durable: Arc<tokio::sync::Notify>,
     /// A buffer for the next parts, handed back by the node log.
     spare: Vec<u8>,
 }
@@ -315,6 +317,7 @@ pub struct RaftLog {
 pub struct RaftLogRead {
     segments: Arc<Segments>,
     tail: Arc<Mutex<Tail>>,
+    durable: Arc<tokio::sync::Notify>,
 }
 
 fn lock(tail: &Mutex<Tail>) -> MutexGuard<'_, Tail> {
@@ -358,6 +361,7 @@ impl RaftLog {
             node: node.clone(),
             group,
             tail: Arc::new(Mutex::new(tail)),
+            durable: Arc::default(),
             spare: Vec::new(),
         })
     }
@@ -367,6 +371,7 @@ impl RaftLog {
         RaftLogRead {
             segments: self.node.segments(),
             tail: self.tail.clone(),
+            durable: self.durable.clone(),
         }
     }
 
@@ -398,6 +403,27 @@ impl RaftLogRead {
         let t = lock(&self.tail);
         let at = t.entries.get(&index)?.at?;
         Some((at.segment, at.offset + ENTRY_HEADER as u64 + 1))
+    }
+
+    /// Where entry `index`'s proposal lies, waiting at most `within` for
+    /// the entry to become durable here. A follower may learn that an
+    /// entry is committed (durable on a quorum of others) before its own
+    /// round holding it has synced; it applies the entry only once it has.
+    pub(crate) async fn durable_place(
+        &self,
+        index: u64,
+        within: std::time::Duration,
+    ) -> Option<(u32, u64)> {
+        let until = tokio::time::Instant::now() + within;
+        loop {
+            let rung = self.durable.notified();
+            tokio::pin!(rung);
+            rung.as_mut().enable();
+            if let Some(place) = self.proposal_place(index) {
+                return Some(place);
+            }
+            tokio::time::timeout_at(until, rung).await.ok()?;
+        }
     }
 
     /// Where a read of the node log must start to find every entry after
@@ -582,6 +608,7 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
         let mut callback = Some(callback);
         for (i, (parts, placed)) in pieces.into_iter().enumerate() {
             let tail = self.tail.clone();
+            let durable_rung = self.durable.clone();
             let flushed = if i == last { callback.take() } else { None };
             let spare = self.node.append_parts(self.group, parts, move |made| {
                 let result = match made {
@@ -604,6 +631,8 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
                             t.cached += bytes;
                         }
                         t.evict();
+                        drop(t);
+                        durable_rung.notify_waiters();
                         Ok(())
                     }
                     Err(e) => Err(io_error(e)),

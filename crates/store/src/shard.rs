@@ -898,8 +898,18 @@ impl ShardStore {
 
     /// The shard's Raft group as this replica sees it, if it has one.
     pub fn raft_status(&self) -> Option<raft_group::RaftStatus> {
+        self.raft.as_ref().map(|g| {
+            use openraft::async_runtime::WatchReceiver;
+            raft_group::RaftStatus::of(&g.raft.metrics().borrow_watched())
+        })
+    }
+
+    /// Who leads the shard's replicated Raft group, as this replica knows
+    /// now (`None` if the shard is not replicated).
+    pub fn leadership(&self) -> Option<raft_group::Leadership> {
         self.raft
             .as_ref()
+            .filter(|g| g.replicated)
             .map(|g| raft_group::RaftWatch::new(&g.raft).now())
     }
 
