@@ -88,13 +88,33 @@ fn events_on_disk(data_dir: &std::path::Path) -> Vec<u64> {
         .collect()
 }
 
+/// What happens to the node leading shard 0.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// SIGKILL, then a restart on its data directory.
+    Kill,
+    /// SIGSTOP until the others have elected new leaders, then SIGCONT.
+    Pause,
+}
+
 #[test]
 fn a_killed_leader_is_replaced_and_no_acknowledged_write_is_lost() {
-    let _deadline = deadline("replication: leader killed", Duration::from_secs(180));
+    leader_fault(Fault::Kill);
+}
+
+#[test]
+fn a_paused_leader_is_replaced_and_steps_down_when_it_wakes() {
+    leader_fault(Fault::Pause);
+}
+
+fn leader_fault(fault: Fault) {
+    let _deadline = deadline("replication: a leader's fault", Duration::from_secs(180));
     let mut cl = Cluster::start_replicated(NODES, SHARDS, 3, PeerTiming::default());
     let leaders = cl.wait_leaders_known(1, &[]);
-    // The node leading shard 0 goes; writers never talk to it, so every
-    // write of theirs is routed (one hop) to whoever leads.
+    // The node leading shard 0 is the victim. Four writers never talk to
+    // it, so their writes are routed (one hop) to whoever leads; with a
+    // pause, a fifth sends through the victim too, and must never be told
+    // a write succeeded that the others' leaders do not hold.
     let victim = leaders[0].0;
     let others: Vec<u16> = (1..=NODES).filter(|n| *n != victim).collect();
     let c = cl.client(others[0]);
@@ -106,7 +126,7 @@ fn a_killed_leader_is_replaced_and_no_acknowledged_write_is_lost() {
         .collect();
     let shared = Shared::default();
     let via: Vec<Client> = others.iter().map(|n| cl.client(*n)).collect();
-    let writers: Vec<_> = (0..4)
+    let mut writers: Vec<_> = (0..4)
         .map(|t| {
             let mine: Vec<String> = (0..3)
                 .map(|k| execs[(t + k) % execs.len()].clone())
@@ -118,24 +138,46 @@ fn a_killed_leader_is_replaced_and_no_acknowledged_write_is_lost() {
             std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
         })
         .collect();
+    if fault == Fault::Pause {
+        let (mine, shared) = (execs.clone(), shared.clone());
+        let through = vec![cl.client(victim)];
+        writers.push(std::thread::spawn(move || {
+            writer(through, mine, "victim".into(), shared, false)
+        }));
+    }
     let acked_at_least = |n: usize, what: &str| {
         wait_until(what, Duration::from_secs(30), || {
             (shared.acks() >= n).then_some(())
         })
     };
-    acked_at_least(200, "200 acknowledged writes before the kill");
+    acked_at_least(200, "200 acknowledged writes before the fault");
 
-    let killed_at = Instant::now();
-    cl.kill9(victim);
+    let struck_at = Instant::now();
+    match fault {
+        Fault::Kill => cl.kill9(victim),
+        Fault::Pause => cl.node(victim).proc().sigstop(),
+    }
     let after = cl.wait_leaders_known(others[0], &[victim]);
-    let elected = killed_at.elapsed();
-    let before_kill = shared.acks();
-    acked_at_least(before_kill + 200, "200 acknowledged writes after the kill");
+    let elected = struck_at.elapsed();
+    let before = shared.acks();
+    acked_at_least(before + 200, "200 acknowledged writes after the fault");
 
-    cl.spawn(victim, &cl.node(victim).config.clone());
-    cl.wait_ready(victim);
-    let rejoined = shared.acks();
-    acked_at_least(rejoined + 100, "100 acknowledged writes after the restart");
+    match fault {
+        Fault::Kill => {
+            cl.spawn(victim, &cl.node(victim).config.clone());
+            cl.wait_ready(victim);
+        }
+        Fault::Pause => {
+            cl.node(victim).proc().sigcont();
+            // It hears the newer terms and follows.
+            cl.wait_leaders_known(victim, &[victim]);
+        }
+    }
+    let healed = shared.acks();
+    acked_at_least(
+        healed + 100,
+        "100 acknowledged writes after the node is back",
+    );
     shared.stop.set();
     for w in writers {
         w.join()
@@ -143,17 +185,16 @@ fn a_killed_leader_is_replaced_and_no_acknowledged_write_is_lost() {
             .expect("the API kept its promises");
     }
     let batches = shared.take();
-    // The first acknowledgement after the kill, on any shard.
+    // The first acknowledgement after the fault, on any shard.
     let first_ack = batches
         .iter()
-        .filter(|b| matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > killed_at)
-        .map(|b| b.answered_at.duration_since(killed_at))
+        .filter(|b| matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > struck_at)
+        .map(|b| b.answered_at.duration_since(struck_at))
         .min();
     eprintln!(
-        "leaders {leaders:?} -> {after:?}; every shard led again {elected:?} after the kill, first ack after {first_ack:?}; answers {:?}",
+        "{fault:?}: leaders {leaders:?} -> {after:?}; every shard led again {elected:?} after the fault, first ack after {first_ack:?}; answers {:?}",
         histogram(&batches)
     );
-
     wait_replicas_level(&cl);
     for n in 1..=NODES {
         let report = verify(&cl.client(n), &execs, &batches);

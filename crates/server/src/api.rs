@@ -402,21 +402,34 @@ where
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
             match app.store.shard(route.shard) {
-                // A replicated shard's fence is its group's term, checked
-                // at apply; its store keeps the epoch it opened at.
-                Some(st) => match local(
-                    if st.is_replicated() {
-                        st.epoch()
+                Some(st) => {
+                    // A read of a replicated shard is confirmed with its
+                    // group first (read index), so it sees every write
+                    // acknowledged before it began. A replicated shard's
+                    // fence is its group's term, checked at apply; its
+                    // store keeps the epoch it opened at.
+                    let (epoch, confirmed) = if st.is_replicated() {
+                        let confirmed = if method == Method::GET {
+                            st.linearize().await
+                        } else {
+                            Ok(())
+                        };
+                        (st.epoch(), confirmed)
                     } else {
-                        epoch
-                    },
-                    st,
-                )
-                .await
-                {
-                    Ok(v) => return Routed::Local(v, RouteHeaders::new(app, &route, &owner)),
-                    Err(e) => e.into_response(),
-                },
+                        (epoch, Ok(()))
+                    };
+                    match confirmed {
+                        Err(e) => {
+                            from_store(e, shard, partition, app.dir.map_version()).into_response()
+                        }
+                        Ok(()) => match local(epoch, st).await {
+                            Ok(v) => {
+                                return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
+                            }
+                            Err(e) => e.into_response(),
+                        },
+                    }
+                }
                 None => from_store(
                     match app.store.failure(route.shard) {
                         Some(reason) => StoreError::ShardFailed {

@@ -52,12 +52,7 @@ type Meta = SnapshotMetaOf<GroupConfig>;
 pub(crate) const MEMBERSHIP_KEY: &[u8] = b"raft.membership";
 pub(crate) const CHECKPOINT_KEY: &[u8] = b"raft.checkpoint";
 
-/// What a snapshot holds: the entry it is as of (its data are the shard's
-/// keyspaces and events on this replica; see the module's doc).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShardSnapshot {
-    pub applied: Option<LogId>,
-}
+pub use crate::raft_net::ShardSnapshot;
 
 fn io_error(e: StoreError) -> io::Error {
     io::Error::other(e.to_string())
@@ -792,5 +787,30 @@ impl RaftWatch {
             leader: m.current_leader,
             term: m.vote.leader_id.term,
         }
+    }
+}
+
+/// What a replica does with a call from another: hands it to its group
+/// and returns the group's answer (an error is the group's, as text).
+pub(crate) async fn handle(
+    raft: &ShardRaft,
+    rpc: crate::raft_net::Rpc,
+) -> Result<crate::raft_net::RpcReply, String> {
+    match rpc {
+        crate::raft_net::Rpc::AppendEntries(r) => raft
+            .append_entries(r)
+            .await
+            .map(crate::raft_net::RpcReply::AppendEntries)
+            .map_err(|e| e.to_string()),
+        crate::raft_net::Rpc::Vote(r) => raft
+            .vote(r)
+            .await
+            .map(crate::raft_net::RpcReply::Vote)
+            .map_err(|e| e.to_string()),
+        crate::raft_net::Rpc::PreVote(r) => raft
+            .pre_vote(r)
+            .await
+            .map(crate::raft_net::RpcReply::Vote)
+            .map_err(|e| e.to_string()),
     }
 }

@@ -8,7 +8,6 @@
 //! within the time openraft gives it, is an error, never an answer: a vote
 //! or pre-vote that was not heard is never counted as granted.
 
-use crate::raft_group::ShardSnapshot;
 use crate::raft_log::GroupConfig;
 use futures_util::future::BoxFuture;
 use openraft::errors::{
@@ -24,6 +23,14 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
+
+/// What a snapshot holds: the entry it is as of (its data are the shard's
+/// keyspaces and events on the replica that made it; sending one to
+/// another replica is not built yet).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardSnapshot {
+    pub applied: Option<openraft::type_config::alias::LogIdOf<GroupConfig>>,
+}
 
 /// A message from one replica of a group to another.
 #[derive(Debug, Serialize, Deserialize)]
@@ -206,30 +213,5 @@ impl RaftNetworkV2<GroupConfig> for PeerClient {
         Err(StreamingError::Unreachable(Unreachable::from_string(
             "sending a snapshot to a replica is not built yet",
         )))
-    }
-}
-
-/// What a replica does with a call from another: hands it to its group
-/// and returns the group's answer (an error is the group's, as text).
-pub(crate) async fn handle(
-    raft: &crate::raft_group::ShardRaft,
-    rpc: Rpc,
-) -> Result<RpcReply, String> {
-    match rpc {
-        Rpc::AppendEntries(r) => raft
-            .append_entries(r)
-            .await
-            .map(RpcReply::AppendEntries)
-            .map_err(|e| e.to_string()),
-        Rpc::Vote(r) => raft
-            .vote(r)
-            .await
-            .map(RpcReply::Vote)
-            .map_err(|e| e.to_string()),
-        Rpc::PreVote(r) => raft
-            .pre_vote(r)
-            .await
-            .map(RpcReply::Vote)
-            .map_err(|e| e.to_string()),
     }
 }

@@ -32,6 +32,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// `StoreConfig::journal_bytes_max` below it is raised to it.
 pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
 
+/// How long a read on a replicated shard waits for a quorum to confirm
+/// this node's leadership ([`ShardStore::linearize`]).
+pub const READ_CONFIRM_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Tuning of each shard's database.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -920,6 +924,39 @@ impl ShardStore {
             .map(|g| raft_group::RaftWatch::new(&g.raft))
     }
 
+    /// Makes a read that follows linearizable: on a replicated shard,
+    /// confirms with a quorum of its group that this node still leads
+    /// (read index) and waits until its state has applied everything
+    /// committed before the read began; then a read of this replica sees
+    /// every write acknowledged before it, wherever it was acknowledged.
+    /// A shard run alone has nothing to confirm. Not executed (safe to
+    /// retry at the leader) when this node does not lead, or no quorum
+    /// answers within [`READ_CONFIRM_WITHIN`].
+    pub async fn linearize(&self) -> Result<(), StoreError> {
+        let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
+            return Ok(());
+        };
+        let not_executed = |reason: String| StoreError::NotExecuted {
+            shard: self.shard,
+            reason,
+        };
+        match tokio::time::timeout(
+            READ_CONFIRM_WITHIN,
+            g.raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
+        )
+        .await
+        {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(not_executed(format!(
+                "this node could not confirm it leads the shard's group for a read: {e}"
+            ))),
+            Err(_) => Err(not_executed(format!(
+                "no quorum of the shard's group confirmed this node's leadership for a read within {} ms",
+                READ_CONFIRM_WITHIN.as_millis()
+            ))),
+        }
+    }
+
     /// Hands a call from another replica of the shard's group to the
     /// group, and returns its answer.
     pub async fn handle_rpc(
@@ -927,7 +964,7 @@ impl ShardStore {
         rpc: crate::raft_net::Rpc,
     ) -> Result<crate::raft_net::RpcReply, String> {
         match &self.raft {
-            Some(g) if g.replicated => crate::raft_net::handle(&g.raft, rpc).await,
+            Some(g) if g.replicated => raft_group::handle(&g.raft, rpc).await,
             _ => Err(format!(
                 "shard {} is not a replicated Raft group on this node",
                 self.shard
