@@ -402,6 +402,40 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             },
         )
     };
+    if m.shards.iter().any(|s| s.replicas.is_some()) {
+        // A replicated cluster: each shard's group, as that node sees it.
+        writeln!(
+            out,
+            "{:<6} {:<18} {:>6} {:<12} {:<10} {:>8} {:>8} {:>8} {:>9}",
+            "SHARD", "LEADER", "TERM", "REPLICAS", "HERE", "LAST", "COMMIT", "APPLIED", "MAX LAG"
+        )?;
+        let num = |n: Option<u64>| n.map_or_else(|| "-".into(), |n| n.to_string());
+        for s in &m.shards {
+            let replicas = s
+                .replicas
+                .iter()
+                .flatten()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            let r = s.raft.as_ref();
+            let lag = r.and_then(|r| r.followers.iter().filter_map(|f| f.lag).max());
+            writeln!(
+                out,
+                "{:<6} {:<18} {:>6} {:<12} {:<10} {:>8} {:>8} {:>8} {:>9}",
+                s.shard,
+                owner_text(s.leader),
+                num(s.term),
+                replicas,
+                r.map_or("-", |r| r.state.as_str()),
+                num(r.and_then(|r| r.last_log_index)),
+                num(r.and_then(|r| r.committed)),
+                num(r.and_then(|r| r.applied)),
+                num(lag),
+            )?;
+        }
+        return Ok(());
+    }
     if m.shard_count <= SHARDS_LISTED_MAX {
         writeln!(out, "{:<6} {:<18} {:>6}", "SHARD", "OWNER", "EPOCH")?;
         for s in &m.shards {

@@ -31,6 +31,43 @@ pub struct ShardInfo {
     pub owner: Option<u16>,
     #[serde(default)]
     pub epoch: Option<u64>,
+    /// In a replicated cluster: the nodes holding a replica.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<Vec<u16>>,
+    /// In a replicated cluster: the leader the answering node knows of
+    /// (none during an election), and its term.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<u16>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub term: Option<u64>,
+    /// The answering node's replica of the shard's group, if it holds one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raft: Option<RaftInfo>,
+}
+
+/// One replica's view of its shard's Raft group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RaftInfo {
+    pub state: String,
+    #[serde(default)]
+    pub last_log_index: Option<u64>,
+    #[serde(default)]
+    pub committed: Option<u64>,
+    #[serde(default)]
+    pub applied: Option<u64>,
+    /// On the leader: each follower's progress.
+    #[serde(default)]
+    pub followers: Vec<FollowerInfo>,
+}
+
+/// A follower's progress, as its leader knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FollowerInfo {
+    pub node: u64,
+    #[serde(default)]
+    pub matched: Option<u64>,
+    #[serde(default)]
+    pub lag: Option<u64>,
 }
 
 #[derive(Deserialize)]

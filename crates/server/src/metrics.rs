@@ -245,6 +245,63 @@ struct ShardLabel {
     shard: u32,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FollowerLabel {
+    shard: u32,
+    follower: u64,
+}
+
+impl StoreCollector {
+    /// Each replicated shard's Raft group as this replica sees it: term,
+    /// leader, its log's last, committed and applied indexes, and on the
+    /// leader each follower's lag in entries.
+    fn encode_raft(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut groups: Vec<_> = self
+            .0
+            .hosted()
+            .into_iter()
+            .filter(|s| s.is_replicated())
+            .filter_map(|s| Some((s.id().get(), s.raft_status()?)))
+            .collect();
+        if groups.is_empty() {
+            return Ok(());
+        }
+        groups.sort_by_key(|(id, _)| *id);
+        type Pick = fn(&forkless_store::RaftStatus) -> i64;
+        let gauges: [(&str, &str, Pick); 6] = [
+            ("raft_term", "The shard's Raft term (its epoch) as this replica knows it", |g| g.term as i64),
+            ("raft_leader", "The node this replica believes leads the shard's group (-1: none known, an election is under way)", |g| g.leader.map_or(-1, |l| l as i64)),
+            ("raft_is_leader", "1 while this node leads the shard's group (owns the shard), else 0", |g| i64::from(g.leader == Some(g.me))),
+            ("raft_last_log_index", "The last entry in this replica's log of the shard's group (-1: none)", |g| g.last_log_index.map_or(-1, |i| i as i64)),
+            ("raft_committed_index", "The last entry this replica knows to be committed (-1: none)", |g| g.committed.map_or(-1, |i| i as i64)),
+            ("raft_applied_index", "The last entry this replica has applied (-1: none)", |g| g.applied.map_or(-1, |i| i as i64)),
+        ];
+        for (name, help, pick) in gauges {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (shard, g) in &groups {
+                ConstGauge::new(pick(g)).encode(m.encode_family(&ShardLabel { shard: *shard })?)?;
+            }
+        }
+        let mut lag = encoder.encode_descriptor(
+            "raft_follower_lag_entries",
+            "On the leader of a shard's group: entries of its log a follower is not yet known to hold",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (shard, g) in &groups {
+            let last = g.last_log_index.unwrap_or(0);
+            for (follower, matched) in &g.matched {
+                let behind = last.saturating_sub(matched.unwrap_or(0));
+                ConstGauge::new(behind as i64).encode(lag.encode_family(&FollowerLabel {
+                    shard: *shard,
+                    follower: *follower,
+                })?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Collector for StoreCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let mut shards: Vec<_> = self
@@ -341,6 +398,7 @@ impl Collector for StoreCollector {
                 None,
             )?;
         }
+        self.encode_raft(&mut encoder)?;
         let mut failed = encoder.encode_descriptor(
             "store_shard_failed",
             "1 for a shard of this node that is out of service (damage found when it was opened, or a failed write or sync of its log; the reason is in the log and /readyz), 0 for one that serves",
