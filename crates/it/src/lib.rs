@@ -174,6 +174,12 @@ pub struct Proc {
 impl Proc {
     /// Spawns `forkless ARGS`, stderr (its log) to `stderr_path` (appended).
     pub fn spawn(args: &[String], stderr_path: &Path) -> Proc {
+        Proc::spawn_in(args, stderr_path, None)
+    }
+
+    /// [`Proc::spawn`], in the network namespace at `netns` (a file under
+    /// `/var/run/netns`) when given.
+    pub fn spawn_in(args: &[String], stderr_path: &Path, netns: Option<&Path>) -> Proc {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -190,19 +196,33 @@ impl Proc {
             .env_remove("FORKLESS_LISTEN")
             .env_remove("FORKLESS_SHARD_COUNT")
             .env("FORKLESS_LOG", "info");
+        let ns = netns.map(|p| {
+            std::fs::File::open(p)
+                .unwrap_or_else(|e| panic!("open network namespace {}: {e}", p.display()))
+        });
         #[cfg(target_os = "linux")]
         {
+            use std::os::fd::AsRawFd;
             use std::os::unix::process::CommandExt;
-            // SAFETY: prctl is async-signal-safe; a backstop so a node never
-            // outlives the test that started it, even if the test aborts.
+            let ns_fd = ns.as_ref().map(|f| f.as_raw_fd());
+            // SAFETY: prctl and setns are async-signal-safe; the first is a
+            // backstop so a node never outlives the test that started it,
+            // even if the test aborts; the second moves the child into the
+            // test's network namespace before it runs.
             unsafe {
-                cmd.pre_exec(|| {
+                cmd.pre_exec(move || {
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    if let Some(fd) = ns_fd {
+                        if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
                     Ok(())
                 });
             }
         }
         let child = cmd.spawn().expect("spawn forkless");
+        drop(ns);
         live_pids().lock().unwrap().push(child.id());
         Proc {
             child,
@@ -905,6 +925,8 @@ pub struct ClusterNode {
     pub peer: SocketAddr,
     /// The Raft transport's address, in a replicated cluster.
     pub raft: Option<SocketAddr>,
+    /// The network namespace the node runs in (a [`netlab::NetLab`]'s).
+    pub netns: Option<PathBuf>,
     pub data_dir: PathBuf,
     pub log: PathBuf,
     pub proc: Option<Proc>,
@@ -961,6 +983,7 @@ impl Cluster {
                     api: addr(ports[2 * i as usize]),
                     peer: addr(ports[2 * i as usize + 1]),
                     raft: None,
+                    netns: None,
                     data_dir: dir.path().join(format!("node-{id}")),
                     log: dir.path().join(format!("node-{id}.log")),
                     proc: None,
@@ -990,6 +1013,28 @@ impl Cluster {
         let ports = free_ports(node_count as usize);
         for (n, p) in c.nodes.iter_mut().zip(ports) {
             n.raft = Some(addr(p));
+        }
+        c.replication_factor = Some(factor);
+        c
+    }
+
+    /// [`Cluster::prepare_replicated`] with each node in its own network
+    /// namespace of `lab`, at the lab's addresses, so that the test can
+    /// cut nodes off from each other (and its own connections to each
+    /// node's client address stay up).
+    pub fn prepare_in_lab(
+        lab: &netlab::NetLab,
+        shard_count: u32,
+        factor: u32,
+        timing: PeerTiming,
+    ) -> Cluster {
+        let mut c = Cluster::prepare(lab.nodes(), shard_count, timing);
+        for n in &mut c.nodes {
+            let (api, peer, raft) = lab.addrs(n.id);
+            n.api = api;
+            n.peer = peer;
+            n.raft = Some(raft);
+            n.netns = Some(lab.netns(n.id));
         }
         c.replication_factor = Some(factor);
         c
@@ -1197,7 +1242,7 @@ impl Cluster {
             n.data_dir.display().to_string(),
         ];
         n.config = config.to_path_buf();
-        n.proc = Some(Proc::spawn(&args, &n.log));
+        n.proc = Some(Proc::spawn_in(&args, &n.log, n.netns.as_deref()));
     }
 
     pub fn wait_ready(&mut self, id: u16) {
@@ -1700,4 +1745,169 @@ pub fn fill(dir: &Path) -> PathBuf {
     // The last partial page too.
     while f.write(&[0xa5]).is_ok_and(|n| n > 0) {}
     path
+}
+
+pub mod netlab {
+    //! Real network partitions between nodes: each node in a network
+    //! namespace of its own, with two links to the test's namespace: a
+    //! client link (the node's API address, which the test always
+    //! reaches) and a peer link into a bridge that every node's peer link
+    //! joins (its peer and Raft addresses). Cutting a node's peer link
+    //! parts it from every other node, with its clients still connected;
+    //! the kernel drops what it sends, so its connections hang rather
+    //! than fail, as across a real partition. Needs root (CI runs as
+    //! root); the namespaces, links and bridge are removed on drop.
+
+    use std::net::SocketAddr;
+    use std::path::PathBuf;
+    use std::process::Command;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    fn ip(args: &[&str]) {
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("running ip {args:?}: {e} (iproute2 is needed)"));
+        assert!(
+            out.status.success(),
+            "ip {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// The namespaces and links of one test.
+    pub struct NetLab {
+        tag: String,
+        nodes: u16,
+        /// The third octet of this lab's addresses, unique per lab of a
+        /// test binary so labs can run at once.
+        net: u32,
+    }
+
+    impl NetLab {
+        /// Namespaces for nodes 1 to `nodes`.
+        pub fn new(nodes: u16) -> NetLab {
+            // SAFETY: geteuid reads the process's credentials and cannot fail.
+            assert!(
+                unsafe { libc::geteuid() } == 0,
+                "this test makes network namespaces and needs root (CI runs as root)"
+            );
+            static NEXT: AtomicU32 = AtomicU32::new(0);
+            let n = NEXT.fetch_add(1, Ordering::SeqCst);
+            let net = (std::process::id() + n) % 200 + 20;
+            let tag = format!("fk{:x}{n}", std::process::id() % 0xffff);
+            let lab = NetLab { tag, nodes, net };
+            let br = lab.bridge();
+            ip(&["link", "add", &br, "type", "bridge"]);
+            ip(&["link", "set", &br, "up"]);
+            for k in 1..=nodes {
+                let ns = lab.ns_name(k);
+                ip(&["netns", "add", &ns]);
+                ip(&["-n", &ns, "link", "set", "lo", "up"]);
+                let (client, peer) = (lab.client_link(k), lab.peer_link(k));
+                ip(&[
+                    "link", "add", &client, "type", "veth", "peer", "name", "c0", "netns", &ns,
+                ]);
+                ip(&[
+                    "link", "add", &peer, "type", "veth", "peer", "name", "p0", "netns", &ns,
+                ]);
+                ip(&[
+                    "addr",
+                    "add",
+                    &format!("10.{}.{k}.1/24", lab.net + 1),
+                    "dev",
+                    &client,
+                ]);
+                ip(&["link", "set", &client, "up"]);
+                ip(&["link", "set", &peer, "master", &br]);
+                ip(&["link", "set", &peer, "up"]);
+                ip(&[
+                    "-n",
+                    &ns,
+                    "addr",
+                    "add",
+                    &format!("10.{}.{k}.2/24", lab.net + 1),
+                    "dev",
+                    "c0",
+                ]);
+                ip(&["-n", &ns, "link", "set", "c0", "up"]);
+                ip(&[
+                    "-n",
+                    &ns,
+                    "addr",
+                    "add",
+                    &format!("10.{}.0.{k}/24", lab.net),
+                    "dev",
+                    "p0",
+                ]);
+                ip(&["-n", &ns, "link", "set", "p0", "up"]);
+            }
+            lab
+        }
+
+        pub fn nodes(&self) -> u16 {
+            self.nodes
+        }
+
+        fn bridge(&self) -> String {
+            format!("{}br", self.tag)
+        }
+
+        fn ns_name(&self, k: u16) -> String {
+            format!("{}n{k}", self.tag)
+        }
+
+        fn client_link(&self, k: u16) -> String {
+            format!("{}c{k}", self.tag)
+        }
+
+        fn peer_link(&self, k: u16) -> String {
+            format!("{}p{k}", self.tag)
+        }
+
+        /// Node `k`'s namespace, as a file to enter it by.
+        pub fn netns(&self, k: u16) -> PathBuf {
+            PathBuf::from("/var/run/netns").join(self.ns_name(k))
+        }
+
+        /// Node `k`'s API (client link), peer and Raft addresses (peer link).
+        pub fn addrs(&self, k: u16) -> (SocketAddr, SocketAddr, SocketAddr) {
+            let a = |s: String| s.parse().unwrap_or_else(|e| panic!("{s}: {e}"));
+            (
+                a(format!("10.{}.{k}.2:7070", self.net + 1)),
+                a(format!("10.{}.0.{k}:7071", self.net)),
+                a(format!("10.{}.0.{k}:7072", self.net)),
+            )
+        }
+
+        /// Parts node `k` from every other node (its clients still reach it).
+        pub fn cut(&self, k: u16) {
+            ip(&["link", "set", &self.peer_link(k), "down"]);
+        }
+
+        /// Joins node `k` to the others again.
+        pub fn heal(&self, k: u16) {
+            ip(&["link", "set", &self.peer_link(k), "up"]);
+        }
+    }
+
+    impl Drop for NetLab {
+        fn drop(&mut self) {
+            // Best effort: a namespace goes with its links' far ends.
+            for k in 1..=self.nodes {
+                let _ = Command::new("ip")
+                    .args(["netns", "del", &self.ns_name(k)])
+                    .output();
+                let _ = Command::new("ip")
+                    .args(["link", "del", &self.client_link(k)])
+                    .output();
+                let _ = Command::new("ip")
+                    .args(["link", "del", &self.peer_link(k)])
+                    .output();
+            }
+            let _ = Command::new("ip")
+                .args(["link", "del", &self.bridge()])
+                .output();
+        }
+    }
 }

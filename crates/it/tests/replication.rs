@@ -95,21 +95,42 @@ enum Fault {
     Kill,
     /// SIGSTOP until the others have elected new leaders, then SIGCONT.
     Pause,
+    /// Cut off from every other node (its clients still reach it) until
+    /// the others have elected new leaders, then joined again.
+    Cut,
 }
 
 #[test]
 fn a_killed_leader_is_replaced_and_no_acknowledged_write_is_lost() {
-    leader_fault(Fault::Kill);
+    let _deadline = deadline("replication: leader killed", Duration::from_secs(180));
+    let cl = Cluster::start_replicated(NODES, SHARDS, 3, PeerTiming::default());
+    leader_fault(cl, Fault::Kill, None);
 }
 
 #[test]
 fn a_paused_leader_is_replaced_and_steps_down_when_it_wakes() {
-    leader_fault(Fault::Pause);
+    let _deadline = deadline("replication: leader paused", Duration::from_secs(180));
+    let cl = Cluster::start_replicated(NODES, SHARDS, 3, PeerTiming::default());
+    leader_fault(cl, Fault::Pause, None);
 }
 
-fn leader_fault(fault: Fault) {
-    let _deadline = deadline("replication: a leader's fault", Duration::from_secs(180));
-    let mut cl = Cluster::start_replicated(NODES, SHARDS, 3, PeerTiming::default());
+/// The leader of shard 0 parted from the other two nodes by a real
+/// partition (network namespaces): the majority elects and serves; the
+/// cut-off node, which its clients still reach, acknowledges nothing.
+#[test]
+fn a_leader_cut_off_from_its_peers_is_replaced_and_acknowledges_nothing_alone() {
+    let _deadline = deadline("replication: leader cut off", Duration::from_secs(180));
+    let lab = netlab::NetLab::new(NODES);
+    let mut cl = Cluster::prepare_in_lab(&lab, SHARDS, 3, PeerTiming::default());
+    let ids: Vec<u16> = (1..=NODES).collect();
+    cl.start_nodes(&ids, &[]);
+    for id in ids {
+        cl.wait_leaders_known(id, &[]);
+    }
+    leader_fault(cl, Fault::Cut, Some(&lab));
+}
+
+fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
     let leaders = cl.wait_leaders_known(1, &[]);
     // The node leading shard 0 is the victim. Four writers never talk to
     // it, so their writes are routed (one hop) to whoever leads; with a
@@ -138,7 +159,7 @@ fn leader_fault(fault: Fault) {
             std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
         })
         .collect();
-    if fault == Fault::Pause {
+    if fault != Fault::Kill {
         let (mine, shared) = (execs.clone(), shared.clone());
         let through = vec![cl.client(victim)];
         writers.push(std::thread::spawn(move || {
@@ -153,9 +174,11 @@ fn leader_fault(fault: Fault) {
     acked_at_least(200, "200 acknowledged writes before the fault");
 
     let struck_at = Instant::now();
+    let lab = || lab.expect("a cut needs the test's network lab");
     match fault {
         Fault::Kill => cl.kill9(victim),
         Fault::Pause => cl.node(victim).proc().sigstop(),
+        Fault::Cut => lab().cut(victim),
     }
     let after = cl.wait_leaders_known(others[0], &[victim]);
     let elected = struck_at.elapsed();
@@ -172,7 +195,15 @@ fn leader_fault(fault: Fault) {
             // It hears the newer terms and follows.
             cl.wait_leaders_known(victim, &[victim]);
         }
+        Fault::Cut => {
+            // Long enough for the cut-off node's own writes and reads to
+            // run out of time there, unacknowledged.
+            std::thread::sleep(Duration::from_secs(3));
+            lab().heal(victim);
+            cl.wait_leaders_known(victim, &[victim]);
+        }
     }
+    let healed_at = Instant::now();
     let healed = shared.acks();
     acked_at_least(
         healed + 100,
@@ -185,6 +216,36 @@ fn leader_fault(fault: Fault) {
             .expect("the API kept its promises");
     }
     let batches = shared.take();
+    if fault == Fault::Cut {
+        // Whatever it was asked while cut off (a write or read in flight at
+        // the cut may still finish within moments of it), nothing was
+        // acknowledged through the minority side.
+        let alone = struck_at + Duration::from_millis(500)..healed_at;
+        let acked_alone: Vec<_> = batches
+            .iter()
+            .filter(|b| b.markers[0].starts_with("victim-"))
+            .filter(|b| {
+                matches!(b.outcome, Outcome::Acked { .. }) && alone.contains(&b.answered_at)
+            })
+            .collect();
+        assert!(
+            acked_alone.is_empty(),
+            "the cut-off node acknowledged writes: {acked_alone:?}"
+        );
+        let asked_alone: Vec<_> = batches
+            .iter()
+            .filter(|b| b.markers[0].starts_with("victim-") && alone.contains(&b.answered_at))
+            .cloned()
+            .collect();
+        eprintln!(
+            "answers through the cut-off node while cut off: {:?}",
+            histogram(&asked_alone)
+        );
+        assert!(
+            !asked_alone.is_empty(),
+            "nothing was asked of the cut-off node while it was cut off"
+        );
+    }
     // The first acknowledgement after the fault, on any shard.
     let first_ack = batches
         .iter()

@@ -827,6 +827,7 @@ impl ShardStore {
             cache,
             raft: Some(RaftWrite {
                 raft: started.raft.clone(),
+                replicated: started.replicated,
                 replica,
                 proposal: ProposalBuf::default(),
             }),

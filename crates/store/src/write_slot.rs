@@ -25,6 +25,9 @@ pub(crate) enum Answer<T> {
     Done(T),
     /// The group let go of the proposal without answering (it stopped).
     Dropped,
+    /// The writer stopped waiting, for this reason (its leader seems cut
+    /// off); the entry may still be committed.
+    Abandoned(String),
 }
 
 impl<T> WriteSlot<T> {
@@ -74,7 +77,7 @@ pub(crate) struct SlotWait<T>(Arc<Slot<T>>);
 impl<T> SlotWait<T> {
     /// The answer, once there is one, waiting at most `within` (then
     /// [`Answer::Waiting`]).
-    pub(crate) fn wait(self, within: std::time::Duration) -> Answer<T> {
+    pub(crate) fn wait(&self, within: std::time::Duration) -> Answer<T> {
         let state = self.0.state.lock().unwrap_or_else(|e| e.into_inner());
         let (mut state, _) = self
             .0

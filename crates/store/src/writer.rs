@@ -149,6 +149,8 @@ pub(crate) struct Writer {
 /// A shard's Raft group as its writer uses it.
 pub(crate) struct RaftWrite {
     pub(crate) raft: ShardRaft,
+    /// Whether the group has replicas on other nodes.
+    pub(crate) replicated: bool,
     pub(crate) replica: Arc<Replica>,
     pub(crate) proposal: ProposalBuf,
 }
@@ -158,7 +160,35 @@ pub(crate) struct RaftWrite {
 /// are applied with it); then the group is refused, not executed.
 const LEADER_READY_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long a leader of a replicated group may go without a quorum of
+/// its group answering (its heartbeats are every 100 ms) before it takes
+/// itself for cut off: it evaluates no new group, and a write waiting on
+/// its entry is answered as unknown then rather than at [`WRITE_WITHIN`].
+const QUORUM_SILENT_MAX: std::time::Duration = std::time::Duration::from_millis(1500);
+
+/// How often a write waiting on its entry looks at its leader's quorum.
+const WAIT_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl RaftWrite {
+    /// Why this node, though it leads, should take itself for cut off from
+    /// its group (no quorum has answered it for [`QUORUM_SILENT_MAX`]).
+    fn cut_off(&self) -> Option<String> {
+        if !self.replicated {
+            return None;
+        }
+        let m = self.raft.metrics();
+        let m = m.borrow_watched();
+        let acked = m.last_quorum_acked.as_ref()?;
+        let silent = openraft::Instant::elapsed(&**acked);
+        (m.current_leader == Some(m.id) && silent > QUORUM_SILENT_MAX).then(|| {
+            format!(
+                "no quorum of the shard's group has answered this node, its leader at term {}, for {} ms: it may be cut off",
+                m.current_term,
+                silent.as_millis()
+            )
+        })
+    }
+
     /// The term this node leads the shard's group at, once it has applied
     /// an entry of that term; else why the shard's writes cannot be
     /// evaluated here (not executed: safe to retry, at the leader).
@@ -172,7 +202,11 @@ impl RaftWrite {
             let m = self.raft.metrics();
             let m = m.borrow_watched();
             if ready(&m) {
-                return Ok(m.current_term);
+                drop(m);
+                if let Some(why) = self.cut_off() {
+                    return Err(StoreError::NotExecuted { shard, reason: why });
+                }
+                return Ok(self.raft.metrics().borrow_watched().current_term);
             }
             (m.id, m.current_leader, m.current_term)
         };
@@ -469,7 +503,18 @@ impl Writer {
                 r.raft.client_write_ff(proposal, Some(slot)),
             ));
             let answer = match sent {
-                Ok(()) => answer.wait(WRITE_WITHIN),
+                Ok(()) => {
+                    let started = Instant::now();
+                    loop {
+                        let a = answer.wait(WAIT_SLICE);
+                        if !matches!(a, Answer::Waiting) || started.elapsed() >= WRITE_WITHIN {
+                            break a;
+                        }
+                        if let Some(why) = r.cut_off() {
+                            break Answer::Abandoned(why);
+                        }
+                    }
+                }
                 Err(fatal) => {
                     let e = unknown(format!("the shard's Raft group stopped: {fatal}"));
                     self.fail_stop(e.clone());
@@ -517,6 +562,9 @@ impl Writer {
                 Answer::Waiting => Some(unknown(format!(
                     "its entry was not committed and applied within {} s",
                     WRITE_WITHIN.as_secs()
+                ))),
+                Answer::Abandoned(why) => Some(unknown(format!(
+                    "its entry was proposed but not yet committed when {why}"
                 ))),
             };
             // What the group wrote is published by the apply (or not at
