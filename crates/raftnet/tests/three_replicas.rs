@@ -52,6 +52,7 @@ async fn cluster(dir: &std::path::Path) -> Vec<Node> {
             me: id,
             members: Arc::new(move |_| members.clone()),
             peers: Arc::new(Links::new(id, "secret".into(), addrs.clone())),
+            timing: forkless_store::RaftTiming::default(),
         };
         let path = dir.join(id.to_string());
         let store = tokio::task::spawn_blocking(move || {

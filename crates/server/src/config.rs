@@ -229,6 +229,58 @@ pub struct FileConfig {
     /// node then needs a `raft_addr`, and `[[shards]]` is left out); 1, or
     /// left out, is the static cluster: one copy, owners from the file.
     pub replication_factor: Option<u64>,
+    /// A replicated cluster's Raft timers.
+    #[serde(default)]
+    pub raft: Option<RaftTimingFile>,
+}
+
+/// `[raft]`: a replicated group's timers, in milliseconds.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RaftTimingFile {
+    pub heartbeat_ms: u64,
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+}
+
+impl Default for RaftTimingFile {
+    fn default() -> Self {
+        let d = forkless_store::RaftTiming::default();
+        RaftTimingFile {
+            heartbeat_ms: d.heartbeat_ms,
+            election_timeout_min_ms: d.election_timeout_min_ms,
+            election_timeout_max_ms: d.election_timeout_max_ms,
+        }
+    }
+}
+
+impl RaftTimingFile {
+    fn validate(&self) -> Result<forkless_store::RaftTiming, ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        let RaftTimingFile {
+            heartbeat_ms: h,
+            election_timeout_min_ms: lo,
+            election_timeout_max_ms: hi,
+        } = *self;
+        if !(10..=10_000).contains(&h) {
+            return bad(format!("raft.heartbeat_ms must be 10 to 10000, not {h}"));
+        }
+        if lo <= h {
+            return bad(format!(
+                "raft.election_timeout_min_ms ({lo}) must be more than raft.heartbeat_ms ({h}): a follower would stand for election between two heartbeats"
+            ));
+        }
+        if hi <= lo || hi > 60_000 {
+            return bad(format!(
+                "raft.election_timeout_max_ms ({hi}) must be more than raft.election_timeout_min_ms ({lo}) and at most 60000"
+            ));
+        }
+        Ok(forkless_store::RaftTiming {
+            heartbeat_ms: h,
+            election_timeout_min_ms: lo,
+            election_timeout_max_ms: hi,
+        })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -279,6 +331,7 @@ pub struct ClusterConfig {
 #[derive(Debug, Clone)]
 pub struct Replicated {
     pub factor: usize,
+    pub timing: forkless_store::RaftTiming,
     /// Every node's Raft address.
     pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
 }
@@ -457,10 +510,14 @@ pub fn validate_cluster(
             }
             Some(Replicated {
                 factor: f as usize,
+                timing: file.raft.unwrap_or_default().validate()?,
                 raft_addrs,
             })
         }
     };
+    if replication.is_none() && file.raft.is_some() {
+        return bad("raft: the [raft] timers are for a replicated cluster; set replication_factor to 2 or more, or leave [raft] out".into());
+    }
     let assignments = if let Some(r) = &replication {
         // No owner until a leader is elected: the first replica stands in
         // at epoch 0, which any elected leader's term (1 or more) replaces.
@@ -830,6 +887,97 @@ id = 2
 api_addr = "127.0.0.1:7072"
 peer_addr = "127.0.0.1:7172"
 "#;
+
+    /// Three nodes with Raft addresses, `extra` before the nodes.
+    fn replicated(extra: &str) -> String {
+        let mut t = format!("secret = \"0123456789abcdef\"\nshard_count = 4\n{extra}\n");
+        for id in 1..=3 {
+            t.push_str(&format!(
+                "[[nodes]]\nid = {id}\napi_addr = \"127.0.0.1:71{id}0\"\npeer_addr = \"127.0.0.1:71{id}1\"\nraft_addr = \"127.0.0.1:71{id}2\"\n"
+            ));
+        }
+        t
+    }
+
+    #[test]
+    fn replicated_clusters_are_validated_and_spread_their_replicas() {
+        let c = check(&replicated("replication_factor = 3"), Some(2), None).expect("valid");
+        let r = c
+            .cluster
+            .as_ref()
+            .and_then(|c| c.replication.clone())
+            .expect("replicated");
+        let ids = |s: u32| {
+            r.replicas(ShardId(s))
+                .iter()
+                .map(|n| n.get())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            (ids(0), ids(1), ids(2), ids(3)),
+            (vec![1, 2, 3], vec![2, 3, 1], vec![3, 1, 2], vec![1, 2, 3])
+        );
+        assert_eq!(r.timing, forkless_store::RaftTiming::default());
+        // No owner until one is elected: every epoch 0.
+        let a = &c.cluster.as_ref().expect("cluster").assignments;
+        assert!(a.iter().all(|a| a.epoch == Epoch(0)));
+        assert!(forkless_routing::Directory::routing_active(
+            &c.directory().expect("directory")
+        ));
+
+        let two = check(&replicated("replication_factor = 2"), Some(1), None).expect("valid");
+        let r2 = two.cluster.and_then(|c| c.replication).expect("replicated");
+        assert_eq!(
+            r2.replicas(ShardId(2))
+                .iter()
+                .map(|n| n.get())
+                .collect::<Vec<_>>(),
+            vec![3, 1]
+        );
+        // One copy is the static cluster.
+        let one = check(&replicated("replication_factor = 1"), Some(1), None).expect("valid");
+        assert!(one.cluster.expect("cluster").replication.is_none());
+
+        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400";
+        let t = check(&replicated(timers), Some(1), None).expect("valid");
+        assert_eq!(
+            t.cluster.and_then(|c| c.replication).map(|r| r.timing),
+            Some(forkless_store::RaftTiming {
+                heartbeat_ms: 50,
+                election_timeout_min_ms: 200,
+                election_timeout_max_ms: 400
+            })
+        );
+
+        for (extra, why) in [
+            ("replication_factor = 4", "replication_factor 4 is more than the 3 node(s)"),
+            ("replication_factor = 0", "replication_factor must be at least 1"),
+            ("replication_factor = 3\n[raft]\nheartbeat_ms = 100\nelection_timeout_min_ms = 100", "must be more than raft.heartbeat_ms"),
+            ("replication_factor = 3\n[raft]\nelection_timeout_min_ms = 500\nelection_timeout_max_ms = 400", "raft.election_timeout_max_ms (400)"),
+            ("replication_factor = 3\n[raft]\nheartbeat_ms = 5", "raft.heartbeat_ms must be 10 to 10000"),
+            ("[raft]\nheartbeat_ms = 50", "the [raft] timers are for a replicated cluster"),
+        ] {
+            check(&replicated(extra), Some(1), Some(why));
+        }
+        let missing = replicated("replication_factor = 3").replacen(
+            "raft_addr = \"127.0.0.1:7122\"\n",
+            "",
+            1,
+        );
+        check(&missing, Some(1), Some("nodes[1].raft_addr is missing"));
+        let reused =
+            replicated("replication_factor = 3").replacen("127.0.0.1:7122", "127.0.0.1:7121", 1);
+        check(
+            &reused,
+            Some(1),
+            Some("address 127.0.0.1:7121 is used twice"),
+        );
+        let with_shards = format!(
+            "{}[[shards]]\nshard = 0\nowner = 1\n",
+            replicated("replication_factor = 3")
+        );
+        check(&with_shards, Some(1), Some("leave [[shards]] out"));
+    }
 
     #[test]
     fn cluster_files_are_validated() {

@@ -190,6 +190,7 @@ fn store_replication(
                 })
                 .collect()
         }),
+        timing: r.timing,
         peers: Arc::new(forkless_raftnet::Links::new(
             u64::from(me.get()),
             secret,

@@ -442,7 +442,10 @@ impl RaftNetworkV2<GroupConfig> for Alone {
 /// on, leader restore off (a restarted leader is elected again: it does
 /// not save the commit index), snapshots only as checkpoints.
 pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
-    config_with(openraft::Config::default().max_in_snapshot_log_to_keep)
+    config_with(
+        openraft::Config::default().max_in_snapshot_log_to_keep,
+        &crate::raft_net::RaftTiming::ALONE,
+    )
 }
 
 /// Entries a replicated group keeps in its log behind its last snapshot,
@@ -451,13 +454,16 @@ pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
 /// in any case; what this bounds is the place of each kept in memory.
 const REPLICATED_LOG_KEPT: u64 = 100_000;
 
-fn config_with(kept: u64) -> Result<Arc<openraft::Config>, StoreError> {
+fn config_with(
+    kept: u64,
+    timing: &crate::raft_net::RaftTiming,
+) -> Result<Arc<openraft::Config>, StoreError> {
     let config = openraft::Config {
         max_in_snapshot_log_to_keep: kept,
         cluster_name: "forkless".into(),
-        heartbeat_interval: 100,
-        election_timeout_min: 500,
-        election_timeout_max: 1000,
+        heartbeat_interval: timing.heartbeat_ms,
+        election_timeout_min: timing.election_timeout_min_ms,
+        election_timeout_max: timing.election_timeout_max_ms,
         enable_pre_vote: Some(true),
         enable_leader_restore: Some(false),
         // The state machine checkpoints by itself as it applies.
@@ -606,7 +612,7 @@ pub(crate) fn start_replicated(
     replica: Arc<Replica>,
     rep: &crate::raft_net::Replication,
 ) -> Result<Group, StoreError> {
-    let config = config_with(REPLICATED_LOG_KEPT)?;
+    let config = config_with(REPLICATED_LOG_KEPT, &rep.timing)?;
     let members = (rep.members)(shard);
     if !members.contains_key(&rep.me) {
         return Err(StoreError::Invalid(format!(

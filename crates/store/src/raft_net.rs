@@ -101,12 +101,14 @@ pub struct Replication {
     /// every node (a group is initialized with it, on every replica alike).
     pub members: Arc<dyn Fn(forkless_types::ShardId) -> BTreeMap<u64, BasicNode> + Send + Sync>,
     pub peers: Arc<dyn Peers>,
+    pub timing: RaftTiming,
 }
 
 impl std::fmt::Debug for Replication {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Replication")
             .field("me", &self.me)
+            .field("timing", &self.timing)
             .finish_non_exhaustive()
     }
 }
@@ -213,5 +215,38 @@ impl RaftNetworkV2<GroupConfig> for PeerClient {
         Err(StreamingError::Unreachable(Unreachable::from_string(
             "sending a snapshot to a replica is not built yet",
         )))
+    }
+}
+
+/// A replicated group's timers (`[raft]` in the cluster file).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RaftTiming {
+    /// How often a leader tells its followers it is alive.
+    pub heartbeat_ms: u64,
+    /// A follower that has not heard its leader for a random time in
+    /// [min, max) stands for election. A leader's lease (no follower votes
+    /// for another while it runs) is the max, so a dead leader is replaced
+    /// about max plus an election after it died.
+    pub election_timeout_min_ms: u64,
+    pub election_timeout_max_ms: u64,
+}
+
+impl RaftTiming {
+    /// A group run alone: elected once at open, its timers then off.
+    pub(crate) const ALONE: RaftTiming = RaftTiming {
+        heartbeat_ms: 100,
+        election_timeout_min_ms: 500,
+        election_timeout_max_ms: 1000,
+    };
+}
+
+impl Default for RaftTiming {
+    /// Failover about 0.6 s plus an election (`BENCHMARKS.md`).
+    fn default() -> Self {
+        RaftTiming {
+            heartbeat_ms: 100,
+            election_timeout_min_ms: 300,
+            election_timeout_max_ms: 600,
+        }
     }
 }
