@@ -374,10 +374,16 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
         m.node, m.fetched_from
     )?;
     writeln!(out)?;
+    let replicated = m.shards.iter().any(|s| s.replicas.is_some());
     writeln!(
         out,
         "{:<6} {:<22} {:<22} {:<6} {:>6}",
-        "NODE", "API ADDRESS", "PEER ADDRESS", "ALIVE", "SHARDS"
+        "NODE",
+        "API ADDRESS",
+        "PEER ADDRESS",
+        "ALIVE",
+        // A replicated shard's owner is its elected leader.
+        if replicated { "LEADS" } else { "SHARDS" }
     )?;
     for n in &m.nodes {
         let owned = m.shards.iter().filter(|s| s.owner == Some(n.id)).count();
@@ -402,7 +408,7 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             },
         )
     };
-    if m.shards.iter().any(|s| s.replicas.is_some()) {
+    if replicated {
         // A replicated cluster: each shard's group, as that node sees it.
         writeln!(
             out,

@@ -18,10 +18,15 @@ pub struct DevClusterArgs {
     /// Where the nodes keep their data (one folder per node).
     #[arg(long, default_value = "./forkless-dev-cluster")]
     data_dir: PathBuf,
-    /// Node i listens for clients on base_port + i and for peers on
-    /// base_port + 100 + i.
+    /// Node i listens for clients on base_port + i, for peers on
+    /// base_port + 100 + i, and for Raft on base_port + 200 + i.
     #[arg(long, default_value_t = 7071)]
     base_port: u16,
+    /// Replicas of each shard (every shard a Raft group on that many
+    /// nodes, its leader elected); 1 is the static cluster of one copy.
+    /// Default: 3 with three nodes or more, else 1.
+    #[arg(long)]
+    replication_factor: Option<u16>,
 }
 
 struct Nodes(Vec<(u16, Child)>);
@@ -60,7 +65,16 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
     if a.nodes == 0 || a.nodes > 64 {
         bail!("--nodes must be 1 to 64");
     }
-    if a.base_port as u32 + 100 + a.nodes as u32 > u16::MAX as u32 {
+    let factor = a
+        .replication_factor
+        .unwrap_or(if a.nodes >= 3 { 3 } else { 1 });
+    if factor == 0 || factor > a.nodes {
+        bail!(
+            "--replication-factor must be 1 to --nodes ({}), not {factor}",
+            a.nodes
+        );
+    }
+    if a.base_port as u32 + 200 + a.nodes as u32 > u16::MAX as u32 {
         bail!(
             "--base-port {} leaves no room for {} nodes",
             a.base_port,
@@ -75,12 +89,21 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
         count.get(),
         random_secret()?
     );
+    if factor > 1 {
+        toml = format!("replication_factor = {factor}\n{toml}");
+    }
     for i in 1..=a.nodes {
         toml.push_str(&format!(
             "\n[[nodes]]\nid = {i}\napi_addr = \"127.0.0.1:{}\"\npeer_addr = \"127.0.0.1:{}\"\n",
             a.base_port + i - 1,
             a.base_port + 100 + i - 1
         ));
+        if factor > 1 {
+            toml.push_str(&format!(
+                "raft_addr = \"127.0.0.1:{}\"\n",
+                a.base_port + 200 + i - 1
+            ));
+        }
     }
     std::fs::write(&config, toml).with_context(|| format!("writing {}", config.display()))?;
 
@@ -120,15 +143,32 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
         }
     }
     println!(
-        "forkless dev cluster: {} nodes, {} shards, config {}",
+        "forkless dev cluster: {} nodes, {} shards, {}, config {}",
         a.nodes,
         count.get(),
+        if factor > 1 {
+            format!("{factor} replicas of each (leaders elected: `forkless status` shows them)")
+        } else {
+            "one copy of each".to_string()
+        },
         config.display()
     );
-    println!("{:<6} {:<18} {:<18} shards", "node", "api", "peer");
+    println!(
+        "{:<6} {:<18} {:<18} {}",
+        "node",
+        "api",
+        "peer",
+        if factor > 1 {
+            "replicas of shards"
+        } else {
+            "shards"
+        }
+    );
     for i in 1..=a.nodes {
-        let owned: Vec<String> = (0..count.get())
-            .filter(|s| s % a.nodes as u32 == (i - 1) as u32)
+        // The placement of `config::Replicated::replicas` (factor 1: the
+        // static spread, the same rule).
+        let held: Vec<String> = (0..count.get())
+            .filter(|s| (0..factor as u32).any(|k| (s + k) % a.nodes as u32 == (i - 1) as u32))
             .map(|s| s.to_string())
             .collect();
         println!(
@@ -136,7 +176,7 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
             i,
             format!("127.0.0.1:{}", a.base_port + i - 1),
             format!("127.0.0.1:{}", a.base_port + 100 + i - 1),
-            owned.join(",")
+            held.join(",")
         );
     }
     println!(

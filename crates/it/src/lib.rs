@@ -953,6 +953,9 @@ pub struct Cluster {
     /// Set for a replicated cluster (every shard a Raft group on this
     /// many nodes).
     pub replication_factor: Option<u32>,
+    /// `[raft]` timers (heartbeat, election min, max; ms), if not the
+    /// defaults.
+    pub raft_timing: Option<(u64, u64, u64)>,
 }
 
 impl Cluster {
@@ -998,6 +1001,7 @@ impl Cluster {
             nodes,
             secret: "it-secret-0123456789abcdef".into(),
             replication_factor: None,
+            raft_timing: None,
         }
     }
 
@@ -1171,6 +1175,11 @@ impl Cluster {
         );
         if let Some(f) = self.replication_factor {
             s = format!("replication_factor = {f}\n{s}");
+        }
+        if let Some((h, lo, hi)) = self.raft_timing {
+            s.push_str(&format!(
+                "\n[raft]\nheartbeat_ms = {h}\nelection_timeout_min_ms = {lo}\nelection_timeout_max_ms = {hi}\n"
+            ));
         }
         for n in &self.nodes {
             s.push_str(&format!(
