@@ -42,6 +42,13 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
 pub const FRAME_BYTES_MAX: usize = 80 << 20;
+// A frame holds the longest AppendEntries the store sends: its byte
+// budget plus the one entry that may go over it.
+const _: () = assert!(
+    FRAME_BYTES_MAX
+        >= forkless_store::APPEND_BYTES_MAX + forkless_store::GROUP_COMMIT_BYTES_MAX + (1 << 20)
+);
+
 /// Calls one connection holds in flight, on either side; over it a call
 /// is refused at once (`Unreachable`), and a server stops reading until
 /// one is answered.

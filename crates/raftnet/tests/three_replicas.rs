@@ -18,6 +18,28 @@ const SHARD: ShardId = ShardId(0);
 struct Node {
     store: Option<Arc<Store>>,
     stop: tokio::sync::watch::Sender<bool>,
+    /// How to open its store, for a node left closed at first.
+    opener: Option<Box<dyn FnOnce() -> Arc<Store> + Send>>,
+    cell: Option<Arc<OnceLock<Arc<Store>>>>,
+}
+
+impl Node {
+    /// Opens a node left closed at first.
+    async fn open(&mut self) {
+        let open = self.opener.take().expect("a closed node");
+        let store = tokio::task::spawn_blocking(open).await.expect("opened");
+        if let Some(cell) = &self.cell {
+            let _ = cell.set(store.clone());
+        }
+        self.store = Some(store);
+    }
+
+    /// Stops the node: its listener and its store.
+    fn stop(&mut self) {
+        let _ = self.stop.send(true);
+        self.store = None;
+        self.cell = None;
+    }
 }
 
 impl Node {
@@ -27,6 +49,12 @@ impl Node {
 }
 
 async fn cluster(dir: &std::path::Path) -> Vec<Node> {
+    cluster_with(dir, &[]).await
+}
+
+/// Three nodes; those in `closed` listen but open their store only when
+/// the test says ([`Node::open`]).
+async fn cluster_with(dir: &std::path::Path, closed: &[u64]) -> Vec<Node> {
     let mut listeners = Vec::new();
     let mut addrs = BTreeMap::new();
     for id in 1..=3u64 {
@@ -55,7 +83,7 @@ async fn cluster(dir: &std::path::Path) -> Vec<Node> {
             timing: forkless_store::RaftTiming::default(),
         };
         let path = dir.join(id.to_string());
-        let store = tokio::task::spawn_blocking(move || {
+        let opener = Box::new(move || {
             let store = Store::open(
                 &path,
                 ShardCount::ONE,
@@ -68,14 +96,17 @@ async fn cluster(dir: &std::path::Path) -> Vec<Node> {
             .expect("open");
             store.open_shard(SHARD, Epoch(1)).expect("open shard");
             Arc::new(store)
-        })
-        .await
-        .expect("opened");
-        let _ = cell.set(store.clone());
-        nodes.push(Node {
-            store: Some(store),
-            stop,
         });
+        let mut node = Node {
+            store: None,
+            stop,
+            opener: Some(opener),
+            cell: Some(cell),
+        };
+        if !closed.contains(&id) {
+            node.open().await;
+        }
+        nodes.push(node);
     }
     nodes
 }
@@ -185,8 +216,7 @@ async fn writes_replicate_and_survive_the_leader() {
     }
 
     // The leader goes: its shard and its listener.
-    let _ = nodes[l].stop.send(true);
-    nodes[l].store = None;
+    nodes[l].stop();
     let l2 = leader(&nodes).await;
     assert_ne!(l2, l);
     // Its first writes may meet the election's end.
@@ -207,4 +237,63 @@ async fn writes_replicate_and_survive_the_leader() {
     let other = (0..3).find(|i| *i != l && *i != l2).expect("the third");
     holds(&nodes, l2, 1..=30, index).await;
     holds(&nodes, other, 1..=30, index).await;
+}
+
+/// A follower that was away catches up on entries too many bytes for one
+/// call: openraft asks for up to 300 entries a call, and entries of whole
+/// group commits (up to 16 MiB each) would make a frame the transport
+/// refuses, so the follower would never catch up; the network sends such
+/// a call in part.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_catches_up_on_more_bytes_than_one_call_holds() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster_with(dir.path(), &[3]).await;
+    let l = leader(&nodes).await;
+    // Eight entries of 12 MiB: 96 MiB, over the transport's 80 MiB frame.
+    let big = vec![b'x'; 12 * 1024 * 1024];
+    for n in 1..=8 {
+        let st = nodes[l]
+            .store
+            .as_ref()
+            .expect("up")
+            .shard(SHARD)
+            .expect("shard");
+        let mut payload = b"\"".to_vec();
+        payload.extend_from_slice(&big);
+        payload.extend_from_slice(b"\"");
+        st.start(StartRequest {
+            epoch: Epoch(1),
+            id: id(n),
+            workflow: "wf".into(),
+            started_payload: payload,
+            routing_key: None,
+            idempotency_key: None,
+        })
+        .await
+        .expect("a big start on the leader");
+    }
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    nodes[2].open().await;
+    let until = Instant::now() + Duration::from_secs(60);
+    while nodes[2].status().and_then(|s| s.applied).unwrap_or(0) < index {
+        assert!(
+            Instant::now() < until,
+            "the late follower did not catch up to {index} within 60 s: {:?}",
+            nodes[2].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let st = nodes[2]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    for n in 1..=8 {
+        let (_, events) = st.read_events(id(n), 0, 1).expect("read").expect("there");
+        assert_eq!(events[0].payload.len(), big.len() + 2);
+    }
 }

@@ -71,7 +71,7 @@ pub use latency::LatencySnapshot;
 pub use openraft::BasicNode;
 pub use raft_group::{Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
-pub use raft_net::{CallError, Peers, RaftTiming, Replication, Rpc, RpcReply};
+pub use raft_net::{CallError, Peers, RaftTiming, Replication, Rpc, RpcReply, APPEND_BYTES_MAX};
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use waiters::Interest;
 

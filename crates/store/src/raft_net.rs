@@ -166,15 +166,56 @@ fn unexpected(reply: RpcReply, wanted: &str) -> RPCError<GroupConfig> {
     )))
 }
 
+/// The most entry bytes one AppendEntries call carries (openraft bounds
+/// a call by its count of entries, and an entry may be a whole group
+/// commit, up to [`crate::GROUP_COMMIT_BYTES_MAX`]): a longer request is
+/// sent in part, and answered as a partial success, which openraft
+/// continues from. A transport's frames must hold this plus one entry.
+pub const APPEND_BYTES_MAX: usize = 32 * 1024 * 1024;
+
+/// About what an entry takes in a call.
+fn entry_bytes(e: &openraft::type_config::alias::EntryOf<GroupConfig>) -> usize {
+    64 + match &e.payload {
+        openraft::EntryPayload::Normal(p) => p.0.len(),
+        openraft::EntryPayload::Membership(_) => 1024,
+        openraft::EntryPayload::Blank => 0,
+    }
+}
+
+/// Cuts `rpc`'s entries to those within [`APPEND_BYTES_MAX`] (at least
+/// one), and returns the last log id kept if any were cut.
+fn within_budget(
+    rpc: &mut AppendEntriesRequest<GroupConfig>,
+) -> Option<openraft::type_config::alias::LogIdOf<GroupConfig>> {
+    let mut bytes = 0;
+    let keep = rpc
+        .entries
+        .iter()
+        .position(|e| {
+            bytes += entry_bytes(e);
+            bytes > APPEND_BYTES_MAX
+        })
+        .map(|over| over.max(1))?;
+    if keep >= rpc.entries.len() {
+        return None;
+    }
+    rpc.entries.truncate(keep);
+    rpc.entries.last().map(|e| e.log_id)
+}
+
 impl RaftNetworkV2<GroupConfig> for PeerClient {
     type SnapshotData = ShardSnapshot;
 
     async fn append_entries(
         &mut self,
-        rpc: AppendEntriesRequest<GroupConfig>,
+        mut rpc: AppendEntriesRequest<GroupConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<GroupConfig>, RPCError<GroupConfig>> {
+        let sent_up_to = within_budget(&mut rpc);
         match self.call(Rpc::AppendEntries(rpc), &option).await? {
+            RpcReply::AppendEntries(AppendEntriesResponse::Success) if sent_up_to.is_some() => {
+                Ok(AppendEntriesResponse::PartialSuccess(sent_up_to))
+            }
             RpcReply::AppendEntries(r) => Ok(r),
             other => Err(unexpected(other, "append_entries")),
         }
@@ -247,6 +288,57 @@ impl Default for RaftTiming {
             heartbeat_ms: 100,
             election_timeout_min_ms: 300,
             election_timeout_max_ms: 600,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(index: u64, bytes: usize) -> openraft::type_config::alias::EntryOf<GroupConfig> {
+        openraft::Entry {
+            log_id: openraft::LogId::new(
+                openraft::vote::leader_id_std::CommittedLeaderId::new(1),
+                index,
+            ),
+            payload: openraft::EntryPayload::Normal(crate::raft_log::Proposal(bytes::Bytes::from(
+                vec![0u8; bytes],
+            ))),
+        }
+    }
+
+    fn request(sizes: &[usize]) -> AppendEntriesRequest<GroupConfig> {
+        AppendEntriesRequest {
+            vote: openraft::impls::Vote::new_committed(1, 1),
+            prev_log_id: None,
+            leader_commit: None,
+            entries: sizes
+                .iter()
+                .enumerate()
+                .map(|(i, b)| entry(i as u64 + 1, *b))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_append_over_its_byte_budget_is_sent_in_part() {
+        const MIB: usize = 1024 * 1024;
+        // (entry sizes, entries sent, the partial success's last index)
+        let table: &[(&[usize], usize, Option<u64>)] = &[
+            (&[100, 100, 100], 3, None),
+            (&[], 0, None),
+            (&[16 * MIB, 16 * MIB, 16 * MIB], 1, Some(1)),
+            (&[10 * MIB, 10 * MIB, 10 * MIB, 10 * MIB], 3, Some(3)),
+            // One entry alone goes, whatever its size.
+            (&[40 * MIB, 1], 1, Some(1)),
+            (&[40 * MIB], 1, None),
+        ];
+        for (sizes, sent, partial) in table {
+            let mut rpc = request(sizes);
+            let cut = within_budget(&mut rpc);
+            assert_eq!(rpc.entries.len(), *sent, "{sizes:?}");
+            assert_eq!(cut.map(|l| l.index), *partial, "{sizes:?}");
         }
     }
 }
