@@ -1061,6 +1061,89 @@ impl Cluster {
         c
     }
 
+    /// Waits (up to 20 s) until every running node holding a replica of a
+    /// shard has applied every entry that shard's replicas hold, so that
+    /// the replicas can be compared.
+    pub fn wait_replicas_level(&self) {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let mut by_shard: std::collections::BTreeMap<
+                u64,
+                Vec<(u16, Option<u64>, Option<u64>)>,
+            > = Default::default();
+            let mut answered = true;
+            for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
+                let Ok(r) =
+                    n.client()
+                        .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                else {
+                    answered = false;
+                    continue;
+                };
+                let v = r.json();
+                for s in v["shards"].as_array().into_iter().flatten() {
+                    let r = &s["raft"];
+                    if r.is_null() {
+                        continue;
+                    }
+                    let shard = s["shard"].as_u64().unwrap_or(u64::MAX);
+                    by_shard.entry(shard).or_default().push((
+                        n.id,
+                        r["last_log_index"].as_u64(),
+                        r["applied"].as_u64(),
+                    ));
+                }
+            }
+            let seen = format!("(node, last log index, applied) per shard: {by_shard:?}");
+            let level = by_shard.values().all(|v| {
+                let last = v.iter().filter_map(|(_, l, _)| *l).max();
+                v.iter().all(|(_, l, a)| *l == last && *a == last)
+            });
+            if answered && level && by_shard.len() == self.shard_count as usize {
+                return;
+            }
+            assert!(
+                Instant::now() < until,
+                "the replicas did not level within 20 s: {seen}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops every running node with SIGTERM (each must exit within 20 s)
+    /// and reads each one's events per shard from its data directory with
+    /// `forkless store check`; panics unless every replica of a shard
+    /// holds the same count. Returns each shard's count.
+    pub fn stop_and_compare_replicas(&mut self) -> std::collections::BTreeMap<u32, u64> {
+        for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
+            n.proc().sigterm();
+        }
+        let mut seen: std::collections::BTreeMap<u32, Vec<(u16, u64)>> = Default::default();
+        for i in 0..self.nodes.len() {
+            let Some(mut p) = self.nodes[i].proc.take() else {
+                continue;
+            };
+            let id = self.nodes[i].id;
+            assert!(
+                p.wait_exit(Duration::from_secs(20)).is_some(),
+                "node {id} did not stop on SIGTERM:\n{}",
+                self.logs()
+            );
+            for (shard, events) in events_on_disk(&self.nodes[i].data_dir) {
+                seen.entry(shard).or_default().push((id, events));
+            }
+        }
+        seen.iter()
+            .map(|(shard, v)| {
+                assert!(
+                    v.iter().all(|(_, e)| *e == v[0].1),
+                    "shard {shard}'s replicas differ: (node, events) {v:?}"
+                );
+                (*shard, v[0].1)
+            })
+            .collect()
+    }
+
     /// Waits (up to 20 s) until node `via` knows a leader of every shard
     /// elected at a term at least 1 and not on any of `not_on`, and
     /// returns each shard's (leader, term).
@@ -1339,6 +1422,41 @@ impl Drop for Cluster {
     }
 }
 
+/// Each shard's event count, as `forkless store check` reads it from a
+/// stopped node's data directory (every shard it holds).
+pub fn events_on_disk(data_dir: &Path) -> std::collections::BTreeMap<u32, u64> {
+    let (code, out, err) = run_cli(
+        &[
+            "store",
+            "check",
+            "--data-dir",
+            &data_dir.display().to_string(),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(
+        code,
+        Some(0),
+        "store check of {}: {out}\n{err}",
+        data_dir.display()
+    );
+    out.lines()
+        .filter_map(|l| l.strip_prefix("shard "))
+        .map(|l| {
+            let shard = l.split(':').next().and_then(|s| s.parse().ok());
+            let events = l
+                .split(" events of ")
+                .next()
+                .and_then(|b| b.rsplit(' ').next())
+                .and_then(|n| n.parse().ok());
+            match (shard, events) {
+                (Some(s), Some(e)) => (s, e),
+                _ => panic!("no shard and event count in {l:?}"),
+            }
+        })
+        .collect()
+}
+
 // ---------------------------------------------------------------------------
 // Routing helpers (the partition table, from the sharding crate)
 
@@ -1596,6 +1714,37 @@ pub mod workload {
         Ok(())
     }
 
+    /// Settles every batch whose outcome was unknown by sending it again,
+    /// whole, with the same idempotency keys (and no `expected_last_seq`):
+    /// one that had landed is answered with its original seqs
+    /// (deduplicated), one that had not lands now. Either way it is then
+    /// acknowledged, at the seqs [`verify`] then checks. Returns how many
+    /// had landed before.
+    #[track_caller]
+    pub fn settle_unknowns(c: &Client, batches: &mut [Batch]) -> usize {
+        let mut landed = 0;
+        for b in batches.iter_mut().filter(|b| b.outcome == Outcome::Unknown) {
+            let body = batch_body(&b.markers, None).to_string();
+            let r = c.post_raw(
+                &format!("/api/executions/{}/events", b.exec),
+                body.as_bytes(),
+            );
+            assert_eq!(
+                r.status,
+                200,
+                "retrying an unknown batch {b:?}: {}",
+                r.text()
+            );
+            let v = r.json();
+            if v["deduplicated"] == true {
+                landed += 1;
+            }
+            let first = v["first_seq"].as_u64().expect("first_seq");
+            b.outcome = Outcome::Acked { first_seq: first };
+        }
+        landed
+    }
+
     /// What [`verify`] found.
     #[derive(Debug, Default)]
     pub struct Report {
@@ -1806,9 +1955,11 @@ pub mod netlab {
             let net = (std::process::id() + n) % 200 + 20;
             let tag = format!("fk{:x}{n}", std::process::id() % 0xffff);
             let lab = NetLab { tag, nodes, net };
+            for br in [lab.bridge(), lab.other_bridge()] {
+                ip(&["link", "add", &br, "type", "bridge"]);
+                ip(&["link", "set", &br, "up"]);
+            }
             let br = lab.bridge();
-            ip(&["link", "add", &br, "type", "bridge"]);
-            ip(&["link", "set", &br, "up"]);
             for k in 1..=nodes {
                 let ns = lab.ns_name(k);
                 ip(&["netns", "add", &ns]);
@@ -1862,6 +2013,11 @@ pub mod netlab {
             format!("{}br", self.tag)
         }
 
+        /// Where the peer links of one side of a split go.
+        fn other_bridge(&self) -> String {
+            format!("{}b2", self.tag)
+        }
+
         fn ns_name(&self, k: u16) -> String {
             format!("{}n{k}", self.tag)
         }
@@ -1898,6 +2054,28 @@ pub mod netlab {
         pub fn heal(&self, k: u16) {
             ip(&["link", "set", &self.peer_link(k), "up"]);
         }
+
+        /// Splits the nodes in two: `side` reach each other and no one
+        /// else; the rest reach each other.
+        pub fn split(&self, side: &[u16]) {
+            for k in side {
+                ip(&[
+                    "link",
+                    "set",
+                    &self.peer_link(*k),
+                    "master",
+                    &self.other_bridge(),
+                ]);
+            }
+        }
+
+        /// Undoes every cut and split.
+        pub fn heal_all(&self) {
+            for k in 1..=self.nodes {
+                ip(&["link", "set", &self.peer_link(k), "master", &self.bridge()]);
+                self.heal(k);
+            }
+        }
     }
 
     impl Drop for NetLab {
@@ -1914,9 +2092,9 @@ pub mod netlab {
                     .args(["link", "del", &self.peer_link(k)])
                     .output();
             }
-            let _ = Command::new("ip")
-                .args(["link", "del", &self.bridge()])
-                .output();
+            for br in [self.bridge(), self.other_bridge()] {
+                let _ = Command::new("ip").args(["link", "del", &br]).output();
+            }
         }
     }
 }

@@ -6,7 +6,7 @@
 //! nothing refused or never sent is there, and every replica holds the
 //! same events (checked offline on each node's data directory).
 
-use forkless_it::workload::{histogram, verify, writer, Outcome, Shared};
+use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Outcome, Shared};
 use forkless_it::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -19,73 +19,6 @@ fn id_of(v: &Value) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("no string execution_id in {v}"))
         .to_string()
-}
-
-/// Waits until every running node has applied every entry of every shard
-/// its group's leader holds, so that the replicas can be compared.
-fn wait_replicas_level(cl: &Cluster) {
-    let mut seen = String::new();
-    let until = Instant::now() + Duration::from_secs(20);
-    let mut level = || {
-        let mut by_shard: Vec<Vec<(Option<u64>, Option<u64>)>> = vec![vec![]; SHARDS as usize];
-        for (_, c) in cl.clients() {
-            let v = c
-                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-                .ok()?
-                .json();
-            for s in v["shards"].as_array()? {
-                let i = s["shard"].as_u64()? as usize;
-                let r = &s["raft"];
-                by_shard[i].push((r["last_log_index"].as_u64(), r["applied"].as_u64()));
-            }
-        }
-        seen = format!("(last log index, applied) per shard, per node: {by_shard:?}");
-        by_shard
-            .iter()
-            .all(|v| {
-                let last = v.iter().filter_map(|(l, _)| *l).max();
-                v.len() == NODES as usize && v.iter().all(|(l, a)| *l == last && *a == last)
-            })
-            .then_some(())
-    };
-    while level().is_none() {
-        assert!(
-            Instant::now() < until,
-            "the replicas did not level within 20 s: {seen}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Each shard's event count, as `forkless store check` reads it from a
-/// stopped node's data directory.
-fn events_on_disk(data_dir: &std::path::Path) -> Vec<u64> {
-    let (code, out, err) = run_cli(
-        &[
-            "store",
-            "check",
-            "--data-dir",
-            &data_dir.display().to_string(),
-        ],
-        Duration::from_secs(60),
-    );
-    assert_eq!(
-        code,
-        Some(0),
-        "store check of {}: {out}\n{err}",
-        data_dir.display()
-    );
-    out.lines()
-        .filter(|l| l.starts_with("shard "))
-        .map(|l| {
-            let before = l.split(" events of ").next().unwrap_or("");
-            before
-                .rsplit(' ')
-                .next()
-                .and_then(|n| n.parse().ok())
-                .unwrap_or_else(|| panic!("no event count in {l:?}"))
-        })
-        .collect()
 }
 
 /// What happens to the node leading shard 0.
@@ -175,6 +108,8 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
 
     let struck_at = Instant::now();
     let lab = || lab.expect("a cut needs the test's network lab");
+    // When the cut-off node is joined again (a cut's end).
+    let mut healed_at = Instant::now();
     match fault {
         Fault::Kill => cl.kill9(victim),
         Fault::Pause => cl.node(victim).proc().sigstop(),
@@ -199,11 +134,11 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
             // Long enough for the cut-off node's own writes and reads to
             // run out of time there, unacknowledged.
             std::thread::sleep(Duration::from_secs(3));
+            healed_at = Instant::now();
             lab().heal(victim);
             cl.wait_leaders_known(victim, &[victim]);
         }
     }
-    let healed_at = Instant::now();
     let healed = shared.acks();
     acked_at_least(
         healed + 100,
@@ -256,33 +191,22 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
         "{fault:?}: leaders {leaders:?} -> {after:?}; every shard led again {elected:?} after the fault, first ack after {first_ack:?}; answers {:?}",
         histogram(&batches)
     );
-    wait_replicas_level(&cl);
+    let mut batches = batches;
+    let unknown = batches
+        .iter()
+        .filter(|b| b.outcome == Outcome::Unknown)
+        .count();
+    let landed = settle_unknowns(&cl.client(1), &mut batches);
+    eprintln!(
+        "{unknown} unknown outcomes settled by a retry: {landed} had landed, {} had not",
+        unknown - landed
+    );
+    cl.wait_replicas_level();
     for n in 1..=NODES {
         let report = verify(&cl.client(n), &execs, &batches);
         assert!(report.acked >= 500, "{report:?}");
     }
     // Every replica holds the same events, read offline from its disk.
-    for n in 1..=NODES {
-        cl.node(n).proc().sigterm();
-    }
-    let mut counts = Vec::new();
-    for n in 1..=NODES {
-        let exited = cl
-            .node_mut(n)
-            .proc
-            .as_mut()
-            .and_then(|p| p.wait_exit(Duration::from_secs(20)));
-        assert!(
-            exited.is_some(),
-            "node {n} did not stop on SIGTERM:\n{}",
-            cl.logs()
-        );
-        cl.node_mut(n).proc = None;
-        counts.push(events_on_disk(&cl.node(n).data_dir));
-    }
-    assert!(
-        counts.iter().all(|c| *c == counts[0]),
-        "replicas differ: {counts:?}"
-    );
-    assert!(counts[0].iter().sum::<u64>() >= 500, "{counts:?}");
+    let counts = cl.stop_and_compare_replicas();
+    assert!(counts.values().sum::<u64>() >= 500, "{counts:?}");
 }

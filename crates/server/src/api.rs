@@ -307,7 +307,15 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
     // A replicated shard this node holds a replica of is its own exactly
     // while its group says this node leads: the group knows sooner than
     // the directory, which follows it.
-    if let Some(l) = app.store.shard(shard).and_then(|st| st.leadership()) {
+    let replicated = app
+        .cfg
+        .cluster
+        .as_ref()
+        .is_some_and(|c| c.replication.is_some());
+    if let Some(l) = replicated
+        .then(|| app.store.shard(shard).and_then(|st| st.leadership()))
+        .flatten()
+    {
         owner = match l.leader {
             Some(n) if n == l.me => Owner::Local {
                 epoch: Epoch(l.term),

@@ -1,0 +1,225 @@
+//! A randomized fault schedule on a five-node replicated cluster (four
+//! shards, each a Raft group on three of the five nodes), under a steady
+//! write load through every node: rounds of SIGKILL and restart, SIGSTOP
+//! past the election timeout and SIGCONT, one node cut off from the
+//! others, and the nodes split 2/3 (the leader of a shard on either
+//! side), each healed before the next. Afterwards every acknowledged
+//! write is at its seq, nothing refused or never sent is there, every
+//! replica of a shard holds the same events on disk, and a node cut off
+//! alone acknowledged nothing while cut off (it holds one replica of
+//! three of any shard: never a quorum).
+//!
+//! The schedule comes from a seed, printed first; `FORKLESS_FAULT_SEED=N`
+//! replays one.
+
+use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Outcome, Shared};
+use forkless_it::*;
+use std::time::{Duration, Instant};
+
+const NODES: u16 = 5;
+const SHARDS: u32 = 4;
+const FACTOR: u32 = 3;
+const ROUNDS: usize = 6;
+
+/// xorshift64*: enough to draw a schedule from a seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Fault {
+    Kill(u16),
+    Pause(u16),
+    Cut(u16),
+    /// These nodes on one side, the rest on the other.
+    Split(Vec<u16>),
+}
+
+#[test]
+fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
+    let _deadline = deadline("faults: five nodes", Duration::from_secs(400));
+    let seed = std::env::var("FORKLESS_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        })
+        | 1;
+    eprintln!("fault schedule seed {seed} (replay with FORKLESS_FAULT_SEED={seed})");
+    let mut rng = Rng(seed);
+    let lab = netlab::NetLab::new(NODES);
+    let mut cl = Cluster::prepare_in_lab(&lab, SHARDS, FACTOR, PeerTiming::default());
+    let ids: Vec<u16> = (1..=NODES).collect();
+    cl.start_nodes(&ids, &[]);
+    for id in &ids {
+        cl.wait_leaders_known(*id, &[]);
+    }
+    let c = cl.client(1);
+    let execs: Vec<String> = (0..8)
+        .map(|i| {
+            let key = key_on_shard(&format!("faults-{i}"), i % SHARDS, SHARDS);
+            let v = c.start(&json!({"workflow": "w", "routing_key": key}));
+            v["execution_id"].as_str().expect("id").to_string()
+        })
+        .collect();
+    // One writer through each node: some always through a faulted one.
+    let shared = Shared::default();
+    let writers: Vec<_> = ids
+        .iter()
+        .map(|n| {
+            let mine: Vec<String> = (0..3)
+                .map(|k| execs[(*n as usize + k) % execs.len()].clone())
+                .collect();
+            let (via, shared) = (vec![cl.client(*n)], shared.clone());
+            let tag = format!("w{n}");
+            std::thread::spawn(move || writer(via, mine, tag, shared, false))
+        })
+        .collect();
+    let grew = |by: usize, what: &str| {
+        let from = shared.acks();
+        wait_until(what, Duration::from_secs(30), || {
+            (shared.acks() >= from + by).then_some(())
+        });
+    };
+    grew(100, "100 acknowledged writes before the faults");
+
+    // (fault, when it struck, when it was healed)
+    let mut windows = Vec::new();
+    for round in 0..ROUNDS {
+        let leaders = cl.wait_leaders_known(1 + rng.below(NODES as u64) as u16, &[]);
+        // Half the faults strike a shard's leader, half any node.
+        let target = if rng.below(2) == 0 {
+            leaders[rng.below(SHARDS as u64) as usize].0
+        } else {
+            1 + rng.below(NODES as u64) as u16
+        };
+        let fault = match rng.below(4) {
+            0 => Fault::Kill(target),
+            1 => Fault::Pause(target),
+            2 => Fault::Cut(target),
+            _ => {
+                let mut side = vec![target];
+                while side.len() < 2 {
+                    let n = 1 + rng.below(NODES as u64) as u16;
+                    if !side.contains(&n) {
+                        side.push(n);
+                    }
+                }
+                Fault::Split(side)
+            }
+        };
+        eprintln!("round {round}: {fault:?} (leaders before: {leaders:?})");
+        let struck = Instant::now();
+        match &fault {
+            Fault::Kill(n) => cl.kill9(*n),
+            Fault::Pause(n) => cl.node(*n).proc().sigstop(),
+            Fault::Cut(n) => lab.cut(*n),
+            Fault::Split(side) => lab.split(side),
+        }
+        // The majority side elects where it must and serves; wait for it
+        // through a node the fault left alone, for a node faulted alone.
+        let faulted: Vec<u16> = match &fault {
+            Fault::Kill(n) | Fault::Pause(n) | Fault::Cut(n) => vec![*n],
+            Fault::Split(side) => side.clone(),
+        };
+        if faulted.len() == 1 {
+            let healthy = ids
+                .iter()
+                .copied()
+                .find(|n| !faulted.contains(n))
+                .expect("a healthy node");
+            cl.wait_leaders_known(healthy, &faulted);
+        }
+        grew(
+            50,
+            &format!("50 acknowledged writes during round {round}'s fault"),
+        );
+        let healed = Instant::now();
+        match &fault {
+            Fault::Kill(n) => {
+                let cfg = cl.node(*n).config.clone();
+                cl.spawn(*n, &cfg);
+                cl.wait_ready(*n);
+            }
+            Fault::Pause(n) => cl.node(*n).proc().sigcont(),
+            Fault::Cut(_) | Fault::Split(_) => lab.heal_all(),
+        }
+        for id in &ids {
+            cl.wait_leaders_known(*id, &[]);
+        }
+        windows.push((fault, struck, healed));
+        grew(50, &format!("50 acknowledged writes after round {round}"));
+    }
+    shared.stop.set();
+    for w in writers {
+        w.join()
+            .expect("writer thread")
+            .expect("the API kept its promises");
+    }
+    let batches = shared.take();
+    let during: usize = batches
+        .iter()
+        .filter(|b| {
+            windows
+                .iter()
+                .any(|(_, s, h)| (*s..*h).contains(&b.answered_at))
+        })
+        .count();
+    eprintln!(
+        "{} operations, {during} of them answered while a fault was on; answers {:?}",
+        batches.len(),
+        histogram(&batches)
+    );
+    assert!(
+        during >= 1000,
+        "only {during} operations met a fault (seed {seed})"
+    );
+    // A node cut off alone holds one replica of three: it can acknowledge
+    // nothing (a write in flight at the cut may finish just after it).
+    for (fault, struck, healed) in &windows {
+        if let Fault::Cut(n) = fault {
+            let alone = *struck + Duration::from_millis(500)..*healed;
+            let tag = format!("w{n}-");
+            let acked: Vec<_> = batches
+                .iter()
+                .filter(|b| b.markers[0].starts_with(&tag) && alone.contains(&b.answered_at))
+                .filter(|b| matches!(b.outcome, Outcome::Acked { .. }))
+                .collect();
+            assert!(
+                acked.is_empty(),
+                "node {n}, cut off, acknowledged {acked:?} (seed {seed})"
+            );
+        }
+    }
+    // Unknown outcomes settled: retried whole with the same keys.
+    let mut batches = batches;
+    let unknown = batches
+        .iter()
+        .filter(|b| b.outcome == Outcome::Unknown)
+        .count();
+    let landed = settle_unknowns(&cl.client(1), &mut batches);
+    eprintln!(
+        "{unknown} unknown outcomes settled by a retry: {landed} had landed, {} had not",
+        unknown - landed
+    );
+    cl.wait_replicas_level();
+    for n in &ids {
+        let report = verify(&cl.client(*n), &execs, &batches);
+        assert!(report.acked >= 300, "{report:?} (seed {seed})");
+    }
+    let counts = cl.stop_and_compare_replicas();
+    assert_eq!(counts.len(), SHARDS as usize, "{counts:?}");
+}
