@@ -943,6 +943,9 @@ impl ClusterNode {
     }
 }
 
+/// A replica's (node, last log index, applied index).
+type ReplicaProgress = (u16, Option<u64>, Option<u64>);
+
 /// Real nodes of a static cluster, sharing a TOML config in a temp dir.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -1067,10 +1070,9 @@ impl Cluster {
     pub fn wait_replicas_level(&self) {
         let until = Instant::now() + Duration::from_secs(20);
         loop {
-            let mut by_shard: std::collections::BTreeMap<
-                u64,
-                Vec<(u16, Option<u64>, Option<u64>)>,
-            > = Default::default();
+            // (node, last log index, applied) of each replica, by shard.
+            let mut by_shard: std::collections::BTreeMap<u64, Vec<ReplicaProgress>> =
+                Default::default();
             let mut answered = true;
             for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
                 let Ok(r) =
