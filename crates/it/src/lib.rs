@@ -1724,6 +1724,10 @@ pub mod workload {
     /// had landed before.
     #[track_caller]
     pub fn settle_unknowns(c: &Client, batches: &mut [Batch]) -> usize {
+        let unknown = batches
+            .iter()
+            .filter(|b| b.outcome == Outcome::Unknown)
+            .count();
         let mut landed = 0;
         for b in batches.iter_mut().filter(|b| b.outcome == Outcome::Unknown) {
             let body = batch_body(&b.markers, None).to_string();
@@ -1744,6 +1748,10 @@ pub mod workload {
             let first = v["first_seq"].as_u64().expect("first_seq");
             b.outcome = Outcome::Acked { first_seq: first };
         }
+        eprintln!(
+            "{unknown} unknown outcomes settled by a retry: {landed} had landed, {} had not",
+            unknown - landed
+        );
         landed
     }
 

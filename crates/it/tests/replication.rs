@@ -192,15 +192,7 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
         histogram(&batches)
     );
     let mut batches = batches;
-    let unknown = batches
-        .iter()
-        .filter(|b| b.outcome == Outcome::Unknown)
-        .count();
-    let landed = settle_unknowns(&cl.client(1), &mut batches);
-    eprintln!(
-        "{unknown} unknown outcomes settled by a retry: {landed} had landed, {} had not",
-        unknown - landed
-    );
+    settle_unknowns(&cl.client(1), &mut batches);
     cl.wait_replicas_level();
     for n in 1..=NODES {
         let report = verify(&cl.client(n), &execs, &batches);

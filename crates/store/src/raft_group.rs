@@ -529,6 +529,44 @@ where
     }
 }
 
+/// A shard's group as openraft starts it on this replica's log and state
+/// (`on_release` hears when openraft lets go of the state machine), and
+/// whether it had been initialized before.
+async fn new_raft<N>(
+    shard: forkless_types::ShardId,
+    me: u64,
+    config: Arc<openraft::Config>,
+    network: N,
+    log: crate::raft_log::RaftLog,
+    replica: Arc<Replica>,
+    released: std::sync::mpsc::SyncSender<()>,
+) -> Result<(ShardRaft, bool), StoreError>
+where
+    N: RaftNetworkFactory<GroupConfig>,
+    N::Network: openraft::network::NetSnapshot<GroupConfig, SnapshotData = ShardSnapshot>,
+{
+    let machine = ShardMachine {
+        replica,
+        _released: Released(released),
+    };
+    let raft = ShardRaft::new(me, config, network, log, machine)
+        .await
+        .map_err(|e| group_error(shard, "starting", &e))?;
+    let initialized = raft
+        .is_initialized()
+        .await
+        .map_err(|e| group_error(shard, "reading its state", &e))?;
+    Ok((raft, initialized))
+}
+
+fn group_error(
+    shard: forkless_types::ShardId,
+    what: &str,
+    e: &dyn std::fmt::Display,
+) -> StoreError {
+    StoreError::Io(format!("shard {shard}'s Raft group: {what}: {e}"))
+}
+
 /// Starts the group of shard `shard` run by this node alone, on its log
 /// and state: initializes it if it is new, else elects this node again
 /// (a restarted leader is not restored), and waits until it leads and has
@@ -544,20 +582,9 @@ pub(crate) fn start_alone(
     let (released, on_release) = std::sync::mpsc::sync_channel(1);
     let started = run(
         async move {
-            let fail = |what: &str, e: &dyn std::fmt::Display| {
-                StoreError::Io(format!("shard {shard}'s Raft group: {what}: {e}"))
-            };
-            let machine = ShardMachine {
-                replica,
-                _released: Released(released),
-            };
-            let raft = ShardRaft::new(ALONE_ID, config, Alone, log, machine)
-                .await
-                .map_err(|e| fail("starting", &e))?;
-            let initialized = raft
-                .is_initialized()
-                .await
-                .map_err(|e| fail("reading its state", &e))?;
+            let fail = |what: &str, e: &dyn std::fmt::Display| group_error(shard, what, e);
+            let (raft, initialized) =
+                new_raft(shard, ALONE_ID, config, Alone, log, replica, released).await?;
             if initialized {
                 raft.trigger()
                     .elect(false)
@@ -630,27 +657,15 @@ pub(crate) fn start_replicated(
     let (released, on_release) = std::sync::mpsc::sync_channel(1);
     let started = run(
         async move {
-            let fail = |what: &str, e: &dyn std::fmt::Display| {
-                StoreError::Io(format!("shard {shard}'s Raft group: {what}: {e}"))
-            };
-            let machine = ShardMachine {
-                replica,
-                _released: Released(released),
-            };
-            let raft = ShardRaft::new(me, config, network, log, machine)
-                .await
-                .map_err(|e| fail("starting", &e))?;
-            let initialized = raft
-                .is_initialized()
-                .await
-                .map_err(|e| fail("reading its state", &e))?;
+            let (raft, initialized) =
+                new_raft(shard, me, config, network, log, replica, released).await?;
             if !initialized {
                 use openraft::errors::{InitializeError, RaftError};
                 match raft.initialize(members).await {
                     Ok(()) => {}
                     // Another replica's entries reached it first.
                     Err(RaftError::APIError(InitializeError::NotAllowed(_))) => {}
-                    Err(e) => return Err(fail("initializing", &e)),
+                    Err(e) => return Err(group_error(shard, "initializing", &e)),
                 }
             }
             Ok::<_, StoreError>(raft)
