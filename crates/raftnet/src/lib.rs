@@ -22,6 +22,8 @@
 //! answer, is `Unreachable`; one not answered within its time is a
 //! `Timeout`. Neither is ever an answer (a vote not heard is not granted).
 
+pub mod quiesce;
+
 use bytes::Bytes;
 use forkless_store::{CallError, Peers, Rpc, RpcReply, ShardStore};
 use futures_util::future::BoxFuture;
@@ -37,7 +39,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
@@ -457,9 +459,15 @@ async fn serve_connection(
         };
         let (groups, out) = (groups.clone(), out.clone());
         tokio::spawn(async move {
-            let result = match groups(group) {
-                Some(st) => st.handle_rpc(rpc).await,
-                None => Err(format!("this node holds no replica of shard {group}")),
+            let result = match rpc {
+                Rpc::Beat(beat) => {
+                    quiesce::heard(peer, &beat, &groups);
+                    Ok(RpcReply::Beat)
+                }
+                rpc => match groups(group) {
+                    Some(st) => st.handle_rpc(rpc).await,
+                    None => Err(format!("this node holds no replica of shard {group}")),
+                },
             };
             if let Ok(f) = encode(&ToClient::Answer { id, result }) {
                 let _ = out.send(f).await;

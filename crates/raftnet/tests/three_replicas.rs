@@ -16,7 +16,10 @@ use std::time::{Duration, Instant};
 const SHARD: ShardId = ShardId(0);
 
 struct Node {
+    id: u64,
     store: Option<Arc<Store>>,
+    /// Its transport to the other two.
+    peers: Arc<dyn forkless_store::Peers>,
     stop: tokio::sync::watch::Sender<bool>,
     /// How to open its store, for a node left closed at first.
     opener: Option<Box<dyn FnOnce() -> Arc<Store> + Send>>,
@@ -45,6 +48,25 @@ impl Node {
 impl Node {
     fn status(&self) -> Option<RaftStatus> {
         self.store.as_ref()?.shard(SHARD)?.raft_status()
+    }
+
+    /// Runs the node's heartbeat, which lets its idle groups go quiet,
+    /// until the node stops.
+    fn quiesce(&self) {
+        let st = self
+            .store
+            .as_ref()
+            .expect("up")
+            .shard(SHARD)
+            .expect("shard");
+        let others = (1..=3).filter(|p| *p != self.id).collect();
+        tokio::spawn(forkless_raftnet::quiesce::run(
+            self.peers.clone(),
+            others,
+            vec![st],
+            forkless_store::RaftTiming::default(),
+            self.stop.subscribe(),
+        ));
     }
 }
 
@@ -76,10 +98,12 @@ async fn cluster_with(dir: &std::path::Path, closed: &[u64]) -> Vec<Node> {
         let (stop, stopped) = tokio::sync::watch::channel(false);
         tokio::spawn(serve(listener, "secret".into(), groups, stopped));
         let members = members.clone();
+        let peers: Arc<dyn forkless_store::Peers> =
+            Arc::new(Links::new(id, "secret".into(), addrs.clone()));
         let rep = Replication {
             me: id,
             members: Arc::new(move |_| members.clone()),
-            peers: Arc::new(Links::new(id, "secret".into(), addrs.clone())),
+            peers: peers.clone(),
             timing: forkless_store::RaftTiming::default(),
         };
         let path = dir.join(id.to_string());
@@ -98,7 +122,9 @@ async fn cluster_with(dir: &std::path::Path, closed: &[u64]) -> Vec<Node> {
             Arc::new(store)
         });
         let mut node = Node {
+            id,
             store: None,
+            peers,
             stop,
             opener: Some(opener),
             cell: Some(cell),
@@ -296,4 +322,73 @@ async fn a_follower_catches_up_on_more_bytes_than_one_call_holds() {
         let (_, events) = st.read_events(id(n), 0, 1).expect("read").expect("there");
         assert_eq!(events[0].payload.len(), big.len() + 2);
     }
+}
+
+/// Waits at most 10 s until `f` holds of every running node's status.
+async fn until_all(nodes: &[Node], what: &str, f: impl Fn(&RaftStatus) -> bool) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let statuses: Vec<_> = nodes.iter().filter_map(|n| n.status()).collect();
+        if statuses.iter().all(&f) {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "not {what} within 10 s: {statuses:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// An idle group turns its timers off on every replica and stays led
+/// (no election while quiet, though its election timeout passes many
+/// times); a write wakes it and commits; and when a quiet group's leader
+/// goes, the followers notice its node's silence and elect a new one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_group_goes_quiet_wakes_for_a_write_and_replaces_a_dead_leader() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    for n in 1..=5 {
+        write(&nodes[l], n).await.expect("a write on the leader");
+    }
+    for n in &nodes {
+        n.quiesce();
+    }
+    until_all(&nodes, "quiet", |s| s.quiet).await;
+    let led = nodes[l].status().expect("up");
+    // Four election timeouts' max (600 ms) with no heartbeat of the group.
+    tokio::time::sleep(Duration::from_millis(2400)).await;
+    for n in &nodes {
+        let s = n.status().expect("up");
+        assert!(s.quiet, "woke while idle: {s:?}");
+        assert_eq!((s.leader, s.term), (led.leader, led.term), "{s:?}");
+    }
+
+    // A write wakes it, and is replicated.
+    write(&nodes[l], 6).await.expect("a write to a quiet group");
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    for i in 0..3 {
+        holds(&nodes, i, 1..=6, index).await;
+    }
+    until_all(&nodes, "quiet again", |s| s.quiet).await;
+
+    nodes[l].stop();
+    let l2 = leader(&nodes).await;
+    assert_ne!(l2, l);
+    let until = Instant::now() + Duration::from_secs(10);
+    while let Err(e) = write(&nodes[l2], 7).await {
+        assert!(Instant::now() < until, "the new leader takes no write: {e}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let index = nodes[l2]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    let other = (0..3).find(|i| *i != l && *i != l2).expect("the third");
+    holds(&nodes, l2, 1..=7, index).await;
+    holds(&nodes, other, 1..=7, index).await;
 }

@@ -1317,6 +1317,7 @@ async fn cluster(State(app): AppState) -> Response {
                             "committed": g.committed,
                             "applied": g.applied,
                             "voters": g.voters,
+                            "quiet": g.quiet,
                             "followers": g.matched.iter().map(|(id, m)| json!({
                                 "node": id,
                                 "matched": m,

@@ -241,6 +241,8 @@ pub struct RaftTimingFile {
     pub heartbeat_ms: u64,
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
+    /// An idle group turns its timers off (on by default).
+    pub quiesce: bool,
 }
 
 impl Default for RaftTimingFile {
@@ -250,6 +252,7 @@ impl Default for RaftTimingFile {
             heartbeat_ms: d.heartbeat_ms,
             election_timeout_min_ms: d.election_timeout_min_ms,
             election_timeout_max_ms: d.election_timeout_max_ms,
+            quiesce: d.quiesce,
         }
     }
 }
@@ -261,6 +264,7 @@ impl RaftTimingFile {
             heartbeat_ms: h,
             election_timeout_min_ms: lo,
             election_timeout_max_ms: hi,
+            quiesce,
         } = *self;
         if !(10..=10_000).contains(&h) {
             return bad(format!("raft.heartbeat_ms must be 10 to 10000, not {h}"));
@@ -279,6 +283,7 @@ impl RaftTimingFile {
             heartbeat_ms: h,
             election_timeout_min_ms: lo,
             election_timeout_max_ms: hi,
+            quiesce,
         })
     }
 }
@@ -938,14 +943,15 @@ peer_addr = "127.0.0.1:7172"
         let one = check(&replicated("replication_factor = 1"), Some(1), None).expect("valid");
         assert!(one.cluster.expect("cluster").replication.is_none());
 
-        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400";
+        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400\nquiesce = false";
         let t = check(&replicated(timers), Some(1), None).expect("valid");
         assert_eq!(
             t.cluster.and_then(|c| c.replication).map(|r| r.timing),
             Some(forkless_store::RaftTiming {
                 heartbeat_ms: 50,
                 election_timeout_min_ms: 200,
-                election_timeout_max_ms: 400
+                election_timeout_max_ms: 400,
+                quiesce: false,
             })
         );
 

@@ -58,6 +58,8 @@ pub struct App {
     pub connections: [AtomicUsize; 2],
     /// Long-polls waiting now (`limits.long_polls_max` bounds it).
     pub long_polls: AtomicUsize,
+    /// How this node's replicated shards reach their other replicas.
+    pub replication: Option<forkless_store::Replication>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -97,7 +99,7 @@ impl App {
                 writer_priority: cfg.store.writer_priority,
                 // A replicated shard is a Raft group whatever the setting.
                 raft: cfg.store.raft || replication.is_some(),
-                replication,
+                replication: replication.clone(),
                 requests_in_progress: Some(in_progress.clone()),
                 ..StoreConfig::default()
             },
@@ -149,6 +151,7 @@ impl App {
             stopping: tokio::sync::watch::channel(false).0,
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
+            replication,
             dir,
             store,
             cfg,
@@ -313,6 +316,29 @@ pub async fn run(
             stop_rx.clone(),
         ));
         tokio::spawn(follow_leaders(app.clone(), stop_rx.clone()));
+        if let Some(rep) = &app.replication {
+            let peer_ids = app
+                .cfg
+                .cluster
+                .iter()
+                .flat_map(|c| c.nodes.iter())
+                .map(|n| u64::from(n.id.get()))
+                .filter(|id| *id != rep.me)
+                .collect();
+            let shards = app
+                .store
+                .hosted()
+                .into_iter()
+                .filter(|st| st.is_replicated())
+                .collect();
+            tokio::spawn(forkless_raftnet::quiesce::run(
+                rep.peers.clone(),
+                peer_ids,
+                shards,
+                rep.timing,
+                stop_rx.clone(),
+            ));
+        }
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
         // Ready once its first round of probes has completed.

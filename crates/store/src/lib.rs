@@ -42,6 +42,7 @@ mod machine;
 mod meta_cache;
 mod node_log;
 mod priority;
+mod quiet;
 #[cfg_attr(
     not(test),
     allow(
@@ -69,9 +70,12 @@ mod writer;
 pub use commit::CommitStats;
 pub use latency::LatencySnapshot;
 pub use openraft::BasicNode;
+pub use quiet::QuietAs;
 pub use raft_group::{Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
-pub use raft_net::{CallError, Peers, RaftTiming, Replication, Rpc, RpcReply, APPEND_BYTES_MAX};
+pub use raft_net::{
+    Beat, CallError, Peers, RaftTiming, Replication, Rpc, RpcReply, APPEND_BYTES_MAX,
+};
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use waiters::Interest;
 

@@ -622,6 +622,8 @@ pub(crate) fn start_alone(
     Ok(Group {
         raft,
         replicated: false,
+        quiet: Arc::new(crate::quiet::Quiet::new()),
+        vote_fresh: std::time::Duration::ZERO,
         released: Mutex::new(on_release),
     })
 }
@@ -681,6 +683,8 @@ pub(crate) fn start_replicated(
     Ok(Group {
         raft,
         replicated: true,
+        quiet: Arc::new(crate::quiet::Quiet::new()),
+        vote_fresh: std::time::Duration::from_millis(rep.timing.election_timeout_min_ms),
         released: Mutex::new(on_release),
     })
 }
@@ -695,6 +699,11 @@ pub(crate) struct Group {
     /// Whether the group has replicas on other nodes (else this node runs
     /// it alone).
     pub(crate) replicated: bool,
+    /// Whether its timers are off (a replicated group's, when idle).
+    pub(crate) quiet: Arc<crate::quiet::Quiet>,
+    /// How recently a quiet follower must have heard that its leader is
+    /// alive to refuse a vote (`Quiet::refuses_vote`).
+    pub(crate) vote_fresh: std::time::Duration,
     /// In a mutex only so that the shard is `Sync`; used once, at drop.
     released: Mutex<std::sync::mpsc::Receiver<()>>,
 }
@@ -737,6 +746,8 @@ pub struct RaftStatus {
     pub voters: Vec<u64>,
     /// On the leader: each follower's last entry known to match its own.
     pub matched: Vec<(u64, Option<u64>)>,
+    /// Whether the group's timers are off here (idle: `crate::quiet`).
+    pub quiet: bool,
 }
 
 impl RaftStatus {
@@ -766,6 +777,7 @@ impl RaftStatus {
                         .collect()
                 })
                 .unwrap_or_default(),
+            quiet: false,
         }
     }
 }
@@ -814,10 +826,26 @@ impl RaftWatch {
 /// What a replica does with a call from another: hands it to its group
 /// and returns the group's answer (an error is the group's, as text).
 pub(crate) async fn handle(
-    raft: &ShardRaft,
+    group: &Group,
     rpc: crate::raft_net::Rpc,
 ) -> Result<crate::raft_net::RpcReply, String> {
+    let raft = &group.raft;
+    match &rpc {
+        // Entries: the leader is written again, and so is this group.
+        crate::raft_net::Rpc::AppendEntries(r) if !r.entries.is_empty() => {
+            group.quiet.wake(raft);
+        }
+        crate::raft_net::Rpc::Vote(_) | crate::raft_net::Rpc::PreVote(_) => {
+            if let Some(why) = group.quiet.refuses_vote(raft, group.vote_fresh) {
+                return Err(format!("this replica does not vote now: {why}"));
+            }
+        }
+        _ => {}
+    }
     match rpc {
+        crate::raft_net::Rpc::Beat(_) => {
+            Err("a node's heartbeat is for the node, not for one of its groups".into())
+        }
         crate::raft_net::Rpc::AppendEntries(r) => raft
             .append_entries(r)
             .await

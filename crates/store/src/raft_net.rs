@@ -38,6 +38,17 @@ pub enum Rpc {
     AppendEntries(AppendEntriesRequest<GroupConfig>),
     Vote(VoteRequest<GroupConfig>),
     PreVote(VoteRequest<GroupConfig>),
+    /// A node's heartbeat to a peer: one a node pair and heartbeat
+    /// interval, whatever the number of groups (sent for no group).
+    Beat(Beat),
+}
+
+/// What a node's heartbeat says: the groups it leads quietly, and at
+/// which term (`crate::quiet`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Beat {
+    /// (shard, term) of each group the sender leads with its timers off.
+    pub quiet: Vec<(u32, u64)>,
 }
 
 impl Rpc {
@@ -47,6 +58,7 @@ impl Rpc {
             Rpc::AppendEntries(_) => "append_entries",
             Rpc::Vote(_) => "vote",
             Rpc::PreVote(_) => "pre_vote",
+            Rpc::Beat(_) => "beat",
         }
     }
 
@@ -54,6 +66,7 @@ impl Rpc {
         match self {
             Rpc::AppendEntries(_) => RPCTypes::AppendEntries,
             Rpc::Vote(_) | Rpc::PreVote(_) => RPCTypes::Vote,
+            Rpc::Beat(_) => RPCTypes::AppendEntries,
         }
     }
 }
@@ -63,6 +76,8 @@ impl Rpc {
 pub enum RpcReply {
     AppendEntries(AppendEntriesResponse<GroupConfig>),
     Vote(VoteResponse<GroupConfig>),
+    /// A heartbeat was heard.
+    Beat,
 }
 
 /// Why a call brought no answer.
@@ -270,6 +285,9 @@ pub struct RaftTiming {
     /// about max plus an election after it died.
     pub election_timeout_min_ms: u64,
     pub election_timeout_max_ms: u64,
+    /// Whether an idle group turns its timers off (`crate::quiet`), its
+    /// leader then known alive by its node's heartbeat alone.
+    pub quiesce: bool,
 }
 
 impl RaftTiming {
@@ -278,6 +296,7 @@ impl RaftTiming {
         heartbeat_ms: 100,
         election_timeout_min_ms: 500,
         election_timeout_max_ms: 1000,
+        quiesce: false,
     };
 }
 
@@ -288,6 +307,7 @@ impl Default for RaftTiming {
             heartbeat_ms: 100,
             election_timeout_min_ms: 300,
             election_timeout_max_ms: 600,
+            quiesce: true,
         }
     }
 }

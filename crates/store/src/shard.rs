@@ -12,6 +12,7 @@ use crate::log::{self, Log, Position, Record, Segments};
 use crate::meta_cache::{MetaCache, META_CACHE_GENERATION_ENTRIES};
 use crate::node_log::{NodeLog, SEGMENT_BASE};
 use crate::priority::lower_own_priority;
+use crate::quiet::QuietAs;
 use crate::raft_group::{self, Replica};
 use crate::raft_log::{RaftLog, RaftReplay, RaftStart};
 use crate::read::{read_meta, view, SharedTail};
@@ -828,6 +829,7 @@ impl ShardStore {
             raft: Some(RaftWrite {
                 raft: started.raft.clone(),
                 replicated: started.replicated,
+                quiet: started.quiet.clone(),
                 replica,
                 proposal: ProposalBuf::default(),
             }),
@@ -905,7 +907,9 @@ impl ShardStore {
     pub fn raft_status(&self) -> Option<raft_group::RaftStatus> {
         self.raft.as_ref().map(|g| {
             use openraft::async_runtime::WatchReceiver;
-            raft_group::RaftStatus::of(&g.raft.metrics().borrow_watched())
+            let mut status = raft_group::RaftStatus::of(&g.raft.metrics().borrow_watched());
+            status.quiet = g.replicated && g.quiet.is_quiet();
+            status
         })
     }
 
@@ -916,6 +920,52 @@ impl ShardStore {
             .as_ref()
             .filter(|g| g.replicated)
             .map(|g| raft_group::RaftWatch::new(&g.raft).now())
+    }
+
+    /// On the leader of the shard's replicated group: turns the group's
+    /// timers off if nothing was written to it for `idle` and every
+    /// follower has every entry; says whether it leads quietly, and at
+    /// which term (`crate::quiet`).
+    pub fn quiesce_if_idle(&self, idle: std::time::Duration) -> QuietAs {
+        match self.raft.as_ref().filter(|g| g.replicated) {
+            Some(g) => g.quiet.quiesce_leader(&g.raft, idle),
+            None => QuietAs::Awake,
+        }
+    }
+
+    /// On a follower: node `leader` says it leads the group quietly at
+    /// `term`; the follower turns its timers off too if it follows that
+    /// leader at that term. Says whether it did.
+    pub fn follow_quietly(&self, leader: u64, term: u64) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.quiet.follow(&g.raft, leader, term))
+    }
+
+    /// Turns the group's timers back on; says whether they were off.
+    pub fn wake(&self) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.quiet.wake(&g.raft))
+    }
+
+    /// Whether the shard's replicated group has its timers off here.
+    pub fn is_quiet(&self) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.quiet.is_quiet())
+    }
+
+    /// On a quiet follower: the leader it follows and how long since that
+    /// leader's node last said it keeps the group quiet.
+    pub fn quiet_leader(&self) -> Option<(u64, std::time::Duration)> {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .and_then(|g| g.quiet.quiet_leader())
     }
 
     /// A watch on the shard's Raft group, if it has one.
@@ -965,7 +1015,7 @@ impl ShardStore {
         rpc: crate::raft_net::Rpc,
     ) -> Result<crate::raft_net::RpcReply, String> {
         match &self.raft {
-            Some(g) if g.replicated => raft_group::handle(&g.raft, rpc).await,
+            Some(g) if g.replicated => raft_group::handle(g, rpc).await,
             _ => Err(format!(
                 "shard {} is not a replicated Raft group on this node",
                 self.shard

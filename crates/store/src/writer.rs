@@ -151,6 +151,8 @@ pub(crate) struct RaftWrite {
     pub(crate) raft: ShardRaft,
     /// Whether the group has replicas on other nodes.
     pub(crate) replicated: bool,
+    /// Whether the group's timers are off: a write wakes it.
+    pub(crate) quiet: Arc<crate::quiet::Quiet>,
     pub(crate) replica: Arc<Replica>,
     pub(crate) proposal: ProposalBuf,
 }
@@ -189,10 +191,59 @@ impl RaftWrite {
         })
     }
 
+    /// Wakes the group if it was quiet. A quiet leader has not heard a
+    /// quorum for as long as it was quiet, so it confirms it still leads
+    /// (a heartbeat round, as for a read) before it evaluates a group:
+    /// else [`RaftWrite::cut_off`] would take it for cut off, and a leader
+    /// deposed meanwhile would evaluate against a stale state only to have
+    /// its entry discarded.
+    fn wake(&self, shard: ShardId) -> Result<bool, StoreError> {
+        if !self.replicated {
+            return Ok(false);
+        }
+        // Only the leader's writes wake the group (a follower's refuses
+        // them, in `leading`).
+        let leads = {
+            let m = self.raft.metrics();
+            let m = m.borrow_watched();
+            m.current_leader == Some(m.id)
+        };
+        if !leads || !self.quiet.touch(&self.raft) {
+            return Ok(false);
+        }
+        let raft = self.raft.clone();
+        let confirmed = raft_group::run(
+            async move {
+                tokio::time::timeout(
+                    LEADER_READY_WITHIN,
+                    raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
+                )
+                .await
+            },
+            LEADER_READY_WITHIN * 2,
+        )?;
+        match confirmed {
+            Some(Ok(Ok(_))) => Ok(true),
+            Some(Ok(Err(e))) => Err(StoreError::NotExecuted {
+                shard,
+                reason: format!("the shard's group was idle, and this node could not confirm it still leads it: {e}"),
+            }),
+            _ => Err(StoreError::NotExecuted {
+                shard,
+                reason: format!(
+                    "the shard's group was idle, and no quorum confirmed this node still leads it within {} s",
+                    LEADER_READY_WITHIN.as_secs()
+                ),
+            }),
+        }
+    }
+
     /// The term this node leads the shard's group at, once it has applied
     /// an entry of that term; else why the shard's writes cannot be
     /// evaluated here (not executed: safe to retry, at the leader).
-    fn leading(&self, shard: ShardId) -> Result<u64, StoreError> {
+    /// `confirmed`: a quorum has just confirmed this node's leadership
+    /// (the group woke), which the metrics may not show yet.
+    fn leading(&self, shard: ShardId, confirmed: bool) -> Result<u64, StoreError> {
         let ready = |m: &openraft::RaftMetrics<crate::raft_log::GroupConfig>| {
             m.current_leader == Some(m.id)
                 && m.last_applied
@@ -203,7 +254,7 @@ impl RaftWrite {
             let m = m.borrow_watched();
             if ready(&m) {
                 drop(m);
-                if let Some(why) = self.cut_off() {
+                if let Some(why) = self.cut_off().filter(|_| !confirmed) {
                     return Err(StoreError::NotExecuted { shard, reason: why });
                 }
                 return Ok(self.raft.metrics().borrow_watched().current_term);
@@ -353,7 +404,10 @@ impl Writer {
         // applied its term's first entry (everything committed before it).
         let mut not_leading = None;
         if let Some(r) = &mut self.raft {
-            match r.leading(self.shard) {
+            match r
+                .wake(self.shard)
+                .and_then(|confirmed| r.leading(self.shard, confirmed))
+            {
                 Ok(term) => r.proposal.begin(term),
                 Err(e) => not_leading = Some(e),
             }

@@ -1,0 +1,104 @@
+//! A node's heartbeat, one a node pair: what lets an idle group turn its
+//! timers off (`docs/replication.md`, "Many groups on two cores").
+//!
+//! Every heartbeat interval a node asks each group it leads whether it is
+//! idle (nothing proposed for [`IDLE_BEATS`] intervals, every follower
+//! has every entry: then its timers go off), and sends each peer one
+//! [`Beat`] naming the groups it leads quietly, with their terms. A
+//! follower that hears it turns its own group's timers off too. A quiet
+//! follower whose leader has not named its group for the election
+//! timeout's min (the leader's node died, is paused or cut off, or the
+//! group woke) turns its timers back on, after a random part of the
+//! election timeout's spread so that two followers do not stand at once;
+//! the group then elects as usual, pre-vote first. A write to a quiet
+//! group wakes its leader (the writer), and its entries wake the
+//! followers.
+
+use crate::Groups;
+use forkless_store::{Beat, Peers, QuietAs, RaftTiming, Rpc, ShardStore};
+use std::hash::BuildHasher;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Heartbeat intervals with nothing proposed before a leader's group goes
+/// quiet.
+pub const IDLE_BEATS: u32 = 3;
+
+/// What a node does with a peer's heartbeat: each group the peer leads
+/// quietly goes quiet here too, if this replica follows that peer at that
+/// term.
+pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) {
+    for (shard, term) in &beat.quiet {
+        if let Some(st) = groups(*shard) {
+            st.follow_quietly(from, *term);
+        }
+    }
+}
+
+/// Sends this node's heartbeat to `peers` every heartbeat interval, and
+/// wakes the quiet followers among `shards` whose leader went silent,
+/// until `stop` turns true. With `timing.quiesce` off it does nothing
+/// (the groups keep their own timers).
+pub async fn run(
+    peers: Arc<dyn Peers>,
+    peer_ids: Vec<u64>,
+    shards: Vec<Arc<ShardStore>>,
+    timing: RaftTiming,
+    mut stop: watch::Receiver<bool>,
+) {
+    if !timing.quiesce {
+        return;
+    }
+    let every = Duration::from_millis(timing.heartbeat_ms);
+    let idle = every * IDLE_BEATS;
+    let silent_after = Duration::from_millis(timing.election_timeout_min_ms);
+    let spread_ms = timing
+        .election_timeout_max_ms
+        .saturating_sub(timing.election_timeout_min_ms)
+        .max(1);
+    let random = std::collections::hash_map::RandomState::new();
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticks.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        let mut quiet = Vec::new();
+        for st in &shards {
+            if let QuietAs::Leader { term } = st.quiesce_if_idle(idle) {
+                quiet.push((st.id().get(), term));
+            }
+        }
+        for &peer in &peer_ids {
+            let beat = Rpc::Beat(Beat {
+                quiet: quiet.clone(),
+            });
+            let call = peers.call(peer, 0, beat, every);
+            // Not waited for: a slow peer must not delay the others' beats
+            // (each call ends within `every`).
+            tokio::spawn(async move {
+                let _ = call.await;
+            });
+        }
+        let mut woke = Vec::new();
+        for st in &shards {
+            let Some((leader, since)) = st.quiet_leader() else {
+                continue;
+            };
+            // This node's own delay for the shard (each node draws its own).
+            let jitter = Duration::from_millis(random.hash_one(st.id().get()) % spread_ms);
+            if since >= silent_after + jitter && st.wake() {
+                woke.push((st.id().get(), leader));
+            }
+        }
+        if !woke.is_empty() {
+            tracing::info!(
+                shards = ?woke.iter().map(|(s, _)| s).collect::<Vec<_>>(),
+                leaders = ?woke.iter().map(|(_, l)| l).collect::<std::collections::BTreeSet<_>>(),
+                "quiet shards' leader went silent: their groups' timers are back on"
+            );
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! Quiescence of a replicated shard's group: an idle group turns its
+//! timers off, on its leader and its followers, so that it costs nothing
+//! while nothing is written (`docs/replication.md`, "Many groups on two
+//! cores"). Raft's safety never depends on its timers, only its liveness
+//! does: a quiet group still replicates, commits and votes; what it stops
+//! is its heartbeats and its followers' election timers. What replaces
+//! them is one heartbeat a node pair (the node's transport, which names
+//! the groups a node leads quietly): a follower that stops hearing its
+//! leader's node turns its group's timers back on and the group elects as
+//! usual.
+//!
+//! This module holds one group's part: whether it is quiet, when it was
+//! last written, and when this replica last heard that its leader is alive
+//! and keeps the group quiet. The node-wide part (the heartbeats, and
+//! noticing a silent peer) is the transport's.
+
+use crate::raft_group::ShardRaft;
+use openraft::async_runtime::WatchReceiver;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// One group's quiescence, shared by its writer and the shard.
+#[derive(Debug)]
+pub(crate) struct Quiet {
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The group's timers are off.
+    quiet: bool,
+    /// The writer last proposed (or the group started).
+    last_write: Instant,
+    /// A follower's: the leader (node) that last said it keeps the group
+    /// quiet at the current term, and when.
+    leader_heard: Option<(u64, Instant)>,
+}
+
+/// What a replica did when asked to go quiet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuietAs {
+    /// It leads the group, quietly, at this term: its peers are told.
+    Leader { term: u64 },
+    /// It follows, quietly.
+    Follower,
+    /// It stays awake (written lately, a follower behind, no leader...).
+    Awake,
+}
+
+impl Quiet {
+    pub(crate) fn new() -> Quiet {
+        Quiet {
+            state: Mutex::new(State {
+                quiet: false,
+                last_write: Instant::now(),
+                leader_heard: None,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn is_quiet(&self) -> bool {
+        self.lock().quiet
+    }
+
+    /// The writer is about to propose: the group is awake from now on.
+    /// Says whether it was quiet (then its leader has not heard a quorum
+    /// lately, and confirms it before it evaluates).
+    pub(crate) fn touch(&self, raft: &ShardRaft) -> bool {
+        let mut s = self.lock();
+        s.last_write = Instant::now();
+        let was = s.quiet;
+        if was {
+            s.quiet = false;
+            s.leader_heard = None;
+            raft.runtime_config().tick(true);
+        }
+        was
+    }
+
+    /// Turns the group's timers back on (a follower that got entries, or
+    /// whose leader's node went silent).
+    pub(crate) fn wake(&self, raft: &ShardRaft) -> bool {
+        let mut s = self.lock();
+        let was = s.quiet;
+        if was {
+            s.quiet = false;
+            s.leader_heard = None;
+            raft.runtime_config().tick(true);
+        }
+        was
+    }
+
+    /// On the leader: goes quiet if nothing was proposed for `idle` and
+    /// every follower has every entry (a follower behind, or away, keeps
+    /// the group awake so that the leader keeps sending to it).
+    pub(crate) fn quiesce_leader(&self, raft: &ShardRaft, idle: Duration) -> QuietAs {
+        let mut s = self.lock();
+        let m = raft.metrics();
+        let m = m.borrow_watched();
+        if m.current_leader != Some(m.id) || m.state != openraft::ServerState::Leader {
+            return if s.quiet {
+                QuietAs::Follower
+            } else {
+                QuietAs::Awake
+            };
+        }
+        if s.quiet {
+            return QuietAs::Leader {
+                term: m.current_term,
+            };
+        }
+        let last = m.last_log_index;
+        let caught_up = m.local_committed.map(|l| l.index) == last
+            && m.last_applied.map(|l| l.index) == last
+            && m.replication
+                .as_ref()
+                .is_some_and(|r| r.values().all(|matched| matched.map(|l| l.index) == last));
+        if !caught_up || s.last_write.elapsed() < idle {
+            return QuietAs::Awake;
+        }
+        s.quiet = true;
+        raft.runtime_config().tick(false);
+        QuietAs::Leader {
+            term: m.current_term,
+        }
+    }
+
+    /// On a follower: node `leader` says it leads the group quietly at
+    /// `term`. The follower goes quiet too if it knows that leader at that
+    /// term (it voted for it, or heard it), and is not a leader itself.
+    pub(crate) fn follow(&self, raft: &ShardRaft, leader: u64, term: u64) -> bool {
+        let mut s = self.lock();
+        let m = raft.metrics();
+        let m = m.borrow_watched();
+        let knows = m.current_term == term
+            && m.vote.leader_id.term == term
+            && (m.current_leader == Some(leader) || m.vote.leader_id.voted_for == leader);
+        if !knows || m.id == leader || m.state == openraft::ServerState::Leader {
+            return false;
+        }
+        s.leader_heard = Some((leader, Instant::now()));
+        if !s.quiet {
+            s.quiet = true;
+            raft.runtime_config().tick(false);
+        }
+        true
+    }
+
+    /// The leader a quiet follower follows, and how long since it last
+    /// said it keeps the group quiet.
+    pub(crate) fn quiet_leader(&self) -> Option<(u64, Duration)> {
+        let s = self.lock();
+        if !s.quiet {
+            return None;
+        }
+        s.leader_heard.map(|(l, at)| (l, at.elapsed()))
+    }
+
+    /// Why this replica does not answer a (pre-)vote now, if it does not:
+    /// it leads the group quietly (it is alive, so no election is needed),
+    /// or it follows quietly a leader whose node said so within `fresh`.
+    /// Not answering a vote is always safe; it only keeps a candidate
+    /// that cannot hear a live leader from disrupting the group.
+    pub(crate) fn refuses_vote(&self, raft: &ShardRaft, fresh: Duration) -> Option<String> {
+        let s = self.lock();
+        if !s.quiet {
+            return None;
+        }
+        let m = raft.metrics();
+        let m = m.borrow_watched();
+        if m.state == openraft::ServerState::Leader {
+            return Some(format!(
+                "this node leads the group at term {}, quietly",
+                m.current_term
+            ));
+        }
+        match s.leader_heard {
+            Some((l, at)) if at.elapsed() < fresh => Some(format!(
+                "its leader, node {l}, said {} ms ago that it keeps the group quiet",
+                at.elapsed().as_millis()
+            )),
+            _ => None,
+        }
+    }
+}
