@@ -202,3 +202,104 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
     let counts = cl.stop_and_compare_replicas();
     assert!(counts.values().sum::<u64>() >= 500, "{counts:?}");
 }
+
+/// Whether node `via` says every shard's group is quiet on it.
+fn all_quiet(c: &Client) -> Option<()> {
+    let v = c
+        .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+        .ok()?
+        .json();
+    let shards = v["shards"].as_array()?;
+    shards
+        .iter()
+        .all(|s| s["raft"]["quiet"].as_bool() == Some(true))
+        .then_some(())
+}
+
+/// Idle groups turn their timers off on every replica; when the node that
+/// leads them is killed, the other two notice its silence, elect, and take
+/// writes; written before and after, every replica holds the same events.
+#[test]
+fn a_killed_leader_of_quiet_groups_is_replaced() {
+    let _deadline = deadline("replication: quiet leader killed", Duration::from_secs(180));
+    let mut cl = Cluster::start_replicated(NODES, SHARDS, 3, PeerTiming::default());
+    let leaders = cl.wait_leaders_known(1, &[]);
+    let victim = leaders[0].0;
+    let others: Vec<u16> = (1..=NODES).filter(|n| *n != victim).collect();
+    let c = cl.client(others[0]);
+    let execs: Vec<String> = (0..SHARDS)
+        .map(|s| {
+            let key = key_on_shard(&format!("quiet-{s}"), s, SHARDS);
+            id_of(&c.start(&json!({"workflow": "w", "routing_key": key})))
+        })
+        .collect();
+    let append = |c: &Client, exec: &str, marker: &str| {
+        c.post(
+            &format!("/api/executions/{exec}/events"),
+            &workload::batch_body(&[marker.to_string()], None),
+        )
+    };
+    for e in &execs {
+        append(&c, e, &format!("{e}-before")).expect(200);
+    }
+    for n in 1..=NODES {
+        let c = cl.client(n);
+        wait_until(
+            &format!("every group quiet on node {n}"),
+            Duration::from_secs(20),
+            || all_quiet(&c),
+        );
+    }
+
+    let struck_at = Instant::now();
+    cl.kill9(victim);
+    let after = cl.wait_leaders_known(others[0], &[victim]);
+    let elected = struck_at.elapsed();
+    // The first write on each shard after the kill: retried while the
+    // group elects (refused as not executed, or unknown and settled by
+    // its idempotency key).
+    for e in &execs {
+        wait_until(
+            &format!("a write on {e} after the leader's kill"),
+            Duration::from_secs(20),
+            || {
+                let r = c
+                    .try_req(
+                        "POST",
+                        &format!("/api/executions/{e}/events"),
+                        &[],
+                        Some(
+                            workload::batch_body(&[format!("{e}-after")], None)
+                                .to_string()
+                                .as_bytes(),
+                        ),
+                        Duration::from_secs(5),
+                    )
+                    .ok()?;
+                (r.status == 201 || r.status == 200).then_some(())
+            },
+        );
+    }
+    eprintln!(
+        "quiet groups: leaders {leaders:?} -> {after:?}; every shard led again {elected:?} after the kill, written again after {:?}",
+        struck_at.elapsed()
+    );
+    cl.spawn(victim, &cl.node(victim).config.clone());
+    cl.wait_ready(victim);
+    cl.wait_leaders_known(victim, &[]);
+    for e in &execs {
+        let events = c.events(e);
+        let markers: Vec<_> = events
+            .iter()
+            .filter_map(|v| v["payload"]["marker"].as_str())
+            .collect();
+        assert_eq!(
+            markers,
+            vec![format!("{e}-before"), format!("{e}-after")],
+            "{events:?}"
+        );
+    }
+    cl.wait_replicas_level();
+    let counts = cl.stop_and_compare_replicas();
+    assert!(counts.values().sum::<u64>() >= 4, "{counts:?}");
+}
