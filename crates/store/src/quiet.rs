@@ -14,8 +14,13 @@
 //! and keeps the group quiet. The node-wide part (the heartbeats, and
 //! noticing a silent peer) is the transport's.
 
-use crate::raft_group::ShardRaft;
+/// A group's Raft handle, whatever its state machine (this module sits
+/// below `raft_group`, which uses it).
+type Raft<SM> = openraft::Raft<GroupConfig, SM>;
+
+use crate::raft_log::GroupConfig;
 use openraft::async_runtime::WatchReceiver;
+use openraft::storage::RaftStateMachine;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -69,7 +74,7 @@ impl Quiet {
     /// The writer is about to propose: the group is awake from now on.
     /// Says whether it was quiet (then its leader has not heard a quorum
     /// lately, and confirms it before it evaluates).
-    pub(crate) fn touch(&self, raft: &ShardRaft) -> bool {
+    pub(crate) fn touch<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
         let mut s = self.lock();
         s.last_write = Instant::now();
         let was = s.quiet;
@@ -83,7 +88,7 @@ impl Quiet {
 
     /// Turns the group's timers back on (a follower that got entries, or
     /// whose leader's node went silent).
-    pub(crate) fn wake(&self, raft: &ShardRaft) -> bool {
+    pub(crate) fn wake<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
         let mut s = self.lock();
         let was = s.quiet;
         if was {
@@ -97,7 +102,11 @@ impl Quiet {
     /// On the leader: goes quiet if nothing was proposed for `idle` and
     /// every follower has every entry (a follower behind, or away, keeps
     /// the group awake so that the leader keeps sending to it).
-    pub(crate) fn quiesce_leader(&self, raft: &ShardRaft, idle: Duration) -> QuietAs {
+    pub(crate) fn quiesce_leader<SM: RaftStateMachine<GroupConfig>>(
+        &self,
+        raft: &Raft<SM>,
+        idle: Duration,
+    ) -> QuietAs {
         let mut s = self.lock();
         let m = raft.metrics();
         let m = m.borrow_watched();
@@ -132,7 +141,12 @@ impl Quiet {
     /// On a follower: node `leader` says it leads the group quietly at
     /// `term`. The follower goes quiet too if it knows that leader at that
     /// term (it voted for it, or heard it), and is not a leader itself.
-    pub(crate) fn follow(&self, raft: &ShardRaft, leader: u64, term: u64) -> bool {
+    pub(crate) fn follow<SM: RaftStateMachine<GroupConfig>>(
+        &self,
+        raft: &Raft<SM>,
+        leader: u64,
+        term: u64,
+    ) -> bool {
         let mut s = self.lock();
         let m = raft.metrics();
         let m = m.borrow_watched();
@@ -165,7 +179,11 @@ impl Quiet {
     /// or it follows quietly a leader whose node said so within `fresh`.
     /// Not answering a vote is always safe; it only keeps a candidate
     /// that cannot hear a live leader from disrupting the group.
-    pub(crate) fn refuses_vote(&self, raft: &ShardRaft, fresh: Duration) -> Option<String> {
+    pub(crate) fn refuses_vote<SM: RaftStateMachine<GroupConfig>>(
+        &self,
+        raft: &Raft<SM>,
+        fresh: Duration,
+    ) -> Option<String> {
         let s = self.lock();
         if !s.quiet {
             return None;

@@ -301,12 +301,14 @@ impl RaftTiming {
 }
 
 impl Default for RaftTiming {
-    /// Failover about 0.6 s plus an election (`BENCHMARKS.md`).
+    /// Failover about 0.8 s (`BENCHMARKS.md`, "Replicated: failover and
+    /// idle CPU"); idle groups' timers are off, so the short heartbeat
+    /// costs nothing while a group is idle.
     fn default() -> Self {
         RaftTiming {
-            heartbeat_ms: 100,
-            election_timeout_min_ms: 300,
-            election_timeout_max_ms: 600,
+            heartbeat_ms: 50,
+            election_timeout_min_ms: 200,
+            election_timeout_max_ms: 400,
             quiesce: true,
         }
     }
