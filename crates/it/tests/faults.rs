@@ -143,9 +143,12 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                 .expect("a healthy node");
             cl.wait_leaders_known(healthy, &faulted);
         }
+        // Held on for 150 acknowledgements (not only until the majority
+        // elects, which takes under a second): enough operations meet
+        // each fault.
         grew(
-            50,
-            &format!("50 acknowledged writes during round {round}'s fault"),
+            150,
+            &format!("150 acknowledged writes during round {round}'s fault"),
         );
         let healed = Instant::now();
         match &fault {
