@@ -76,6 +76,17 @@ pub(crate) fn refused_key(index: u64, term: u64) -> Vec<u8> {
     key
 }
 
+/// The put that records entry `index` of `term` as refused at its apply,
+/// under the key its readers look up ([`refused_key`]: a reopen's
+/// reindex, `forkless store check`).
+fn refusal(index: u64, term: u64, why: &str) -> (u8, Vec<u8>, Vec<u8>) {
+    (
+        keyspace_id::META,
+        refused_key(index, term),
+        why.as_bytes().to_vec(),
+    )
+}
+
 /// The metadata cache, shared by the writer (which evaluates against it)
 /// and the apply (which updates it).
 pub(crate) type SharedCache = Arc<Mutex<MetaCache>>;
@@ -301,10 +312,7 @@ impl Applier {
             self.pending.clear();
             self.puts.clear();
             self.written.clear();
-            let mut key = REFUSED_PREFIX.to_vec();
-            key.extend_from_slice(&index.to_be_bytes());
-            self.puts
-                .push((keyspace_id::META, key, why.as_bytes().to_vec()));
+            self.puts.push(refusal(index, term, why));
         }
         self.puts.push((
             keyspace_id::META,
@@ -644,5 +652,24 @@ fn parse_precondition(b: &[u8]) -> Option<(Precondition<'_>, usize)> {
             Some((p, 5 + len))
         }
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A refusal is recorded under the key a reopen's reindex and the
+    /// offline check look up. It was not (the index alone, without the
+    /// term): a refused entry's events were counted by `store check` as
+    /// the shard's (the fault suite saw "event 291 follows event 291" on a
+    /// replica) and would have been indexed again at a reopen.
+    #[test]
+    fn a_refusal_is_recorded_where_its_readers_look() {
+        let (keyspace, key, why) = refusal(7, 3, "proposed in term 2, committed in term 3");
+        assert_eq!(keyspace, keyspace_id::META);
+        assert_eq!(key, refused_key(7, 3));
+        assert_ne!(key, refused_key(7, 2), "the term is part of the key");
+        assert_eq!(why, b"proposed in term 2, committed in term 3");
     }
 }
