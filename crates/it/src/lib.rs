@@ -1731,10 +1731,20 @@ pub mod workload {
         let mut landed = 0;
         for b in batches.iter_mut().filter(|b| b.outcome == Outcome::Unknown) {
             let body = batch_body(&b.markers, None).to_string();
-            let r = c.post_raw(
-                &format!("/api/executions/{}/events", b.exec),
-                body.as_bytes(),
-            );
+            // A shard may be between leaders (an election, a handover of
+            // its leadership): a 503 or 421 is retried with the same keys,
+            // for at most 20 s.
+            let until = std::time::Instant::now() + Duration::from_secs(20);
+            let r = loop {
+                let r = c.post_raw(
+                    &format!("/api/executions/{}/events", b.exec),
+                    body.as_bytes(),
+                );
+                if !matches!(r.status, 503 | 421) || std::time::Instant::now() > until {
+                    break r;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
             assert_eq!(
                 r.status,
                 200,

@@ -303,3 +303,66 @@ fn a_killed_leader_of_quiet_groups_is_replaced() {
     let counts = cl.stop_and_compare_replicas();
     assert!(counts.values().sum::<u64>() >= 4, "{counts:?}");
 }
+
+/// Each shard's leader as node `via` sees it, once it knows every one.
+fn leaders_via(c: &Client) -> Option<Vec<u16>> {
+    let v = c
+        .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+        .ok()?
+        .json();
+    v["shards"]
+        .as_array()?
+        .iter()
+        .map(|s| s["leader"].as_u64().map(|l| l as u16))
+        .collect()
+}
+
+/// Leaders spread evenly: each shard's leadership goes to its preferred
+/// replica (shard s to the (s mod 3)-th node: 1, 2, 3, 1) whoever won the first
+/// election, and back to a node that was killed once it has restarted and
+/// caught up; a write through any node lands meanwhile.
+#[test]
+fn leaders_spread_evenly_and_return_to_a_restarted_node() {
+    let _deadline = deadline("replication: leaders spread", Duration::from_secs(180));
+    let mut cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
+    let spread = vec![1u16, 2, 3, 1];
+    let c = cl.client(2);
+    wait_until(
+        "every shard led by its preferred replica",
+        Duration::from_secs(30),
+        || (leaders_via(&c)? == spread).then_some(()),
+    );
+    let key = key_on_shard("spread-0", 0, 4);
+    let exec = id_of(&c.start(&json!({"workflow": "w", "routing_key": key})));
+
+    cl.kill9(1);
+    let moved = cl.wait_leaders_known(2, &[1]);
+    assert!(moved.iter().all(|(l, _)| *l != 1), "{moved:?}");
+    cl.spawn(1, &cl.node(1).config.clone());
+    cl.wait_ready(1);
+    let back = Instant::now();
+    wait_until(
+        "shard 0 led by node 1 again",
+        Duration::from_secs(30),
+        || (leaders_via(&c)? == spread).then_some(()),
+    );
+    eprintln!(
+        "leaders back on their preferred replicas {:?} after node 1 was ready",
+        back.elapsed()
+    );
+    // Writes are taken (retried while a transfer or election runs).
+    wait_until("a write on shard 0", Duration::from_secs(20), || {
+        let body = workload::batch_body(&["spread-after".to_string()], None).to_string();
+        let r = c
+            .try_req(
+                "POST",
+                &format!("/api/executions/{exec}/events"),
+                &[],
+                Some(body.as_bytes()),
+                Duration::from_secs(5),
+            )
+            .ok()?;
+        (r.status == 200).then_some(())
+    });
+    assert_eq!(cl.client(1).last_seq(&exec), 2);
+}

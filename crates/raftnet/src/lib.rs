@@ -22,6 +22,7 @@
 //! answer, is `Unreachable`; one not answered within its time is a
 //! `Timeout`. Neither is ever an answer (a vote not heard is not granted).
 
+pub mod balance;
 pub mod quiesce;
 
 use bytes::Bytes;

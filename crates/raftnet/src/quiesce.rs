@@ -16,9 +16,11 @@
 
 use crate::Groups;
 use forkless_store::{Beat, Peers, QuietAs, RaftTiming, Rpc, ShardStore};
+use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// Heartbeat intervals with nothing proposed before a leader's group goes
@@ -36,6 +38,30 @@ pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) {
     }
 }
 
+/// When each peer last answered this node's heartbeat: which peers are
+/// alive, for the leader balancer (a quiet group's followers answer
+/// nothing of their group's).
+#[derive(Debug, Default)]
+pub struct PeersHeard(Mutex<HashMap<u64, Instant>>);
+
+impl PeersHeard {
+    fn heard(&self, peer: u64) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer, Instant::now());
+    }
+
+    /// Whether `peer` answered a heartbeat within `within`.
+    pub fn within(&self, peer: u64, within: Duration) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .is_some_and(|at| at.elapsed() <= within)
+    }
+}
+
 /// Sends this node's heartbeat to `peers` every heartbeat interval, and
 /// wakes the quiet followers among `shards` whose leader went silent,
 /// until `stop` turns true. With `timing.quiesce` off it does nothing
@@ -45,6 +71,7 @@ pub async fn run(
     peer_ids: Vec<u64>,
     shards: Vec<Arc<ShardStore>>,
     timing: RaftTiming,
+    heard: Arc<PeersHeard>,
     mut stop: watch::Receiver<bool>,
 ) {
     if !timing.quiesce {
@@ -78,8 +105,11 @@ pub async fn run(
             let call = peers.call(peer, 0, beat, every);
             // Not waited for: a slow peer must not delay the others' beats
             // (each call ends within `every`).
+            let heard = heard.clone();
             tokio::spawn(async move {
-                let _ = call.await;
+                if call.await.is_ok() {
+                    heard.heard(peer);
+                }
             });
         }
         let mut woke = Vec::new();

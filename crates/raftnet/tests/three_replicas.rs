@@ -65,6 +65,7 @@ impl Node {
             others,
             vec![st],
             forkless_store::RaftTiming::default(),
+            Arc::default(),
             self.stop.subscribe(),
         ));
     }

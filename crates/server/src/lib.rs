@@ -325,19 +325,37 @@ pub async fn run(
                 .map(|n| u64::from(n.id.get()))
                 .filter(|id| *id != rep.me)
                 .collect();
-            let shards = app
+            let shards: Vec<_> = app
                 .store
                 .hosted()
                 .into_iter()
                 .filter(|st| st.is_replicated())
                 .collect();
+            let heard = Arc::new(forkless_raftnet::quiesce::PeersHeard::default());
             tokio::spawn(forkless_raftnet::quiesce::run(
                 rep.peers.clone(),
                 peer_ids,
-                shards,
+                shards.clone(),
                 rep.timing,
+                heard.clone(),
                 stop_rx.clone(),
             ));
+            if let Some(placement) = app.cfg.cluster.as_ref().and_then(|c| c.replication.clone()) {
+                // A shard's preferred leader is the first replica its
+                // placement names: spread evenly over the nodes.
+                let preferred = Arc::new(move |shard| {
+                    placement
+                        .replicas(shard)
+                        .first()
+                        .map_or(0, |n| u64::from(n.get()))
+                });
+                tokio::spawn(forkless_raftnet::balance::run(
+                    shards,
+                    preferred,
+                    heard,
+                    stop_rx.clone(),
+                ));
+            }
         }
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {

@@ -746,6 +746,9 @@ pub struct RaftStatus {
     pub voters: Vec<u64>,
     /// On the leader: each follower's last entry known to match its own.
     pub matched: Vec<(u64, Option<u64>)>,
+    /// On the leader: how long ago each follower last acknowledged an
+    /// AppendEntries or heartbeat (ms; `None`: never).
+    pub heard_ms_ago: Vec<(u64, Option<u64>)>,
     /// Whether the group's timers are off here (idle: `crate::quiet`).
     pub quiet: bool,
 }
@@ -774,6 +777,21 @@ impl RaftStatus {
                     r.iter()
                         .filter(|(id, _)| **id != m.id)
                         .map(|(id, l)| (*id, l.map(|l| l.index)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            heard_ms_ago: m
+                .heartbeat
+                .as_ref()
+                .map(|h| {
+                    h.iter()
+                        .filter(|(id, _)| **id != m.id)
+                        .map(|(id, at)| {
+                            let ago = at
+                                .as_ref()
+                                .map(|at| openraft::Instant::elapsed(&**at).as_millis() as u64);
+                            (*id, ago)
+                        })
                         .collect()
                 })
                 .unwrap_or_default(),
@@ -835,6 +853,16 @@ pub(crate) async fn handle(
         crate::raft_net::Rpc::AppendEntries(r) if !r.entries.is_empty() => {
             group.quiet.wake(raft);
         }
+        // An election the leader asked for (a leadership transfer): every
+        // voter takes part, quiet or not.
+        crate::raft_net::Rpc::TransferLeader(_) => {
+            group.quiet.wake(raft);
+        }
+        crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r)
+            if r.leadership_transfer =>
+        {
+            group.quiet.wake(raft);
+        }
         crate::raft_net::Rpc::Vote(_) | crate::raft_net::Rpc::PreVote(_) => {
             if let Some(why) = group.quiet.refuses_vote(raft, group.vote_fresh) {
                 return Err(format!("this replica does not vote now: {why}"));
@@ -846,6 +874,11 @@ pub(crate) async fn handle(
         crate::raft_net::Rpc::Beat(_) => {
             Err("a node's heartbeat is for the node, not for one of its groups".into())
         }
+        crate::raft_net::Rpc::TransferLeader(r) => raft
+            .handle_transfer_leader(r)
+            .await
+            .map(crate::raft_net::RpcReply::TransferLeader)
+            .map_err(|e| e.to_string()),
         crate::raft_net::Rpc::AppendEntries(r) => raft
             .append_entries(r)
             .await

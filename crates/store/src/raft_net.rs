@@ -15,7 +15,8 @@ use openraft::errors::{
 };
 use openraft::network::{RPCOption, RPCTypes};
 use openraft::raft::{
-    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, VoteRequest, VoteResponse,
+    AppendEntriesRequest, AppendEntriesResponse, SnapshotResponse, TransferLeaderRequest,
+    TransferLeaderResponse, VoteRequest, VoteResponse,
 };
 use openraft::type_config::alias::{SnapshotOf, VoteOf};
 use openraft::{BasicNode, OptionalSend, RaftNetworkFactory, RaftNetworkV2};
@@ -41,6 +42,9 @@ pub enum Rpc {
     /// A node's heartbeat to a peer: one a node pair and heartbeat
     /// interval, whatever the number of groups (sent for no group).
     Beat(Beat),
+    /// The leader hands its leadership to one of the group's voters (sent
+    /// to every voter).
+    TransferLeader(TransferLeaderRequest<GroupConfig>),
 }
 
 /// What a node's heartbeat says: the groups it leads quietly, and at
@@ -59,6 +63,7 @@ impl Rpc {
             Rpc::Vote(_) => "vote",
             Rpc::PreVote(_) => "pre_vote",
             Rpc::Beat(_) => "beat",
+            Rpc::TransferLeader(_) => "transfer_leader",
         }
     }
 
@@ -67,6 +72,7 @@ impl Rpc {
             Rpc::AppendEntries(_) => RPCTypes::AppendEntries,
             Rpc::Vote(_) | Rpc::PreVote(_) => RPCTypes::Vote,
             Rpc::Beat(_) => RPCTypes::AppendEntries,
+            Rpc::TransferLeader(_) => RPCTypes::TransferLeader,
         }
     }
 }
@@ -78,6 +84,7 @@ pub enum RpcReply {
     Vote(VoteResponse<GroupConfig>),
     /// A heartbeat was heard.
     Beat,
+    TransferLeader(TransferLeaderResponse<GroupConfig>),
 }
 
 /// Why a call brought no answer.
@@ -255,6 +262,17 @@ impl RaftNetworkV2<GroupConfig> for PeerClient {
         match self.call(Rpc::PreVote(rpc), &option).await? {
             RpcReply::Vote(r) => Ok(r),
             other => Err(unexpected(other, "pre_vote")),
+        }
+    }
+
+    async fn transfer_leader(
+        &mut self,
+        rpc: TransferLeaderRequest<GroupConfig>,
+        option: RPCOption,
+    ) -> Result<TransferLeaderResponse<GroupConfig>, RPCError<GroupConfig>> {
+        match self.call(Rpc::TransferLeader(rpc), &option).await? {
+            RpcReply::TransferLeader(r) => Ok(r),
+            other => Err(unexpected(other, "transfer_leader")),
         }
     }
 

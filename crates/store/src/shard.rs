@@ -951,6 +951,26 @@ impl ShardStore {
             .is_some_and(|g| g.quiet.wake(&g.raft))
     }
 
+    /// On the leader of the shard's replicated group: hands its
+    /// leadership to replica `to` (openraft's leadership transfer: `to`
+    /// stands at once, and the other voters let it, lease or not). Its
+    /// writes meanwhile are refused as not executed, or unknown if the
+    /// transfer cut them off mid-way.
+    pub async fn transfer_leader(&self, to: u64) -> Result<(), StoreError> {
+        let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
+            return Err(StoreError::Invalid(format!(
+                "shard {} is not a replicated Raft group on this node",
+                self.shard
+            )));
+        };
+        g.quiet.wake(&g.raft);
+        g.raft
+            .trigger()
+            .transfer_leader(to)
+            .await
+            .map_err(|e| StoreError::Io(format!("shard {}'s Raft group stopped: {e}", self.shard)))
+    }
+
     /// Whether the shard's replicated group has its timers off here.
     pub fn is_quiet(&self) -> bool {
         self.raft
