@@ -1017,7 +1017,22 @@ impl Cluster {
         timing: PeerTiming,
     ) -> Cluster {
         let mut c = Cluster::prepare(node_count, shard_count, timing);
-        let ports = free_ports(node_count as usize);
+        // The API and peer ports were released when picked: a new pick may
+        // get one of them back (a node then refuses its config: "address
+        // used twice"), so those are skipped.
+        let taken: std::collections::HashSet<u16> = c
+            .nodes
+            .iter()
+            .flat_map(|n| [n.api.port(), n.peer.port()])
+            .collect();
+        let mut ports = Vec::new();
+        while ports.len() < node_count as usize {
+            for p in free_ports(node_count as usize) {
+                if !taken.contains(&p) && !ports.contains(&p) && ports.len() < node_count as usize {
+                    ports.push(p);
+                }
+            }
+        }
         for (n, p) in c.nodes.iter_mut().zip(ports) {
             n.raft = Some(addr(p));
         }
