@@ -5,9 +5,11 @@
 //! (nearly) every entry. At start, whoever wins the first election hands
 //! over; after a node comes back and catches up, its shards go back to
 //! it. A transfer costs its shard's writes a moment (they are refused as
-//! not executed while it runs), so a handover that did not take is tried
-//! again only after [`TRANSFER_BACKOFF`], and only to a replica that keeps
-//! up.
+//! not executed while it runs; if the replica does not take it, until the
+//! followers elect once the leader's lease ran out), so it goes only to a
+//! replica that answered within [`HEARD_WITHIN_BEATS`] heartbeats and
+//! lacks at most [`TRANSFER_LAG_MAX`] entries, and one that did not take
+//! is tried again only after [`TRANSFER_BACKOFF`].
 
 use forkless_store::ShardStore;
 use forkless_types::ShardId;
@@ -24,9 +26,11 @@ pub const TRANSFER_BACKOFF: Duration = Duration::from_secs(10);
 /// How many entries the preferred replica may lack and still be handed
 /// the leadership (under load a follower is always a few behind; it
 /// catches up before it stands).
-pub const TRANSFER_LAG_MAX: u64 = 64;
-/// How lately the preferred replica must have answered the leader.
-pub const HEARD_WITHIN_MS: u64 = 500;
+pub const TRANSFER_LAG_MAX: u64 = 16;
+/// How lately the preferred replica must have answered the leader, in
+/// heartbeat intervals (a transfer to a replica that died meanwhile costs
+/// the shard an election's time of refused writes).
+pub const HEARD_WITHIN_BEATS: u32 = 3;
 
 /// Hands each of `shards` this node leads to its preferred replica
 /// (`preferred`), until `stop` turns true.
@@ -34,8 +38,10 @@ pub async fn run(
     shards: Vec<Arc<ShardStore>>,
     preferred: Arc<dyn Fn(ShardId) -> u64 + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
+    heartbeat: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
+    let heard_within = heartbeat * HEARD_WITHIN_BEATS;
     // The term each shard was last handed over at, and when: a try that
     // did not take (this node still leads at that term) waits; one at a
     // later term does not.
@@ -60,12 +66,10 @@ pub async fn run(
             // leader's view; a quiet group's followers answer nothing of
             // their group's), and is nearly level.
             let keeps_up = s.matched.iter().any(|(id, m)| {
-                *id == want && last.saturating_sub(m.unwrap_or(0)) <= TRANSFER_LAG_MAX
-            }) && (s
-                .heard_ms_ago
-                .iter()
-                .any(|(id, ago)| *id == want && ago.is_some_and(|ms| ms <= HEARD_WITHIN_MS))
-                || heard.within(want, Duration::from_millis(HEARD_WITHIN_MS)));
+                *id == want && m.is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX)
+            }) && (s.heard_ms_ago.iter().any(|(id, ago)| {
+                *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
+            }) || heard.within(want, heard_within));
             if !keeps_up
                 || tried
                     .get(&shard)

@@ -8,7 +8,7 @@
 //! follower that hears it turns its own group's timers off too. A quiet
 //! follower whose leader has not named its group for the election
 //! timeout's min (the leader's node died, is paused or cut off, or the
-//! group woke) turns its timers back on, after a random part of the
+//! group woke), or that knows no leader, turns its timers back on, after a random part of the
 //! election timeout's spread so that two followers do not stand at once;
 //! the group then elects as usual, pre-vote first. A write to a quiet
 //! group wakes its leader (the writer), and its entries wake the
@@ -126,7 +126,7 @@ pub async fn run(
         if !woke.is_empty() {
             tracing::info!(
                 shards = ?woke.iter().map(|(s, _)| s).collect::<Vec<_>>(),
-                leaders = ?woke.iter().map(|(_, l)| l).collect::<std::collections::BTreeSet<_>>(),
+                leaders = ?woke.iter().filter_map(|(_, l)| *l).collect::<std::collections::BTreeSet<_>>(),
                 "quiet shards' leader went silent: their groups' timers are back on"
             );
         }

@@ -393,3 +393,60 @@ async fn an_idle_group_goes_quiet_wakes_for_a_write_and_replaces_a_dead_leader()
     holds(&nodes, l2, 1..=7, index).await;
     holds(&nodes, other, 1..=7, index).await;
 }
+
+/// A handover of the leadership to a replica that cannot take it (its
+/// node is down) leaves the old leader refusing writes (openraft's rule
+/// once it hands over) and sending no heartbeats: the group must stay
+/// awake, so that its followers elect. It did not (found in review): the
+/// leader went quiet again at once, its follower with it, and the shard
+/// refused every write for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handover_to_a_dead_replica_does_not_leave_the_group_stuck() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    write(&nodes[l], 1).await.expect("a write on the leader");
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    for i in 0..3 {
+        holds(&nodes, i, 1..=1, index).await;
+    }
+    for n in &nodes {
+        n.quiesce();
+    }
+    until_all(&nodes, "quiet", |s| s.quiet).await;
+    let dead = (l + 1) % 3;
+    let dead_id = nodes[dead].id;
+    nodes[dead].stop();
+    let st = nodes[l]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    st.transfer_leader(dead_id).await.expect("handover asked");
+    // Someone leads again (a new term) and takes a write, within 10 s.
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut n = 2;
+    loop {
+        let led = (0..3).filter(|i| *i != dead).find(|i| {
+            nodes[*i]
+                .status()
+                .is_some_and(|s| s.state == "leader" && s.leader == Some(s.me))
+        });
+        if let Some(i) = led {
+            if write(&nodes[i], n).await.is_ok() {
+                break;
+            }
+            n += 1;
+        }
+        assert!(
+            Instant::now() < until,
+            "no write taken within 10 s of a handover to a dead replica: {:?}",
+            nodes.iter().map(|n| n.status()).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -353,6 +353,7 @@ pub async fn run(
                     shards,
                     preferred,
                     heard,
+                    std::time::Duration::from_millis(rep.timing.heartbeat_ms),
                     stop_rx.clone(),
                 ));
             }

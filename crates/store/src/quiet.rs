@@ -39,6 +39,13 @@ struct State {
     /// A follower's: the leader (node) that last said it keeps the group
     /// quiet at the current term, and when.
     leader_heard: Option<(u64, Instant)>,
+    /// When the timers last went off.
+    quiet_since: Instant,
+    /// The term at which this replica, leading, asked to hand its
+    /// leadership over: openraft then refuses its writes and stops its
+    /// heartbeats until another leads, so the group must stay awake for
+    /// its followers to elect if the handover does not take.
+    transfer_term: Option<u64>,
 }
 
 /// What a replica did when asked to go quiet.
@@ -59,6 +66,8 @@ impl Quiet {
                 quiet: false,
                 last_write: Instant::now(),
                 leader_heard: None,
+                quiet_since: Instant::now(),
+                transfer_term: None,
             }),
         }
     }
@@ -99,9 +108,25 @@ impl Quiet {
         was
     }
 
-    /// On the leader: goes quiet if nothing was proposed for `idle` and
-    /// every follower has every entry (a follower behind, or away, keeps
-    /// the group awake so that the leader keeps sending to it).
+    /// The leader is handing its leadership over: the group wakes, and
+    /// stays awake at this term (see `State::transfer_term`).
+    pub(crate) fn transferring<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) {
+        let mut s = self.lock();
+        let term = raft.metrics().borrow_watched().current_term;
+        s.transfer_term = Some(term);
+        s.last_write = Instant::now();
+        if s.quiet {
+            s.quiet = false;
+            s.leader_heard = None;
+            raft.runtime_config().tick(true);
+        }
+    }
+
+    /// On the leader: goes quiet if nothing was proposed for `idle`, no
+    /// handover of its leadership is under way, and every follower it has
+    /// heard has every entry (a follower behind keeps the group awake so
+    /// that the leader keeps sending to it; a follower that went away
+    /// after it had every entry does not: there is nothing to send it).
     pub(crate) fn quiesce_leader<SM: RaftStateMachine<GroupConfig>>(
         &self,
         raft: &Raft<SM>,
@@ -128,10 +153,12 @@ impl Quiet {
             && m.replication
                 .as_ref()
                 .is_some_and(|r| r.values().all(|matched| matched.map(|l| l.index) == last));
-        if !caught_up || s.last_write.elapsed() < idle {
+        let handing_over = s.transfer_term == Some(m.current_term);
+        if !caught_up || handing_over || s.last_write.elapsed() < idle {
             return QuietAs::Awake;
         }
         s.quiet = true;
+        s.quiet_since = Instant::now();
         raft.runtime_config().tick(false);
         QuietAs::Leader {
             term: m.current_term,
@@ -159,42 +186,42 @@ impl Quiet {
         s.leader_heard = Some((leader, Instant::now()));
         if !s.quiet {
             s.quiet = true;
+            s.quiet_since = Instant::now();
             raft.runtime_config().tick(false);
         }
         true
     }
 
-    /// The leader a quiet follower follows, and how long since it last
-    /// said it keeps the group quiet.
-    pub(crate) fn quiet_leader(&self) -> Option<(u64, Duration)> {
-        let s = self.lock();
-        if !s.quiet {
-            return None;
-        }
-        s.leader_heard.map(|(l, at)| (l, at.elapsed()))
-    }
-
-    /// Why this replica does not answer a (pre-)vote now, if it does not:
-    /// it leads the group quietly (it is alive, so no election is needed),
-    /// or it follows quietly a leader whose node said so within `fresh`.
-    /// Not answering a vote is always safe; it only keeps a candidate
-    /// that cannot hear a live leader from disrupting the group.
-    pub(crate) fn refuses_vote<SM: RaftStateMachine<GroupConfig>>(
+    /// On a quiet replica that does not lead: the leader it follows
+    /// (`None` if it knows none: a quiet leader that was deposed without
+    /// hearing entries), and how long since that leader's node last said
+    /// it keeps the group quiet (or since the timers went off).
+    pub(crate) fn quiet_leader<SM: RaftStateMachine<GroupConfig>>(
         &self,
         raft: &Raft<SM>,
-        fresh: Duration,
-    ) -> Option<String> {
+    ) -> Option<(Option<u64>, Duration)> {
+        let s = self.lock();
+        if !s.quiet || raft.metrics().borrow_watched().state == openraft::ServerState::Leader {
+            return None;
+        }
+        Some(match s.leader_heard {
+            Some((l, at)) => (Some(l), at.elapsed()),
+            None => (None, s.quiet_since.elapsed()),
+        })
+    }
+
+    /// Why this quiet follower does not answer a (pre-)vote now, if it
+    /// does not: its leader's node said within `fresh` that it keeps the
+    /// group quiet, so it is alive and no election is needed. Not
+    /// answering a vote is always safe; it only keeps a candidate that
+    /// cannot hear a live leader from disrupting the group. A quiet leader
+    /// answers (it wakes first): it hears nothing while quiet, so it may
+    /// have been deposed without knowing, and refusing would keep the
+    /// group from electing.
+    pub(crate) fn refuses_vote(&self, fresh: Duration) -> Option<String> {
         let s = self.lock();
         if !s.quiet {
             return None;
-        }
-        let m = raft.metrics();
-        let m = m.borrow_watched();
-        if m.state == openraft::ServerState::Leader {
-            return Some(format!(
-                "this node leads the group at term {}, quietly",
-                m.current_term
-            ));
         }
         match s.leader_heard {
             Some((l, at)) if at.elapsed() < fresh => Some(format!(

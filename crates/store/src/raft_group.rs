@@ -864,9 +864,13 @@ pub(crate) async fn handle(
             group.quiet.wake(raft);
         }
         crate::raft_net::Rpc::Vote(_) | crate::raft_net::Rpc::PreVote(_) => {
-            if let Some(why) = group.quiet.refuses_vote(raft, group.vote_fresh) {
+            if let Some(why) = group.quiet.refuses_vote(group.vote_fresh) {
                 return Err(format!("this replica does not vote now: {why}"));
             }
+            // Answered: an election is under way, which needs this
+            // replica's timers (and a quiet leader's heartbeats, which
+            // tell it whether it still leads).
+            group.quiet.wake(raft);
         }
         _ => {}
     }

@@ -953,9 +953,12 @@ impl ShardStore {
 
     /// On the leader of the shard's replicated group: hands its
     /// leadership to replica `to` (openraft's leadership transfer: `to`
-    /// stands at once, and the other voters let it, lease or not). Its
-    /// writes meanwhile are refused as not executed, or unknown if the
-    /// transfer cut them off mid-way.
+    /// stands once it has the leader's last entry, and the other voters
+    /// let it, lease or not). From then on this node refuses the shard's
+    /// writes (not executed) and stops its heartbeats until another node
+    /// leads: if `to` does not take it, the group stays awake (not quiet)
+    /// and its followers elect once the leader's lease has run out, about
+    /// an election's time of refused writes.
     pub async fn transfer_leader(&self, to: u64) -> Result<(), StoreError> {
         let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
             return Err(StoreError::Invalid(format!(
@@ -963,7 +966,7 @@ impl ShardStore {
                 self.shard
             )));
         };
-        g.quiet.wake(&g.raft);
+        g.quiet.transferring(&g.raft);
         g.raft
             .trigger()
             .transfer_leader(to)
@@ -979,13 +982,14 @@ impl ShardStore {
             .is_some_and(|g| g.quiet.is_quiet())
     }
 
-    /// On a quiet follower: the leader it follows and how long since that
-    /// leader's node last said it keeps the group quiet.
-    pub fn quiet_leader(&self) -> Option<(u64, std::time::Duration)> {
+    /// On a quiet replica that does not lead: the leader it follows, if
+    /// it knows one, and how long since that leader's node last said it
+    /// keeps the group quiet (or since its timers went off).
+    pub fn quiet_leader(&self) -> Option<(Option<u64>, std::time::Duration)> {
         self.raft
             .as_ref()
             .filter(|g| g.replicated)
-            .and_then(|g| g.quiet.quiet_leader())
+            .and_then(|g| g.quiet.quiet_leader(&g.raft))
     }
 
     /// A watch on the shard's Raft group, if it has one.
