@@ -683,6 +683,21 @@ impl Client {
         self.req("GET", path, &[], None)
     }
 
+    /// A GET retried (for at most 10 s) while it is answered 503 or 421
+    /// with nothing done: a replicated shard between leaders (an election,
+    /// a handover of its leadership) answers reads so for a moment.
+    #[track_caller]
+    pub fn get_settled(&self, path: &str) -> Resp {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let r = self.get(path);
+            if !matches!(r.status, 503 | 421) || Instant::now() > until {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     #[track_caller]
     pub fn post(&self, path: &str, body: &Value) -> Resp {
         self.req("POST", path, &[], Some(body.to_string().as_bytes()))
@@ -710,7 +725,7 @@ impl Client {
     /// The execution's `last_seq` as its owner reports it (panics unless 200).
     #[track_caller]
     pub fn last_seq(&self, id: &str) -> u64 {
-        let r = self.get(&format!("/api/executions/{id}"));
+        let r = self.get_settled(&format!("/api/executions/{id}"));
         r.expect(200);
         r.json()["last_seq"].as_u64().expect("last_seq")
     }
@@ -720,7 +735,7 @@ impl Client {
     pub fn events(&self, id: &str) -> Vec<Value> {
         let mut out = Vec::new();
         loop {
-            let r = self.get(&format!(
+            let r = self.get_settled(&format!(
                 "/api/executions/{id}/events?after={}&limit=1000",
                 out.len()
             ));
