@@ -412,7 +412,7 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
         // A replicated cluster: each shard's group, as that node sees it.
         writeln!(
             out,
-            "{:<6} {:<18} {:>6} {:<12} {:<10} {:>8} {:>8} {:>8} {:>9}",
+            "{:<6} {:<18} {:>6} {:<12} {:<16} {:>8} {:>8} {:>8} {:>9}",
             "SHARD", "LEADER", "TERM", "REPLICAS", "HERE", "LAST", "COMMIT", "APPLIED", "MAX LAG"
         )?;
         let num = |n: Option<u64>| n.map_or_else(|| "-".into(), |n| n.to_string());
@@ -428,12 +428,16 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             let lag = r.and_then(|r| r.followers.iter().filter_map(|f| f.lag).max());
             writeln!(
                 out,
-                "{:<6} {:<18} {:>6} {:<12} {:<10} {:>8} {:>8} {:>8} {:>9}",
+                "{:<6} {:<18} {:>6} {:<12} {:<16} {:>8} {:>8} {:>8} {:>9}",
                 s.shard,
                 owner_text(s.leader),
                 num(s.term),
                 replicas,
-                r.map_or("-", |r| r.state.as_str()),
+                r.map_or("-".to_string(), |r| if r.quiet {
+                    format!("{} (quiet)", r.state)
+                } else {
+                    r.state.clone()
+                }),
                 num(r.and_then(|r| r.last_log_index)),
                 num(r.and_then(|r| r.committed)),
                 num(r.and_then(|r| r.applied)),

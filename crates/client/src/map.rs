@@ -58,6 +58,9 @@ pub struct RaftInfo {
     /// On the leader: each follower's progress.
     #[serde(default)]
     pub followers: Vec<FollowerInfo>,
+    /// The group is idle with its timers off on this replica.
+    #[serde(default)]
+    pub quiet: bool,
 }
 
 /// A follower's progress, as its leader knows it.
