@@ -9,12 +9,13 @@
 //! followers elect once the leader's lease ran out), so it goes only to a
 //! replica that answered within [`HEARD_WITHIN_BEATS`] heartbeats and
 //! lacks at most [`TRANSFER_LAG_MAX`] entries, and one that did not take
-//! is tried again only after [`TRANSFER_BACKOFF`].
+//! is tried again only after [`TRANSFER_BACKOFF`], doubling with each
+//! failure in a row up to [`TRANSFER_BACKOFF_MAX`].
 
 use forkless_store::ShardStore;
 use forkless_types::ShardId;
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
@@ -23,6 +24,28 @@ pub const BALANCE_EVERY: Duration = Duration::from_secs(1);
 /// How long a node waits before it tries again to hand over a shard its
 /// preferred replica did not take.
 pub const TRANSFER_BACKOFF: Duration = Duration::from_secs(10);
+/// The longest wait after handovers of a shard that kept failing (the
+/// wait doubles with each).
+pub const TRANSFER_BACKOFF_MAX: Duration = Duration::from_secs(160);
+/// How long a handover has to take before it counts as failed.
+const TAKES_WITHIN: Duration = Duration::from_secs(2);
+
+/// A shard's last handover from this node.
+#[derive(Debug, Clone, Copy)]
+struct Try {
+    at: Instant,
+    /// Handovers in a row that did not take, this one included until it
+    /// takes.
+    failures: u32,
+}
+
+impl Try {
+    fn wait(&self) -> Duration {
+        TRANSFER_BACKOFF
+            .saturating_mul(1 << self.failures.saturating_sub(1).min(4))
+            .min(TRANSFER_BACKOFF_MAX)
+    }
+}
 /// How many entries the preferred replica may lack and still be handed
 /// the leadership (under load a follower is always a few behind; it
 /// catches up before it stands).
@@ -42,10 +65,14 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
 ) {
     let heard_within = heartbeat * HEARD_WITHIN_BEATS;
-    // The term each shard was last handed over at, and when: a try that
-    // did not take (this node still leads at that term) waits; one at a
-    // later term does not.
-    let mut tried: HashMap<u32, (u64, Instant)> = HashMap::new();
+    // Each shard's last handover. One that took is forgotten (its watcher
+    // sees the preferred replica lead within TAKES_WITHIN); one that did
+    // not makes the next wait, longer after each failure in a row, so a
+    // replica that cannot take the leadership (it lags under load, say)
+    // does not cost its shard an election's time of refused writes every
+    // few seconds.
+    let tried: Arc<Mutex<HashMap<u32, Try>>> = Arc::default();
+
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -70,23 +97,72 @@ pub async fn run(
             }) && (s.heard_ms_ago.iter().any(|(id, ago)| {
                 *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
             }) || heard.within(want, heard_within));
-            if !keeps_up
-                || tried
-                    .get(&shard)
-                    .is_some_and(|(term, at)| *term == s.term && at.elapsed() < TRANSFER_BACKOFF)
-            {
+            if !keeps_up {
                 continue;
             }
-            tried.insert(shard, (s.term, Instant::now()));
+            let failures = {
+                let mut t = tried.lock().unwrap_or_else(|e| e.into_inner());
+                match t.get(&shard) {
+                    Some(last) if last.at.elapsed() < last.wait() => continue,
+                    last => {
+                        let failures = last.map_or(1, |l| l.failures + 1);
+                        t.insert(
+                            shard,
+                            Try {
+                                at: Instant::now(),
+                                failures,
+                            },
+                        );
+                        failures
+                    }
+                }
+            };
             tracing::info!(
                 shard,
                 term = s.term,
                 to = want,
+                failed_before = failures - 1,
                 "handing the shard's leadership to its preferred replica"
             );
             if let Err(e) = st.transfer_leader(want).await {
                 tracing::warn!(shard, to = want, error = %e, "handing over the shard's leadership failed");
+                continue;
             }
+            let (st, tried) = (st.clone(), tried.clone());
+            tokio::spawn(async move {
+                let until = Instant::now() + TAKES_WITHIN;
+                while Instant::now() < until {
+                    if st.raft_status().is_some_and(|s| s.leader == Some(want)) {
+                        tried
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .remove(&shard);
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wait_after_failed_handovers_doubles_up_to_its_max() {
+        let wait = |failures| {
+            Try {
+                at: Instant::now(),
+                failures,
+            }
+            .wait()
+        };
+        assert_eq!(wait(1), TRANSFER_BACKOFF);
+        assert_eq!(wait(2), TRANSFER_BACKOFF * 2);
+        assert_eq!(wait(3), TRANSFER_BACKOFF * 4);
+        assert_eq!(wait(5), TRANSFER_BACKOFF_MAX);
+        assert_eq!(wait(40), TRANSFER_BACKOFF_MAX);
     }
 }
