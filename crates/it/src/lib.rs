@@ -358,6 +358,20 @@ pub fn addr(port: u16) -> SocketAddr {
 // ---------------------------------------------------------------------------
 // HTTP
 
+/// The answer of `ask`, asked again (for at most `within`) while it is 503
+/// or 421: a replicated shard between leaders (an election, a handover of
+/// its leadership) answers so for a moment, with nothing done.
+pub fn settled(within: Duration, mut ask: impl FnMut() -> Resp) -> Resp {
+    let until = Instant::now() + within;
+    loop {
+        let r = ask();
+        if !matches!(r.status, 503 | 421) || Instant::now() > until {
+            return r;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// An HTTP answer.
 #[derive(Debug, Clone)]
 pub struct Resp {
@@ -684,18 +698,10 @@ impl Client {
     }
 
     /// A GET retried (for at most 10 s) while it is answered 503 or 421
-    /// with nothing done: a replicated shard between leaders (an election,
-    /// a handover of its leadership) answers reads so for a moment.
+    /// (see [`settled`]).
     #[track_caller]
     pub fn get_settled(&self, path: &str) -> Resp {
-        let until = Instant::now() + Duration::from_secs(10);
-        loop {
-            let r = self.get(path);
-            if !matches!(r.status, 503 | 421) || Instant::now() > until {
-                return r;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        settled(Duration::from_secs(10), || self.get(path))
     }
 
     #[track_caller]
@@ -1761,20 +1767,14 @@ pub mod workload {
         let mut landed = 0;
         for b in batches.iter_mut().filter(|b| b.outcome == Outcome::Unknown) {
             let body = batch_body(&b.markers, None).to_string();
-            // A shard may be between leaders (an election, a handover of
-            // its leadership): a 503 or 421 is retried with the same keys,
-            // for at most 20 s.
-            let until = std::time::Instant::now() + Duration::from_secs(20);
-            let r = loop {
-                let r = c.post_raw(
+            // Retried with the same keys while the shard is between
+            // leaders.
+            let r = crate::settled(Duration::from_secs(20), || {
+                c.post_raw(
                     &format!("/api/executions/{}/events", b.exec),
                     body.as_bytes(),
-                );
-                if !matches!(r.status, 503 | 421) || std::time::Instant::now() > until {
-                    break r;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            };
+                )
+            });
             assert_eq!(
                 r.status,
                 200,

@@ -243,16 +243,22 @@ async fn writes_replicate_and_survive_the_leader() {
     }
 
     // The leader goes: its shard and its listener.
+    after_the_leader_goes(&mut nodes, l, 21..=30).await;
+}
+
+/// Stops leader `l`; the other two elect one that takes writes `ns` (its
+/// first may meet the election's end, and is retried for 10 s), and both
+/// hold every write from 1 to the last of `ns`.
+async fn after_the_leader_goes(nodes: &mut [Node], l: usize, ns: std::ops::RangeInclusive<i64>) {
     nodes[l].stop();
-    let l2 = leader(&nodes).await;
+    let l2 = leader(nodes).await;
     assert_ne!(l2, l);
-    // Its first writes may meet the election's end.
     let until = Instant::now() + Duration::from_secs(10);
-    while let Err(e) = write(&nodes[l2], 21).await {
+    while let Err(e) = write(&nodes[l2], *ns.start()).await {
         assert!(Instant::now() < until, "the new leader takes no write: {e}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    for n in 22..=30 {
+    for n in ns.clone().skip(1) {
         write(&nodes[l2], n)
             .await
             .expect("a write on the new leader");
@@ -262,8 +268,8 @@ async fn writes_replicate_and_survive_the_leader() {
         .and_then(|s| s.last_log_index)
         .expect("log");
     let other = (0..3).find(|i| *i != l && *i != l2).expect("the third");
-    holds(&nodes, l2, 1..=30, index).await;
-    holds(&nodes, other, 1..=30, index).await;
+    holds(nodes, l2, 1..=*ns.end(), index).await;
+    holds(nodes, other, 1..=*ns.end(), index).await;
 }
 
 /// A follower that was away catches up on entries too many bytes for one
@@ -377,21 +383,7 @@ async fn an_idle_group_goes_quiet_wakes_for_a_write_and_replaces_a_dead_leader()
     }
     until_all(&nodes, "quiet again", |s| s.quiet).await;
 
-    nodes[l].stop();
-    let l2 = leader(&nodes).await;
-    assert_ne!(l2, l);
-    let until = Instant::now() + Duration::from_secs(10);
-    while let Err(e) = write(&nodes[l2], 7).await {
-        assert!(Instant::now() < until, "the new leader takes no write: {e}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let index = nodes[l2]
-        .status()
-        .and_then(|s| s.last_log_index)
-        .expect("log");
-    let other = (0..3).find(|i| *i != l && *i != l2).expect("the third");
-    holds(&nodes, l2, 1..=7, index).await;
-    holds(&nodes, other, 1..=7, index).await;
+    after_the_leader_goes(&mut nodes, l, 7..=7).await;
 }
 
 /// A handover of the leadership to a replica that cannot take it (its

@@ -48,6 +48,19 @@ struct State {
     transfer_term: Option<u64>,
 }
 
+impl State {
+    /// Turns the timers back on if they were off; says whether they were.
+    fn wake<SM: RaftStateMachine<GroupConfig>>(&mut self, raft: &Raft<SM>) -> bool {
+        let was = self.quiet;
+        if was {
+            self.quiet = false;
+            self.leader_heard = None;
+            raft.runtime_config().tick(true);
+        }
+        was
+    }
+}
+
 /// What a replica did when asked to go quiet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuietAs {
@@ -86,26 +99,13 @@ impl Quiet {
     pub(crate) fn touch<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
         let mut s = self.lock();
         s.last_write = Instant::now();
-        let was = s.quiet;
-        if was {
-            s.quiet = false;
-            s.leader_heard = None;
-            raft.runtime_config().tick(true);
-        }
-        was
+        s.wake(raft)
     }
 
     /// Turns the group's timers back on (a follower that got entries, or
     /// whose leader's node went silent).
     pub(crate) fn wake<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
-        let mut s = self.lock();
-        let was = s.quiet;
-        if was {
-            s.quiet = false;
-            s.leader_heard = None;
-            raft.runtime_config().tick(true);
-        }
-        was
+        self.lock().wake(raft)
     }
 
     /// The leader is handing its leadership over: the group wakes, and
@@ -115,11 +115,7 @@ impl Quiet {
         let term = raft.metrics().borrow_watched().current_term;
         s.transfer_term = Some(term);
         s.last_write = Instant::now();
-        if s.quiet {
-            s.quiet = false;
-            s.leader_heard = None;
-            raft.runtime_config().tick(true);
-        }
+        s.wake(raft);
     }
 
     /// On the leader: goes quiet if nothing was proposed for `idle`, no
