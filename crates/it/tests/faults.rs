@@ -71,8 +71,18 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
     let execs: Vec<String> = (0..8)
         .map(|i| {
             let key = key_on_shard(&format!("faults-{i}"), i % SHARDS, SHARDS);
-            let v = c.start(&json!({"workflow": "w", "routing_key": key}));
-            v["execution_id"].as_str().expect("id").to_string()
+            // Leaders are being handed to their preferred replicas just
+            // after start: a start is retried (same idempotency key) while
+            // its shard is between leaders.
+            let body = json!({"workflow": "w", "routing_key": key, "idempotency_key": format!("start-{i}")});
+            let r = settled(Duration::from_secs(20), || c.post("/api/executions", &body));
+            assert!(
+                r.status == 201 || r.status == 200,
+                "start {body}: {} {}",
+                r.status,
+                r.text()
+            );
+            r.json()["execution_id"].as_str().expect("id").to_string()
         })
         .collect();
     // One writer through each node: some always through a faulted one.
