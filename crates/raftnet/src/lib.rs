@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.

@@ -62,6 +62,11 @@ const PRE_START_KEY: u8 = 20;
 /// applied (fjall may keep batches written after the last checkpoint,
 /// and a replica then re-applies only what follows).
 pub(crate) const APPLIED_KEY: &[u8] = b"raft.applied";
+/// The last membership applied (JSON; `raft_group.rs`).
+pub(crate) const MEMBERSHIP_KEY: &[u8] = b"raft.membership";
+/// The last entry applied as of the checkpoint, and the vote then
+/// (`raft_group.rs`).
+pub(crate) const CHECKPOINT_KEY: &[u8] = b"raft.checkpoint";
 /// `raft.refused.<index u64><term u64>` -> why: an entry refused at its
 /// apply, so a reopen that indexes the applied entries since the
 /// checkpoint again leaves its events out. Keyed by the term too: an
@@ -343,6 +348,32 @@ impl Applier {
             applied_value(term, index).to_vec(),
         ));
         self.publish()
+    }
+
+    /// The shard's keyspaces.
+    pub(crate) fn keyspaces(&self) -> &Keyspaces {
+        &self.ks
+    }
+
+    /// Where the shard's durable events are read from.
+    pub(crate) fn events(&self) -> &EventFiles {
+        &self.events
+    }
+
+    /// After an install replaced the shard's state in the keyspaces
+    /// (`snapshot.rs`): `tail` becomes the events index in memory, what
+    /// was cached of the old state goes, the epoch is read again, and
+    /// every reader waiting on an execution looks again.
+    pub(crate) fn installed(&mut self, tail: index::Tail) -> Result<(), StoreError> {
+        *self.tail.write().unwrap_or_else(|e| e.into_inner()) = tail;
+        self.cache.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        if let Some(v) = self.ks.meta.get(EPOCH_KEY)? {
+            self.epoch
+                .store(codec::decode_u64(&v, "the epoch")?, Ordering::Release);
+        }
+        self.waiters.wake_all();
+        self.commits.send_modify(|c| *c += 1);
+        Ok(())
     }
 
     /// Indexes the events of an entry the keyspaces already hold as

@@ -367,9 +367,40 @@ pub(crate) struct LogScan {
     /// them: an entry at an index voids what the group wrote at and after
     /// it, and a truncation what follows its index (`raft_log.rs`).
     pub(crate) raft: BTreeMap<u64, RaftFound>,
+    /// The events the last snapshot installed imported (`snapshot.rs`),
+    /// and the end of the last round holding them: all indexed by the
+    /// install, wherever they lie.
+    pub(crate) imported: u64,
+    pub(crate) import_end: Option<Position>,
 }
 
 impl LogScan {
+    /// Takes in a part of a snapshot's imported events, in the round that
+    /// ends at `end`; the first part of an install starts the shard's
+    /// history again (the snapshot replaced what it had).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn import(
+        &mut self,
+        r: &mut ShardReport,
+        first: bool,
+        payload: &[u8],
+        segment: u32,
+        at: u64,
+        payload_at: u64,
+        end: Position,
+    ) -> Option<u64> {
+        if first {
+            self.last.clear();
+            self.records.clear();
+            self.event_positions.clear();
+            self.imported = 0;
+        }
+        let events = self.records(r, payload, segment, at, payload_at)?;
+        self.imported += events;
+        self.import_end = Some(end);
+        Some(events)
+    }
+
     /// Checks the records of one group (a shard's log) or part (the node
     /// log): `payload` starts at `payload_at` of `segment`, in the group
     /// that starts at `at` (for messages). Returns the events it holds, or
@@ -453,6 +484,7 @@ impl LogScan {
         r: &mut ShardReport,
         events: &EventFiles,
         checkpointed: Option<u64>,
+        installed: Option<u64>,
         refused: &dyn Fn(u64, u64) -> Result<bool, StoreError>,
     ) -> Result<(u64, Option<Position>), StoreError> {
         let mut before = 0;
@@ -480,6 +512,10 @@ impl LogScan {
             let Some((payload, payload_at)) = payload else {
                 continue;
             };
+            // What an installed snapshot holds came with its imports.
+            if installed.is_some_and(|i| index <= i) {
+                continue;
+            }
             if refused(index, log_id.leader_id.term)? {
                 continue;
             }
@@ -691,7 +727,14 @@ pub(crate) fn check_database(
                 .get(crate::apply::refused_key(index, term))?
                 .is_some())
         };
-        let found = scanned.raft_entries(r, events, checkpointed.map(|c| c.index), &refused)?;
+        let installed = crate::snapshot::imported(&ks)?;
+        let found = scanned.raft_entries(
+            r,
+            events,
+            checkpointed.map(|c| c.index),
+            installed,
+            &refused,
+        )?;
         r.executions = scanned.last.len();
         found
     };
@@ -710,10 +753,13 @@ pub(crate) fn check_database(
         .filter(|(end, _)| *end <= checkpoint)
         .map(|(_, n)| n)
         .sum::<u64>()
-        + raft_before;
+        + raft_before
+        + log.imported;
     // Indexed events lie before the checkpoint, or in a Raft entry
-    // applied as of it.
-    let indexed_through = raft_end.map_or(checkpoint, |e| e.max(checkpoint));
+    // applied as of it, or among a snapshot's imports.
+    let indexed_through = raft_end
+        .map_or(checkpoint, |e| e.max(checkpoint))
+        .max(log.import_end.unwrap_or_default());
     let snap = ks.db.snapshot();
     let mut indexed_last: BTreeMap<ExecutionId, u64> = BTreeMap::new();
     let mut index_problems = 0usize;
@@ -968,7 +1014,7 @@ pub(crate) fn reconcile(
                 .is_some())
         };
         let mut r = ShardReport::default();
-        fed.raft_entries(&mut r, events, None, &refused)?;
+        fed.raft_entries(&mut r, events, None, None, &refused)?;
         if let Some(p) = r.problems.first() {
             return Err(StoreError::Corrupt(p.clone()));
         }

@@ -148,6 +148,24 @@ pub(crate) fn scan(
             for part in parts(&round) {
                 let (g, records_at, records) = match part {
                     Ok((g, records_at, PartRead::Records(records))) => (g, records_at, records),
+                    Ok((g, records_at, PartRead::Import(first, records))) => {
+                        if let Some(shard) = held.get_mut(&g) {
+                            let r = &mut shard.report;
+                            match shard
+                                .scan
+                                .import(r, first, records, segment, at, records_at, end)
+                            {
+                                Some(events) => {
+                                    r.events += events;
+                                    r.log_bytes += records.len() as u64;
+                                }
+                                None => return false,
+                            }
+                        } else if !strays.contains(&g) {
+                            strays.push(g);
+                        }
+                        continue;
+                    }
                     Ok((g, body_at, PartRead::Raft(kind, body))) => {
                         if let Some(shard) = held.get_mut(&g) {
                             if let Err(e) =

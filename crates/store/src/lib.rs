@@ -63,6 +63,7 @@ mod raft_net;
 mod read;
 mod shard;
 mod shard_log;
+mod snapshot;
 mod waiters;
 mod write_slot;
 mod writer;
@@ -74,7 +75,8 @@ pub use quiet::QuietAs;
 pub use raft_group::{Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
 pub use raft_net::{
-    Beat, CallError, Peers, RaftTiming, Replication, Rpc, RpcReply, APPEND_BYTES_MAX,
+    Beat, CallError, Peers, RaftLogLimits, RaftTiming, Replication, Rpc, RpcReply, SnapshotChunk,
+    APPEND_BYTES_MAX,
 };
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
 pub use waiters::Interest;

@@ -50,6 +50,12 @@ impl MetaCache {
         }
     }
 
+    /// Forgets everything (the shard's state was replaced).
+    pub(crate) fn clear(&mut self) {
+        self.young.clear();
+        self.old.clear();
+    }
+
     #[cfg(test)]
     fn len(&self) -> usize {
         self.young.len() + self.old.len()

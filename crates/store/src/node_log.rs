@@ -16,7 +16,14 @@
 //!      | 5 | group u32 | len u32 | vote                           (a Raft group's vote)
 //!      | 6 | group u32 | len u32 | entry                          (one Raft entry)
 //!      | 7 | group u32 | len u32 | truncate                       (a Raft group's entries after an index are void)
+//!      | 8 | group u32 | len u32 | record*                        (the first events a snapshot's install imports)
+//!      | 9 | group u32 | len u32 | record*                        (more of them)
 //! ```
+//!
+//! An import (8, 9: `crate::snapshot`) is indexed by the install that
+//! writes it, before the install's checkpoint; a replay never reads one
+//! (an install a crash cut short is done again from the start, and a part
+//! of kind 8 tells the offline check where an install's imports begin).
 //!
 //! The node log frames the Raft parts (5-7) and keeps them in order; what
 //! their bodies hold is [`crate::raft_log`]'s.
@@ -61,6 +68,10 @@ const CUT: u8 = 4;
 pub(crate) const VOTE: u8 = 5;
 pub(crate) const ENTRY: u8 = 6;
 pub(crate) const TRUNCATE: u8 = 7;
+/// The kinds of a snapshot's imported events: the first part of an
+/// install, and the rest.
+pub(crate) const IMPORT_FIRST: u8 = 8;
+pub(crate) const IMPORT: u8 = 9;
 /// kind, group, len.
 const PART_HEADER: usize = 1 + 4 + 4;
 /// kind, group, segment, offset.
@@ -101,6 +112,9 @@ enum Body {
     /// Parts encoded whole, headers and all ([`push_raft_part`]): a Raft
     /// group's entries, vote or truncation.
     Parts(Vec<u8>),
+    /// Records a snapshot's install imports, as a part of this kind
+    /// ([`IMPORT_FIRST`] or [`IMPORT`]).
+    Import(u8, Vec<u8>),
 }
 
 struct Queued {
@@ -113,7 +127,7 @@ impl Queued {
     /// The bytes it takes in a round.
     fn bytes(&self) -> usize {
         match &self.body {
-            Body::Records(records) => PART_HEADER + records.len(),
+            Body::Records(records) | Body::Import(_, records) => PART_HEADER + records.len(),
             Body::Cut(_) => CUT_BYTES,
             Body::Parts(parts) => parts.len(),
         }
@@ -214,8 +228,11 @@ impl Shared {
                 let mut header = [0u8; CUT_BYTES];
                 let group = item.group.to_be_bytes();
                 placed.push(match &item.body {
-                    Body::Records(records) => {
-                        header[0] = PART;
+                    Body::Records(records) | Body::Import(_, records) => {
+                        header[0] = match &item.body {
+                            Body::Import(kind, _) => *kind,
+                            _ => PART,
+                        };
                         header[1..5].copy_from_slice(&group);
                         header[5..9].copy_from_slice(&(records.len() as u32).to_be_bytes());
                         writer.push_raw(&header[..PART_HEADER]);
@@ -243,7 +260,7 @@ impl Shared {
                     for item in round.iter() {
                         let g = q.groups.entry(item.group).or_insert_with(|| self.fresh());
                         match item.body {
-                            Body::Records(_) | Body::Parts(_) => g.end = end,
+                            Body::Records(_) | Body::Parts(_) | Body::Import(..) => g.end = end,
                             Body::Cut(after) => {
                                 g.end = after;
                                 g.cuts.push((after, end));
@@ -265,7 +282,10 @@ impl Shared {
                         end,
                         bytes,
                     }));
-                    if let Body::Records(mut records) | Body::Parts(mut records) = item.body {
+                    if let Body::Records(mut records)
+                    | Body::Parts(mut records)
+                    | Body::Import(_, mut records) = item.body
+                    {
                         if records.capacity() <= SPARE_BUFFER_BYTES {
                             records.clear();
                             emptied.push(records);
@@ -428,7 +448,9 @@ impl NodeLog {
                 let (group, _, body) = part?;
                 let g = groups.entry(group).or_insert_with(fresh);
                 match body {
-                    PartRead::Records(_) | PartRead::Raft(..) => g.end = round.end,
+                    PartRead::Records(_) | PartRead::Raft(..) | PartRead::Import(..) => {
+                        g.end = round.end
+                    }
                     PartRead::Cut(after) => {
                         g.end = after;
                         g.cuts.push((after, round.end));
@@ -610,6 +632,9 @@ pub(crate) enum PartRead<'a> {
     /// A Raft group's part: its kind ([`VOTE`], [`ENTRY`], [`TRUNCATE`])
     /// and body.
     Raft(u8, &'a [u8]),
+    /// A snapshot's imported records, and whether they are the first of
+    /// an install.
+    Import(bool, &'a [u8]),
 }
 
 /// Appends a Raft part of `kind` for `group` to `buf`, its body written
@@ -658,7 +683,7 @@ pub(crate) fn parts<'a>(
                 .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
         };
         let part = match rest[0] {
-            kind @ (PART | VOTE | ENTRY | TRUNCATE) => {
+            kind @ (PART | VOTE | ENTRY | TRUNCATE | IMPORT_FIRST | IMPORT) => {
                 let (Some(group), Some(len)) = (u32_at(1), u32_at(5)) else {
                     return Some(Err(bad("truncated part header")));
                 };
@@ -669,6 +694,7 @@ pub(crate) fn parts<'a>(
                 pos += PART_HEADER + len as usize;
                 let read = match kind {
                     PART => PartRead::Records(body),
+                    IMPORT_FIRST | IMPORT => PartRead::Import(kind == IMPORT_FIRST, body),
                     _ => PartRead::Raft(kind, body),
                 };
                 (group, at, read)
@@ -819,6 +845,26 @@ impl GroupLog {
             )));
         }
         Ok(())
+    }
+}
+
+impl GroupLog {
+    /// Writes the records built since [`Log::begin`] as a snapshot's
+    /// imported events (the install's first part if `first`); `durable`
+    /// as for [`Log::append`].
+    pub(crate) fn append_import<F>(&mut self, first: bool, durable: F)
+    where
+        F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
+    {
+        if self.failed {
+            self.buf.clear();
+            return durable(Err(stopped()));
+        }
+        let records = std::mem::take(&mut self.buf);
+        let kind = if first { IMPORT_FIRST } else { IMPORT };
+        if let Some(spare) = self.queue(Body::Import(kind, records), Box::new(durable)) {
+            self.buf = spare;
+        }
     }
 }
 

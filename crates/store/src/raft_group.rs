@@ -18,10 +18,12 @@
 //! **Snapshots are checkpoints.** A checkpoint makes the shard's state as
 //! of an applied entry durable in its keyspaces (the events stay in the
 //! log), which is what openraft needs a snapshot for on this replica: to
-//! know which entries it may purge. Sending a snapshot to another replica
-//! (the shard's keyspaces and every event) comes with the transport; until
-//! then a snapshot cannot be installed, and a group has no other member
-//! to send one to.
+//! know which entries it may purge. Each checkpoint also keeps a fjall
+//! snapshot of the keyspaces as they were then, which is what a leader
+//! streams to a replica that needs entries it no longer keeps (the
+//! shard's keyspaces and every event: `crate::snapshot`, which also says
+//! how a replica installs one and how a crash during an install is
+//! recovered from).
 
 use crate::apply::{self, Applied, Applier};
 use crate::checkpoints::CheckpointCounters;
@@ -49,10 +51,10 @@ type Vote = VoteOf<GroupConfig>;
 type Membership = StoredMembershipOf<GroupConfig>;
 type Meta = SnapshotMetaOf<GroupConfig>;
 
-pub(crate) const MEMBERSHIP_KEY: &[u8] = b"raft.membership";
-pub(crate) const CHECKPOINT_KEY: &[u8] = b"raft.checkpoint";
+pub(crate) use crate::apply::{CHECKPOINT_KEY, MEMBERSHIP_KEY};
 
 pub use crate::raft_net::ShardSnapshot;
+use crate::raft_net::SnapshotData;
 
 fn io_error(e: StoreError) -> io::Error {
     io::Error::other(e.to_string())
@@ -143,8 +145,14 @@ pub(crate) struct Replica {
     every: u64,
     /// Shared with the shard's writer, which reports them.
     checkpoints: Arc<CheckpointCounters>,
-    /// The last checkpoint, as a snapshot's meta.
-    current: Mutex<Option<Meta>>,
+    /// The last checkpoint, as a snapshot: its meta, and the keyspaces as
+    /// of it.
+    current: Mutex<Option<(Meta, Arc<crate::snapshot::Source>)>>,
+    /// The shard's folder (where snapshots are staged) and its group.
+    dir: std::path::PathBuf,
+    group: u32,
+    /// Numbers the files snapshots are staged in.
+    staged: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -154,23 +162,27 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Replica {
     pub(crate) fn new(
         applier: Applier,
-        ks: Keyspaces,
         node: NodeLog,
         log: RaftLogRead,
         every: u64,
         checkpoints: Arc<CheckpointCounters>,
+        dir: std::path::PathBuf,
+        group: u32,
     ) -> Replica {
         checkpoints
             .at_written
             .store(node.written(), Ordering::Relaxed);
         Replica {
+            ks: applier.keyspaces().clone(),
             applier: Mutex::new(applier),
-            ks,
             every: every.max(1),
             checkpoints,
             node,
             log,
             current: Mutex::new(None),
+            dir,
+            group,
+            staged: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -234,10 +246,135 @@ impl Replica {
             at = ?from,
             "checkpoint of a Raft group"
         );
-        *lock(&self.current) = Some(Meta {
-            last_log_id: applied,
-            last_membership: membership,
-        });
+        // The keyspaces as of this checkpoint, for a snapshot sent from
+        // it (no entry is applied meanwhile: the applier is held).
+        let source = crate::snapshot::Source::new(
+            self.ks.db.snapshot(),
+            self.ks.clone(),
+            applier.events().clone(),
+        );
+        *lock(&self.current) = Some((
+            Meta {
+                last_log_id: applied,
+                last_membership: membership,
+            },
+            Arc::new(source),
+        ));
+        Ok(())
+    }
+
+    /// The last checkpoint, as a snapshot openraft can send.
+    fn current(&self) -> Option<SnapshotOf<GroupConfig, ShardSnapshot>> {
+        lock(&self.current)
+            .as_ref()
+            .map(|(meta, source)| openraft::Snapshot {
+                meta: meta.clone(),
+                snapshot: ShardSnapshot(SnapshotData::Local(source.clone())),
+            })
+    }
+
+    /// The last checkpoint's snapshot meta and what it streams from.
+    #[cfg(test)]
+    pub(crate) fn current_source(&self) -> Option<(Meta, Arc<crate::snapshot::Source>)> {
+        lock(&self.current).clone()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn keyspaces(&self) -> &Keyspaces {
+        &self.ks
+    }
+
+    /// A file to stage a snapshot being received in.
+    pub(crate) fn stage(&self, stream: String) -> Result<crate::snapshot::Staging, StoreError> {
+        let n = self.staged.fetch_add(1, Ordering::Relaxed);
+        crate::snapshot::Staging::create(&self.dir, stream, n)
+    }
+
+    /// Installs the snapshot staged at `path` (`crate::snapshot`, module
+    /// docs): records the install, replaces the shard's state with the
+    /// snapshot's, checkpoints, and only then forgets the install and the
+    /// staged file.
+    fn install(&self, meta: &Meta, path: &std::path::Path) -> Result<(), StoreError> {
+        let mut applier = lock(&self.applier);
+        let file = path
+            .file_name()
+            .and_then(|f| f.to_str())
+            .ok_or_else(|| StoreError::Invalid(format!("a staged snapshot at {}", path.display())))?
+            .to_string();
+        crate::snapshot::Installing {
+            meta: meta.clone(),
+            file,
+        }
+        .record(&self.ks)?;
+        self.install_locked(&mut applier, meta, path)
+    }
+
+    fn install_locked(
+        &self,
+        applier: &mut Applier,
+        meta: &Meta,
+        path: &std::path::Path,
+    ) -> Result<(), StoreError> {
+        let start = std::time::Instant::now();
+        let last = meta.last_log_id.ok_or_else(|| {
+            StoreError::Invalid("a snapshot as of no entry cannot be installed".into())
+        })?;
+        let membership = serde_json::to_vec(&meta.last_membership)
+            .map_err(|e| StoreError::Invalid(format!("the snapshot's membership: {e}")))?;
+        let mut log = self.node.group(self.group);
+        let imported = crate::snapshot::take_in(
+            applier,
+            &mut log,
+            path,
+            (last.leader_id.term, last.index),
+            membership,
+        )?;
+        self.checkpoint_locked(applier, true)?;
+        self.ks.meta.remove(crate::snapshot::INSTALLING_KEY)?;
+        self.ks.db.persist(fjall::PersistMode::SyncData)?;
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::warn!(path = %path.display(), error = %e, "could not remove a snapshot installed from");
+        }
+        tracing::info!(
+            group = self.group,
+            snapshot = ?meta.last_log_id,
+            applied = last.index,
+            events = imported.events,
+            took_ms = start.elapsed().as_millis() as u64,
+            "installed a snapshot of the shard"
+        );
+        Ok(())
+    }
+
+    /// At open, before the group starts: finishes an install a crash cut
+    /// short (installs its staged file again from the start), and removes
+    /// staged files no install needs.
+    pub(crate) fn recover_install(&self) -> Result<(), StoreError> {
+        let mut applier = lock(&self.applier);
+        let installing = crate::snapshot::Installing::read(&self.ks)?;
+        if let Some(i) = &installing {
+            let path = self.dir.join(&i.file);
+            if !path.exists() {
+                return Err(StoreError::Corrupt(format!(
+                    "the shard was installing a snapshot as of entry {:?} from {}, which is \
+                     gone: its state is incomplete; nothing was deleted",
+                    i.meta.last_log_id.map(|l| l.index),
+                    path.display()
+                )));
+            }
+            tracing::warn!(group = self.group, snapshot = ?i.meta.last_log_id, "installing again a snapshot whose install a crash cut short");
+            self.install_locked(&mut applier, &i.meta, &path)?;
+        }
+        for entry in std::fs::read_dir(&self.dir)
+            .map_err(|e| StoreError::Io(format!("reading {}: {e}", self.dir.display())))?
+            .flatten()
+        {
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("snapshot.") && name.ends_with(".incoming") {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
         Ok(())
     }
 }
@@ -275,15 +412,16 @@ impl RaftSnapshotBuilder<GroupConfig> for CheckpointSnapshot {
     async fn build_snapshot(
         &mut self,
     ) -> Result<SnapshotOf<GroupConfig, ShardSnapshot>, io::Error> {
-        let meta = lock(&self.replica.current)
-            .clone()
-            .ok_or_else(|| io::Error::other("no checkpoint yet since the group opened"))?;
-        Ok(openraft::Snapshot {
-            snapshot: ShardSnapshot {
-                applied: meta.last_log_id,
-            },
-            meta,
+        let replica = self.replica.clone();
+        tokio::task::spawn_blocking(move || {
+            replica.checkpoint()?;
+            replica
+                .current()
+                .ok_or_else(|| StoreError::Io("no checkpoint was made".into()))
         })
+        .await
+        .map_err(io::Error::other)?
+        .map_err(io_error)
     }
 }
 
@@ -360,25 +498,25 @@ impl RaftStateMachine<GroupConfig> for ShardMachine {
 
     async fn install_snapshot(
         &mut self,
-        _meta: &Meta,
-        _snapshot: ShardSnapshot,
+        meta: &Meta,
+        snapshot: ShardSnapshot,
     ) -> Result<(), io::Error> {
-        Err(io::Error::other(
-            "installing a shard's snapshot needs its transfer between replicas, which is not built yet",
-        ))
+        let SnapshotData::Received(path) = snapshot.0 else {
+            return Err(io::Error::other(
+                "a snapshot made on this replica is not installed on it",
+            ));
+        };
+        let (replica, meta) = (self.replica.clone(), meta.clone());
+        tokio::task::spawn_blocking(move || replica.install(&meta, &path))
+            .await
+            .map_err(io::Error::other)?
+            .map_err(io_error)
     }
 
     async fn get_current_snapshot(
         &mut self,
     ) -> Result<Option<SnapshotOf<GroupConfig, ShardSnapshot>>, io::Error> {
-        Ok(lock(&self.replica.current)
-            .clone()
-            .map(|meta| openraft::Snapshot {
-                snapshot: ShardSnapshot {
-                    applied: meta.last_log_id,
-                },
-                meta,
-            }))
+        Ok(self.replica.current())
     }
 }
 
@@ -443,31 +581,31 @@ impl RaftNetworkV2<GroupConfig> for Alone {
 /// not save the commit index), snapshots only as checkpoints.
 pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
     config_with(
-        openraft::Config::default().max_in_snapshot_log_to_keep,
+        &crate::raft_net::RaftLogLimits {
+            snapshot_every: crate::raft_net::RaftLogLimits::default().snapshot_every,
+            // No follower to keep entries for.
+            kept: 0,
+        },
         &crate::raft_net::RaftTiming::ALONE,
     )
 }
 
-/// Entries a replicated group keeps in its log behind its last snapshot,
-/// so that a follower that was away catches up from the log: a snapshot
-/// cannot be sent yet (`docs/replication.md`). The entries stay on disk
-/// in any case; what this bounds is the place of each kept in memory.
-const REPLICATED_LOG_KEPT: u64 = 100_000;
-
 fn config_with(
-    kept: u64,
+    log: &crate::raft_net::RaftLogLimits,
     timing: &crate::raft_net::RaftTiming,
 ) -> Result<Arc<openraft::Config>, StoreError> {
     let config = openraft::Config {
-        max_in_snapshot_log_to_keep: kept,
+        max_in_snapshot_log_to_keep: log.kept,
         cluster_name: "forkless".into(),
         heartbeat_interval: timing.heartbeat_ms,
         election_timeout_min: timing.election_timeout_min_ms,
         election_timeout_max: timing.election_timeout_max_ms,
         enable_pre_vote: Some(true),
         enable_leader_restore: Some(false),
-        // The state machine checkpoints by itself as it applies.
-        snapshot_policy: openraft::SnapshotPolicy::Never,
+        // The state machine also checkpoints by itself as it applies
+        // (every so many bytes of the node log); this is what makes the
+        // log purge what it no longer needs in memory.
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(log.snapshot_every.max(1)),
         ..Default::default()
     };
     config
@@ -579,6 +717,7 @@ pub(crate) fn start_alone(
     replica: Arc<Replica>,
 ) -> Result<Group, StoreError> {
     let config = config()?;
+    let held = replica.clone();
     let (released, on_release) = std::sync::mpsc::sync_channel(1);
     let started = run(
         async move {
@@ -624,6 +763,8 @@ pub(crate) fn start_alone(
         replicated: false,
         quiet: Arc::new(crate::quiet::Quiet::new()),
         vote_fresh: std::time::Duration::ZERO,
+        replica: held,
+        staging: tokio::sync::Mutex::new(None),
         released: Mutex::new(on_release),
     })
 }
@@ -641,7 +782,7 @@ pub(crate) fn start_replicated(
     replica: Arc<Replica>,
     rep: &crate::raft_net::Replication,
 ) -> Result<Group, StoreError> {
-    let config = config_with(REPLICATED_LOG_KEPT, &rep.timing)?;
+    let config = config_with(&rep.log, &rep.timing)?;
     let members = (rep.members)(shard);
     if !members.contains_key(&rep.me) {
         return Err(StoreError::Invalid(format!(
@@ -651,6 +792,7 @@ pub(crate) fn start_replicated(
         )));
     }
     let me = rep.me;
+    let held = replica.clone();
     let network = crate::raft_net::PeerNetwork {
         me,
         group: shard.get(),
@@ -685,6 +827,8 @@ pub(crate) fn start_replicated(
         replicated: true,
         quiet: Arc::new(crate::quiet::Quiet::new()),
         vote_fresh: std::time::Duration::from_millis(rep.timing.election_timeout_min_ms),
+        replica: held,
+        staging: tokio::sync::Mutex::new(None),
         released: Mutex::new(on_release),
     })
 }
@@ -704,6 +848,10 @@ pub(crate) struct Group {
     /// How recently a quiet follower must have heard that its leader is
     /// alive to refuse a vote (`Quiet::refuses_vote`).
     pub(crate) vote_fresh: std::time::Duration,
+    /// The replica's state (where a snapshot is staged and installed).
+    pub(crate) replica: Arc<Replica>,
+    /// The snapshot being received, if one is.
+    staging: tokio::sync::Mutex<Option<crate::snapshot::Staging>>,
     /// In a mutex only so that the shard is `Sync`; used once, at drop.
     released: Mutex<std::sync::mpsc::Receiver<()>>,
 }
@@ -742,6 +890,11 @@ pub struct RaftStatus {
     pub last_log_index: Option<u64>,
     pub committed: Option<u64>,
     pub applied: Option<u64>,
+    /// The entry its last snapshot (checkpoint) is as of, and the last
+    /// entry its log forgot (from memory: a follower that needs one it
+    /// forgot is sent a snapshot).
+    pub snapshot: Option<u64>,
+    pub purged: Option<u64>,
     /// The voters of its membership.
     pub voters: Vec<u64>,
     /// On the leader: each follower's last entry known to match its own.
@@ -769,6 +922,8 @@ impl RaftStatus {
             last_log_index: m.last_log_index,
             committed: m.local_committed.map(|l| l.index),
             applied: m.last_applied.map(|l| l.index),
+            snapshot: m.snapshot.map(|l| l.index),
+            purged: m.purged.map(|l| l.index),
             voters: m.membership_config.membership().voter_ids().collect(),
             matched: m
                 .replication
@@ -855,7 +1010,7 @@ pub(crate) async fn handle(
         }
         // An election the leader asked for (a leadership transfer): every
         // voter takes part, quiet or not.
-        crate::raft_net::Rpc::TransferLeader(_) => {
+        crate::raft_net::Rpc::TransferLeader(_) | crate::raft_net::Rpc::Snapshot(_) => {
             group.quiet.wake(raft);
         }
         crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r)
@@ -898,5 +1053,61 @@ pub(crate) async fn handle(
             .await
             .map(crate::raft_net::RpcReply::Vote)
             .map_err(|e| e.to_string()),
+        crate::raft_net::Rpc::Snapshot(chunk) => receive_snapshot(group, chunk).await,
     }
+}
+
+/// A chunk of a snapshot the leader streams here: staged in order (a
+/// chunk 0 starts a new stream, and drops one that did not finish); the
+/// last one makes the staged file durable and hands it to openraft, which
+/// installs it through the state machine and answers once it has.
+async fn receive_snapshot(
+    group: &Group,
+    chunk: crate::raft_net::SnapshotChunk,
+) -> Result<crate::raft_net::RpcReply, String> {
+    let stream = chunk.stream();
+    let mut staging = group.staging.lock().await;
+    if chunk.n == 0 {
+        if let Some(old) = staging.take() {
+            let _ = std::fs::remove_file(&old.path);
+        }
+        *staging = Some(
+            group
+                .replica
+                .stage(stream.clone())
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let Some(st) = staging
+        .as_mut()
+        .filter(|s| s.id == stream && s.next == chunk.n)
+    else {
+        return Err(format!(
+            "chunk {} of the snapshot ({stream}) is not the one this replica expects next: \
+             the sender starts again",
+            chunk.n
+        ));
+    };
+    if !chunk.done {
+        tokio::task::block_in_place(|| st.write(&chunk.data)).map_err(|e| e.to_string())?;
+        return Ok(crate::raft_net::RpcReply::Snapshot(None));
+    }
+    let Some(st) = staging.take() else {
+        return Err("no snapshot is being staged".into());
+    };
+    drop(staging);
+    let path = tokio::task::block_in_place(|| st.finish()).map_err(|e| e.to_string())?;
+    let snapshot = openraft::Snapshot {
+        meta: chunk.meta,
+        snapshot: ShardSnapshot(SnapshotData::Received(path.clone())),
+    };
+    let installed = group.raft.install_full_snapshot(chunk.vote, snapshot).await;
+    // Installed, the file is gone; still there, openraft did not need it
+    // (not newer than what this replica has committed).
+    if installed.is_ok() && path.exists() {
+        let _ = std::fs::remove_file(&path);
+    }
+    installed
+        .map(|r| crate::raft_net::RpcReply::Snapshot(Some(r)))
+        .map_err(|e| e.to_string())
 }

@@ -25,12 +25,51 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What a snapshot holds: the entry it is as of (its data are the shard's
-/// keyspaces and events on the replica that made it; sending one to
-/// another replica is not built yet).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShardSnapshot {
-    pub applied: Option<openraft::type_config::alias::LogIdOf<GroupConfig>>,
+/// A shard's snapshot as openraft hands it around (`crate::snapshot`): on
+/// the replica that made it, what it is streamed from; on one that
+/// received it, the staged file it is installed from.
+pub struct ShardSnapshot(pub(crate) SnapshotData);
+
+pub(crate) enum SnapshotData {
+    Local(Arc<crate::snapshot::Source>),
+    Received(std::path::PathBuf),
+}
+
+impl std::fmt::Debug for ShardSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            SnapshotData::Local(_) => f.write_str("ShardSnapshot(local)"),
+            SnapshotData::Received(p) => write!(f, "ShardSnapshot(received: {})", p.display()),
+        }
+    }
+}
+
+/// One piece of a snapshot a leader streams to a replica: chunks are sent
+/// one at a time, in order, each answered; the last (`done`, with no
+/// data) asks the replica to install what it staged, and is answered
+/// with the install's outcome.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct SnapshotChunk {
+    /// The sender's vote (openraft's `install_full_snapshot` checks it).
+    pub vote: VoteOf<GroupConfig>,
+    pub meta: openraft::type_config::alias::SnapshotMetaOf<GroupConfig>,
+    /// Its place in the stream, from 0.
+    pub n: u64,
+    pub data: bytes::Bytes,
+    pub done: bool,
+}
+
+impl SnapshotChunk {
+    /// Which stream it belongs to: a chunk of another is not staged with
+    /// this one's.
+    pub(crate) fn stream(&self) -> String {
+        format!(
+            "vote {}-{}, as of {:?}",
+            self.vote.leader_id.term,
+            self.vote.leader_id.voted_for,
+            self.meta.last_log_id.map(|l| (l.leader_id.term, l.index))
+        )
+    }
 }
 
 /// A message from one replica of a group to another.
@@ -45,6 +84,8 @@ pub enum Rpc {
     /// The leader hands its leadership to one of the group's voters (sent
     /// to every voter).
     TransferLeader(TransferLeaderRequest<GroupConfig>),
+    /// A piece of a snapshot the leader streams to this replica.
+    Snapshot(SnapshotChunk),
 }
 
 /// What a node's heartbeat says: the groups it leads quietly, and at
@@ -64,6 +105,7 @@ impl Rpc {
             Rpc::PreVote(_) => "pre_vote",
             Rpc::Beat(_) => "beat",
             Rpc::TransferLeader(_) => "transfer_leader",
+            Rpc::Snapshot(_) => "snapshot",
         }
     }
 
@@ -73,6 +115,7 @@ impl Rpc {
             Rpc::Vote(_) | Rpc::PreVote(_) => RPCTypes::Vote,
             Rpc::Beat(_) => RPCTypes::AppendEntries,
             Rpc::TransferLeader(_) => RPCTypes::TransferLeader,
+            Rpc::Snapshot(_) => RPCTypes::InstallSnapshot,
         }
     }
 }
@@ -85,6 +128,8 @@ pub enum RpcReply {
     /// A heartbeat was heard.
     Beat,
     TransferLeader(TransferLeaderResponse<GroupConfig>),
+    /// A snapshot's chunk was staged (`None`), or the snapshot installed.
+    Snapshot(Option<SnapshotResponse<GroupConfig>>),
 }
 
 /// Why a call brought no answer.
@@ -124,6 +169,29 @@ pub struct Replication {
     pub members: Arc<dyn Fn(forkless_types::ShardId) -> BTreeMap<u64, BasicNode> + Send + Sync>,
     pub peers: Arc<dyn Peers>,
     pub timing: RaftTiming,
+    pub log: RaftLogLimits,
+}
+
+/// How much of its log a replicated group keeps in memory: it snapshots
+/// (checkpoints) every `snapshot_every` entries, and then forgets the
+/// entries more than `kept` behind the snapshot; a follower further
+/// behind than that catches up by a snapshot of the whole shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RaftLogLimits {
+    pub snapshot_every: u64,
+    pub kept: u64,
+}
+
+impl Default for RaftLogLimits {
+    /// A group's log then holds at most about 30,000 entries' places in
+    /// memory, however long it runs; a follower away for up to 10,000
+    /// entries catches up from the log.
+    fn default() -> Self {
+        RaftLogLimits {
+            snapshot_every: 20_000,
+            kept: 10_000,
+        }
+    }
 }
 
 impl std::fmt::Debug for Replication {
@@ -162,7 +230,14 @@ impl RaftNetworkFactory<GroupConfig> for PeerNetwork {
 
 impl PeerClient {
     async fn call(&self, rpc: Rpc, option: &RPCOption) -> Result<RpcReply, RPCError<GroupConfig>> {
-        let within = option.hard_ttl();
+        self.call_within(rpc, option.hard_ttl()).await
+    }
+
+    async fn call_within(
+        &self,
+        rpc: Rpc,
+        within: Duration,
+    ) -> Result<RpcReply, RPCError<GroupConfig>> {
         let action = rpc.rpc_type();
         let r = self
             .net
@@ -276,21 +351,92 @@ impl RaftNetworkV2<GroupConfig> for PeerClient {
         }
     }
 
+    /// Streams the snapshot a chunk at a time ([`SnapshotChunk`]), each
+    /// read from the shard's data on a blocking thread and answered before
+    /// the next is read, so a slow receiver holds back the sender, and a
+    /// snapshot's size costs no memory. Each chunk has its own time
+    /// ([`CHUNK_WITHIN`]), the install at the end its own
+    /// ([`INSTALL_WITHIN`]): openraft's `install_snapshot_timeout` is for a
+    /// whole snapshot of one call, which is not how one is sent here.
     async fn full_snapshot(
         &mut self,
-        _vote: VoteOf<GroupConfig>,
-        _snapshot: SnapshotOf<GroupConfig, ShardSnapshot>,
-        _cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
+        vote: VoteOf<GroupConfig>,
+        snapshot: SnapshotOf<GroupConfig, ShardSnapshot>,
+        cancel: impl std::future::Future<Output = ReplicationClosed> + OptionalSend + 'static,
         _option: RPCOption,
     ) -> Result<SnapshotResponse<GroupConfig>, StreamingError<GroupConfig>> {
-        // A snapshot is the shard's keyspaces and every event: its transfer
-        // is not built yet (`docs/replication.md`, step 5). Unreachable, so
-        // openraft backs off and tries again rather than give up.
-        Err(StreamingError::Unreachable(Unreachable::from_string(
-            "sending a snapshot to a replica is not built yet",
-        )))
+        let SnapshotData::Local(source) = snapshot.snapshot.0 else {
+            return Err(StreamingError::Unreachable(Unreachable::from_string(
+                "a snapshot received from another replica is not sent on",
+            )));
+        };
+        let meta = snapshot.meta;
+        let mut cancel = std::pin::pin!(cancel);
+        let mut cursor = crate::snapshot::Cursor::default();
+        let mut n = 0u64;
+        let started = std::time::Instant::now();
+        let mut bytes = 0u64;
+        loop {
+            let (src, mut at) = (source.clone(), cursor.clone());
+            let read = tokio::task::spawn_blocking(move || {
+                src.next_chunk(&mut at, crate::snapshot::CHUNK_BYTES)
+                    .map(|chunk| (chunk, at))
+            });
+            let (chunk, next) = match read.await {
+                Ok(Ok(read)) => read,
+                Ok(Err(e)) => {
+                    return Err(StreamingError::Unreachable(Unreachable::from_string(
+                        format!("reading the snapshot to send: {e}"),
+                    )))
+                }
+                Err(e) => {
+                    return Err(StreamingError::Unreachable(Unreachable::from_string(
+                        format!("reading the snapshot to send: {e}"),
+                    )))
+                }
+            };
+            cursor = next;
+            let done = chunk.is_none();
+            let data = bytes::Bytes::from(chunk.unwrap_or_default());
+            bytes += data.len() as u64;
+            let rpc = Rpc::Snapshot(SnapshotChunk {
+                vote,
+                meta: meta.clone(),
+                n,
+                data,
+                done,
+            });
+            let within = if done { INSTALL_WITHIN } else { CHUNK_WITHIN };
+            let reply = tokio::select! {
+                r = self.call_within(rpc, within) => r?,
+                closed = &mut cancel => return Err(StreamingError::Closed(closed)),
+            };
+            match reply {
+                RpcReply::Snapshot(None) if !done => n += 1,
+                RpcReply::Snapshot(Some(r)) if done => {
+                    tracing::info!(
+                        group = self.net.group,
+                        target = self.target,
+                        snapshot = ?meta.last_log_id,
+                        chunks = n,
+                        bytes,
+                        took_ms = started.elapsed().as_millis() as u64,
+                        "sent a snapshot to a replica"
+                    );
+                    return Ok(r);
+                }
+                other => return Err(StreamingError::from(unexpected(other, "snapshot"))),
+            }
+        }
     }
 }
+
+/// How long one chunk of a snapshot may take to be staged.
+const CHUNK_WITHIN: Duration = Duration::from_secs(30);
+/// How long a replica may take to install a snapshot it staged (it
+/// writes every event of the shard again): one that takes longer is sent
+/// again.
+const INSTALL_WITHIN: Duration = Duration::from_secs(30 * 60);
 
 /// A replicated group's timers (`[raft]` in the cluster file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

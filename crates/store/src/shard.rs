@@ -697,6 +697,7 @@ impl ShardStore {
             }
             return Self::open_raft(
                 shard,
+                &path,
                 ks,
                 tail,
                 own,
@@ -766,6 +767,7 @@ impl ShardStore {
     #[allow(clippy::too_many_arguments)]
     fn open_raft(
         shard: ShardId,
+        dir: &Path,
         ks: Keyspaces,
         tail: Tail,
         own: Option<Arc<Segments>>,
@@ -802,19 +804,28 @@ impl ShardStore {
             waiters.clone(),
             commits_tx.clone(),
         );
-        let reindexed = reindex(&ks, &reader, &mut applier, checkpointed, applied)?;
+        // An install a crash cut short is finished below, and replaces
+        // the shard's state: nothing of the old one is indexed again.
+        let installing = crate::snapshot::Installing::read(&ks)?.is_some();
+        let reindexed = if installing {
+            0
+        } else {
+            reindex(&ks, &reader, &mut applier, checkpointed, applied)?
+        };
         if reindexed > 0 {
             tracing::info!(shard = %shard, entries = reindexed, "indexed again the entries applied since the shard's last checkpoint");
         }
         let checkpoints: Arc<crate::checkpoints::CheckpointCounters> = Arc::default();
         let replica = Arc::new(Replica::new(
             applier,
-            ks.clone(),
             node.clone(),
             reader,
             config.log_checkpoint_bytes,
             checkpoints.clone(),
+            dir.to_path_buf(),
+            group,
         ));
+        replica.recover_install()?;
         // Before the group writes: a reopen reads the node log from here.
         replica.checkpoint_at_open()?;
         let started = match &config.replication {
@@ -896,6 +907,12 @@ impl ShardStore {
 
     pub fn id(&self) -> ShardId {
         self.shard
+    }
+
+    /// The replica state behind the shard's Raft group, if it has one.
+    #[cfg(test)]
+    pub(crate) fn replica(&self) -> Option<Arc<raft_group::Replica>> {
+        self.raft.as_ref().map(|g| g.replica.clone())
     }
 
     /// Whether the shard is a Raft group with replicas on other nodes.

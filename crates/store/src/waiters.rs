@@ -51,6 +51,15 @@ impl Waiters {
             }
         }
     }
+
+    /// Wakes every interest (the shard's state was replaced: each waiter
+    /// reads again).
+    pub(crate) fn wake_all(&self) {
+        let m = self.by_execution.lock().unwrap_or_else(|p| p.into_inner());
+        for (n, _) in m.values() {
+            n.notify_waiters();
+        }
+    }
 }
 
 /// Interest in one execution's new events; see [`Waiters`].
