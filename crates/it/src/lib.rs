@@ -980,6 +980,9 @@ pub struct Cluster {
     /// `[raft]` timers (heartbeat, election min, max; ms), if not the
     /// defaults.
     pub raft_timing: Option<(u64, u64, u64)>,
+    /// `[raft]` snapshot_every_entries and log_kept_entries, if not the
+    /// defaults.
+    pub raft_log: Option<(u64, u64)>,
 }
 
 impl Cluster {
@@ -1026,6 +1029,7 @@ impl Cluster {
             secret: "it-secret-0123456789abcdef".into(),
             replication_factor: None,
             raft_timing: None,
+            raft_log: None,
         }
     }
 
@@ -1142,7 +1146,8 @@ impl Cluster {
             }
             assert!(
                 Instant::now() < until,
-                "the replicas did not level within 20 s: {seen}"
+                "the replicas did not level within 20 s: {seen}\n{}",
+                self.logs()
             );
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -1297,9 +1302,17 @@ impl Cluster {
         if let Some(f) = self.replication_factor {
             s = format!("replication_factor = {f}\n{s}");
         }
+        if self.raft_timing.is_some() || self.raft_log.is_some() {
+            s.push_str("\n[raft]\n");
+        }
         if let Some((h, lo, hi)) = self.raft_timing {
             s.push_str(&format!(
-                "\n[raft]\nheartbeat_ms = {h}\nelection_timeout_min_ms = {lo}\nelection_timeout_max_ms = {hi}\n"
+                "heartbeat_ms = {h}\nelection_timeout_min_ms = {lo}\nelection_timeout_max_ms = {hi}\n"
+            ));
+        }
+        if let Some((every, kept)) = self.raft_log {
+            s.push_str(&format!(
+                "snapshot_every_entries = {every}\nlog_kept_entries = {kept}\n"
             ));
         }
         for n in &self.nodes {

@@ -366,3 +366,100 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
     });
     assert_eq!(cl.client(1).last_seq(&exec), 2);
 }
+
+/// A replica whose data directory is lost (SIGKILL, the folder deleted,
+/// started again empty) rejoins and catches up by itself: the leaders'
+/// logs forgot the entries it needs (a snapshot every 20 entries, 5 kept),
+/// so each shard comes to it as a snapshot, which it installs; it then
+/// takes the writes after it, and its disk holds exactly what the other
+/// replicas' hold (`forkless store check` on every data directory).
+#[test]
+fn a_wiped_replica_catches_up_by_a_snapshot() {
+    let _deadline = deadline("replication: wiped replica", Duration::from_secs(180));
+    let mut cl = Cluster::prepare_replicated(NODES, SHARDS, 3, PeerTiming::default());
+    cl.raft_log = Some((20, 5));
+    let ids: Vec<u16> = (1..=NODES).collect();
+    cl.start_nodes(&ids, &[]);
+    for &id in &ids {
+        cl.wait_leaders_known(id, &[]);
+    }
+    let c = cl.client(1);
+    let logs: Vec<std::path::PathBuf> = cl.nodes.iter().map(|n| n.log.clone()).collect();
+    let logs = move || {
+        logs.iter()
+            .map(|p| {
+                let log = std::fs::read_to_string(p).unwrap_or_default();
+                format!("---- {} ----\n{log}", p.display())
+            })
+            .collect::<String>()
+    };
+    // (A retry of an answer that was unknown is answered as
+    // deduplicated: 200, not 201.)
+    let append = |e: &str, marker: String| {
+        let r = settled(Duration::from_secs(20), || {
+            c.post(
+                &format!("/api/executions/{e}/events"),
+                &workload::batch_body(std::slice::from_ref(&marker), None),
+            )
+        });
+        assert!(
+            r.status == 201 || r.status == 200,
+            "{marker}: {}: {}\n{}",
+            r.status,
+            r.text(),
+            logs()
+        );
+    };
+    let execs: Vec<String> = (0..40)
+        .map(|i| {
+            let key = format!("wiped-start-{i}");
+            let started = settled(Duration::from_secs(20), || {
+                c.post(
+                    "/api/executions",
+                    &serde_json::json!({"workflow": "w", "idempotency_key": key}),
+                )
+            });
+            id_of(&started.json())
+        })
+        .collect();
+    for e in &execs {
+        append(e, format!("{e}-before"));
+    }
+    cl.kill9(3);
+    let data = cl.node(3).data_dir.clone();
+    std::fs::remove_dir_all(&data).expect("wiped node 3's data directory");
+    for e in &execs {
+        append(e, format!("{e}-while-away"));
+    }
+    let cfg = cl.node(3).config.clone();
+    cl.spawn(3, &cfg);
+    cl.wait_ready(3);
+    cl.wait_replicas_level();
+    let log = std::fs::read_to_string(&cl.node(3).log).unwrap_or_default();
+    let installs = log.matches("installed a snapshot of the shard").count();
+    assert!(
+        installs >= SHARDS as usize,
+        "node 3 installed {installs} snapshots; its log:\n{log}"
+    );
+    for e in &execs {
+        append(e, format!("{e}-after"));
+    }
+    for e in &execs {
+        let markers: Vec<String> = c
+            .events(e)
+            .iter()
+            .filter_map(|v| v["payload"]["marker"].as_str().map(String::from))
+            .collect();
+        assert_eq!(
+            markers,
+            vec![
+                format!("{e}-before"),
+                format!("{e}-while-away"),
+                format!("{e}-after")
+            ]
+        );
+    }
+    cl.wait_replicas_level();
+    let counts = cl.stop_and_compare_replicas();
+    assert_eq!(counts.values().sum::<u64>(), 40 * 4, "{counts:?}");
+}

@@ -1316,6 +1316,8 @@ async fn cluster(State(app): AppState) -> Response {
                             "last_log_index": g.last_log_index,
                             "committed": g.committed,
                             "applied": g.applied,
+                            "snapshot": g.snapshot,
+                            "purged": g.purged,
                             "voters": g.voters,
                             "quiet": g.quiet,
                             "followers": g.matched.iter().map(|(id, m)| json!({

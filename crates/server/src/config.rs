@@ -234,7 +234,8 @@ pub struct FileConfig {
     pub raft: Option<RaftTimingFile>,
 }
 
-/// `[raft]`: a replicated group's timers, in milliseconds.
+/// `[raft]`: a replicated group's timers, in milliseconds, and how much
+/// of its log it keeps in memory.
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RaftTimingFile {
@@ -243,6 +244,11 @@ pub struct RaftTimingFile {
     pub election_timeout_max_ms: u64,
     /// An idle group turns its timers off (on by default).
     pub quiesce: bool,
+    /// A group snapshots (checkpoints) every this many entries...
+    pub snapshot_every_entries: u64,
+    /// ...and its log then forgets (from memory) the entries more than
+    /// this many behind: a follower further behind gets a snapshot.
+    pub log_kept_entries: u64,
 }
 
 impl Default for RaftTimingFile {
@@ -253,19 +259,35 @@ impl Default for RaftTimingFile {
             election_timeout_min_ms: d.election_timeout_min_ms,
             election_timeout_max_ms: d.election_timeout_max_ms,
             quiesce: d.quiesce,
+            snapshot_every_entries: forkless_store::RaftLogLimits::default().snapshot_every,
+            log_kept_entries: forkless_store::RaftLogLimits::default().kept,
         }
     }
 }
 
 impl RaftTimingFile {
-    fn validate(&self) -> Result<forkless_store::RaftTiming, ConfigError> {
+    fn validate(
+        &self,
+    ) -> Result<(forkless_store::RaftTiming, forkless_store::RaftLogLimits), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let RaftTimingFile {
             heartbeat_ms: h,
             election_timeout_min_ms: lo,
             election_timeout_max_ms: hi,
             quiesce,
+            snapshot_every_entries: every,
+            log_kept_entries: kept,
         } = *self;
+        if !(10..=10_000_000).contains(&every) {
+            return bad(format!(
+                "raft.snapshot_every_entries must be 10 to 10000000, not {every}"
+            ));
+        }
+        if kept > 10_000_000 {
+            return bad(format!(
+                "raft.log_kept_entries must be at most 10000000, not {kept}"
+            ));
+        }
         if !(10..=10_000).contains(&h) {
             return bad(format!("raft.heartbeat_ms must be 10 to 10000, not {h}"));
         }
@@ -279,12 +301,18 @@ impl RaftTimingFile {
                 "raft.election_timeout_max_ms ({hi}) must be more than raft.election_timeout_min_ms ({lo}) and at most 60000"
             ));
         }
-        Ok(forkless_store::RaftTiming {
-            heartbeat_ms: h,
-            election_timeout_min_ms: lo,
-            election_timeout_max_ms: hi,
-            quiesce,
-        })
+        Ok((
+            forkless_store::RaftTiming {
+                heartbeat_ms: h,
+                election_timeout_min_ms: lo,
+                election_timeout_max_ms: hi,
+                quiesce,
+            },
+            forkless_store::RaftLogLimits {
+                snapshot_every: every,
+                kept,
+            },
+        ))
     }
 }
 
@@ -337,6 +365,7 @@ pub struct ClusterConfig {
 pub struct Replicated {
     pub factor: usize,
     pub timing: forkless_store::RaftTiming,
+    pub log: forkless_store::RaftLogLimits,
     /// Every node's Raft address.
     pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
 }
@@ -513,9 +542,11 @@ pub fn validate_cluster(
                 }
                 raft_addrs.insert(nodes[i].id, a);
             }
+            let (timing, log) = file.raft.unwrap_or_default().validate()?;
             Some(Replicated {
                 factor: f as usize,
-                timing: file.raft.unwrap_or_default().validate()?,
+                timing,
+                log,
                 raft_addrs,
             })
         }
@@ -943,8 +974,19 @@ peer_addr = "127.0.0.1:7172"
         let one = check(&replicated("replication_factor = 1"), Some(1), None).expect("valid");
         assert!(one.cluster.expect("cluster").replication.is_none());
 
-        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400\nquiesce = false";
+        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400\nquiesce = false\nsnapshot_every_entries = 500\nlog_kept_entries = 0";
         let t = check(&replicated(timers), Some(1), None).expect("valid");
+        assert_eq!(
+            t.cluster
+                .as_ref()
+                .and_then(|c| c.replication.as_ref())
+                .map(|r| r.log),
+            Some(forkless_store::RaftLogLimits {
+                snapshot_every: 500,
+                kept: 0,
+            })
+        );
+        assert_eq!(r.log, forkless_store::RaftLogLimits::default());
         assert_eq!(
             t.cluster.and_then(|c| c.replication).map(|r| r.timing),
             Some(forkless_store::RaftTiming {
@@ -962,6 +1004,8 @@ peer_addr = "127.0.0.1:7172"
             ("replication_factor = 3\n[raft]\nelection_timeout_min_ms = 500\nelection_timeout_max_ms = 400", "raft.election_timeout_max_ms (400)"),
             ("replication_factor = 3\n[raft]\nheartbeat_ms = 5", "raft.heartbeat_ms must be 10 to 10000"),
             ("[raft]\nheartbeat_ms = 50", "the [raft] timers are for a replicated cluster"),
+            ("replication_factor = 3\n[raft]\nsnapshot_every_entries = 5", "raft.snapshot_every_entries must be 10 to 10000000, not 5"),
+            ("replication_factor = 3\n[raft]\nlog_kept_entries = 20000000", "raft.log_kept_entries must be at most 10000000"),
         ] {
             check(&replicated(extra), Some(1), Some(why));
         }

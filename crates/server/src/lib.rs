@@ -194,7 +194,7 @@ fn store_replication(
                 .collect()
         }),
         timing: r.timing,
-        log: forkless_store::RaftLogLimits::default(),
+        log: r.log,
         peers: Arc::new(forkless_raftnet::Links::new(
             u64::from(me.get()),
             secret,

@@ -30,6 +30,7 @@ mod check_node;
 mod checkpoints;
 mod codec;
 mod commit;
+mod fresh;
 mod index;
 mod keyspaces;
 mod latency;

@@ -153,6 +153,9 @@ pub(crate) struct Replica {
     group: u32,
     /// Numbers the files snapshots are staged in.
     staged: std::sync::atomic::AtomicU64,
+    /// Set while this replica's data directory is new and it has not
+    /// caught up (`crate::fresh`).
+    fresh: std::sync::OnceLock<Arc<crate::fresh::Fresh>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -183,6 +186,7 @@ impl Replica {
             dir,
             group,
             staged: std::sync::atomic::AtomicU64::new(0),
+            fresh: std::sync::OnceLock::new(),
         }
     }
 
@@ -284,6 +288,34 @@ impl Replica {
         &self.ks
     }
 
+    /// Whether this replica's data directory is new and it has not caught
+    /// up with its group yet (`crate::fresh`).
+    pub(crate) fn is_fresh(&self) -> Result<bool, StoreError> {
+        Ok(self.ks.meta.get(crate::fresh::FRESH_KEY)?.is_some())
+    }
+
+    /// Marks it so, durably, before the group is initialized here.
+    fn mark_fresh(&self) -> Result<(), StoreError> {
+        self.ks.meta.insert(crate::fresh::FRESH_KEY, [])?;
+        self.ks.db.persist(fjall::PersistMode::SyncData)?;
+        Ok(())
+    }
+
+    /// If this replica was new and has just caught up (applied through
+    /// `applied`), forgets that it was (made durable with the next
+    /// checkpoint; a crash before that leaves it careful, which is safe).
+    fn maybe_caught_up(&self, applied: Option<u64>, leading: bool) {
+        let Some(f) = self.fresh.get() else {
+            return;
+        };
+        if f.caught_up(applied, leading) {
+            tracing::info!(group = self.group, applied = ?applied, "a replica whose data directory was new caught up with its group");
+            if let Err(e) = self.ks.meta.remove(crate::fresh::FRESH_KEY) {
+                tracing::warn!(group = self.group, error = %e, "could not record that a new replica caught up; it stays careful until it does");
+            }
+        }
+    }
+
     /// A file to stage a snapshot being received in.
     pub(crate) fn stage(&self, stream: String) -> Result<crate::snapshot::Staging, StoreError> {
         let n = self.staged.fetch_add(1, Ordering::Relaxed);
@@ -335,6 +367,7 @@ impl Replica {
         if let Err(e) = std::fs::remove_file(path) {
             tracing::warn!(path = %path.display(), error = %e, "could not remove a snapshot installed from");
         }
+        self.maybe_caught_up(Some(last.index), false);
         tracing::info!(
             group = self.group,
             snapshot = ?meta.last_log_id,
@@ -483,6 +516,7 @@ impl RaftStateMachine<GroupConfig> for ShardMachine {
                 r.checkpoint_locked(&mut applier, true).map_err(io_error)?;
             }
             drop(applier);
+            r.maybe_caught_up(Some(index), false);
             if let Some(r) = responder {
                 r.send(applied);
             }
@@ -761,6 +795,7 @@ pub(crate) fn start_alone(
     Ok(Group {
         raft,
         replicated: false,
+        fresh: None,
         quiet: Arc::new(crate::quiet::Quiet::new()),
         vote_fresh: std::time::Duration::ZERO,
         replica: held,
@@ -802,9 +837,10 @@ pub(crate) fn start_replicated(
     let started = run(
         async move {
             let (raft, initialized) =
-                new_raft(shard, me, config, network, log, replica, released).await?;
+                new_raft(shard, me, config, network, log, replica.clone(), released).await?;
             if !initialized {
                 use openraft::errors::{InitializeError, RaftError};
+                replica.mark_fresh()?;
                 match raft.initialize(members).await {
                     Ok(()) => {}
                     // Another replica's entries reached it first.
@@ -822,9 +858,16 @@ pub(crate) fn start_replicated(
             READY_WITHIN.as_secs()
         )))
     })?;
+    let fresh = held
+        .is_fresh()?
+        .then(|| Arc::new(crate::fresh::Fresh::new(me, shard.get(), rep.peers.clone())));
+    if let Some(f) = &fresh {
+        let _ = held.fresh.set(f.clone());
+    }
     Ok(Group {
         raft,
         replicated: true,
+        fresh,
         quiet: Arc::new(crate::quiet::Quiet::new()),
         vote_fresh: std::time::Duration::from_millis(rep.timing.election_timeout_min_ms),
         replica: held,
@@ -852,6 +895,9 @@ pub(crate) struct Group {
     pub(crate) replica: Arc<Replica>,
     /// The snapshot being received, if one is.
     staging: tokio::sync::Mutex<Option<crate::snapshot::Staging>>,
+    /// Set while this replica's data directory is new and it has not
+    /// caught up (`crate::fresh`).
+    fresh: Option<Arc<crate::fresh::Fresh>>,
     /// In a mutex only so that the shard is `Sync`; used once, at drop.
     released: Mutex<std::sync::mpsc::Receiver<()>>,
 }
@@ -1002,6 +1048,47 @@ pub(crate) async fn handle(
     group: &Group,
     rpc: crate::raft_net::Rpc,
 ) -> Result<crate::raft_net::RpcReply, String> {
+    group.fresh_caught_up();
+    if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
+        match &rpc {
+            crate::raft_net::Rpc::AppendEntries(r) => f.admit(
+                r.vote.leader_id.voted_for,
+                Some(r.leader_commit.map_or(0, |l| l.index)),
+            )?,
+            crate::raft_net::Rpc::Snapshot(c) => f.admit(c.vote.leader_id.voted_for, None)?,
+            crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r) => {
+                if let Some(why) = f.refuses_vote(r.last_log_id.map(|l| l.index)) {
+                    return Err(why);
+                }
+            }
+            _ => {}
+        }
+    }
+    let answer = handle_now(group, rpc).await;
+    group.fresh_caught_up();
+    answer
+}
+
+impl Group {
+    /// If this replica's data directory was new, whether it has caught up
+    /// by now (`crate::fresh`): checked at every call it takes and at every
+    /// node heartbeat, so a leader (caught up by being one) and a quiet
+    /// follower are not left careful.
+    pub(crate) fn fresh_caught_up(&self) {
+        if self.fresh.as_ref().is_some_and(|f| f.active()) {
+            use openraft::async_runtime::WatchReceiver;
+            let m = self.raft.metrics().borrow_watched().clone();
+            let leading = m.state == openraft::ServerState::Leader;
+            self.replica
+                .maybe_caught_up(m.last_applied.map(|l| l.index), leading);
+        }
+    }
+}
+
+async fn handle_now(
+    group: &Group,
+    rpc: crate::raft_net::Rpc,
+) -> Result<crate::raft_net::RpcReply, String> {
     let raft = &group.raft;
     match &rpc {
         // Entries: the leader is written again, and so is this group.
@@ -1054,6 +1141,7 @@ pub(crate) async fn handle(
             .map(crate::raft_net::RpcReply::Vote)
             .map_err(|e| e.to_string()),
         crate::raft_net::Rpc::Snapshot(chunk) => receive_snapshot(group, chunk).await,
+        crate::raft_net::Rpc::Reverted { node } => crate::fresh::reverted(raft, node).await,
     }
 }
 

@@ -86,6 +86,12 @@ pub enum Rpc {
     TransferLeader(TransferLeaderRequest<GroupConfig>),
     /// A piece of a snapshot the leader streams to this replica.
     Snapshot(SnapshotChunk),
+    /// From a replica whose data directory is new (`crate::fresh`) to its
+    /// group's leader: replicate to `node` from the start, though it once
+    /// had more of the log.
+    Reverted {
+        node: u64,
+    },
 }
 
 /// What a node's heartbeat says: the groups it leads quietly, and at
@@ -106,6 +112,7 @@ impl Rpc {
             Rpc::Beat(_) => "beat",
             Rpc::TransferLeader(_) => "transfer_leader",
             Rpc::Snapshot(_) => "snapshot",
+            Rpc::Reverted { .. } => "reverted",
         }
     }
 
@@ -116,6 +123,7 @@ impl Rpc {
             Rpc::Beat(_) => RPCTypes::AppendEntries,
             Rpc::TransferLeader(_) => RPCTypes::TransferLeader,
             Rpc::Snapshot(_) => RPCTypes::InstallSnapshot,
+            Rpc::Reverted { .. } => RPCTypes::AppendEntries,
         }
     }
 }
@@ -130,6 +138,8 @@ pub enum RpcReply {
     TransferLeader(TransferLeaderResponse<GroupConfig>),
     /// A snapshot's chunk was staged (`None`), or the snapshot installed.
     Snapshot(Option<SnapshotResponse<GroupConfig>>),
+    /// The leader replicates to the replica from the start.
+    Reverted,
 }
 
 /// Why a call brought no answer.

@@ -945,7 +945,10 @@ impl ShardStore {
     /// which term (`crate::quiet`).
     pub fn quiesce_if_idle(&self, idle: std::time::Duration) -> QuietAs {
         match self.raft.as_ref().filter(|g| g.replicated) {
-            Some(g) => g.quiet.quiesce_leader(&g.raft, idle),
+            Some(g) => {
+                g.fresh_caught_up();
+                g.quiet.quiesce_leader(&g.raft, idle)
+            }
             None => QuietAs::Awake,
         }
     }
