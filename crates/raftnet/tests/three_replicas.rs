@@ -601,3 +601,99 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
     assert_eq!(events.len(), 3);
     assert_eq!(events[2].payload, b"{\"again\":true}".to_vec());
 }
+
+/// Measures a snapshot's transfer and install: the leader holds
+/// `FORKLESS_SNAPSHOT_EXECUTIONS` executions (default 1,000) of 100 events
+/// each (about 90 bytes of payload), its log forgot all but the last of
+/// them, and a replica that was away catches up. Prints events/s from
+/// the replica's open to its applying the leader's last entry. Run with
+/// `cargo test --release -p forkless-raftnet --test three_replicas
+/// snapshot_catch_up -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run by hand, in release"]
+async fn snapshot_catch_up() {
+    let executions: i64 = std::env::var("FORKLESS_SNAPSHOT_EXECUTIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = forkless_store::RaftLogLimits {
+        snapshot_every: 200,
+        kept: 10,
+    };
+    let mut nodes = cluster_of(dir.path(), &[3], log).await;
+    let l = leader(&nodes).await;
+    let st = nodes[l]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    let written = Instant::now();
+    for n in 1..=executions {
+        st.start(StartRequest {
+            epoch: Epoch(1),
+            id: id(n),
+            workflow: "wf".into(),
+            started_payload: b"{}".to_vec(),
+            routing_key: None,
+            idempotency_key: None,
+        })
+        .await
+        .expect("start");
+        st.append(AppendRequest {
+            epoch: Epoch(1),
+            id: id(n),
+            events: (0..99)
+                .map(|i| NewEvent {
+                    event_type: "step".into(),
+                    payload: format!("{{\"n\":{n},\"i\":{i},\"pad\":\"0123456789012345678901234567890123456789012345678901234567\"}}").into_bytes(),
+                    idempotency_key: Some(format!("{n}-{i}")),
+                })
+                .collect(),
+            expected_last_seq: Some(1),
+        })
+        .await
+        .expect("append");
+    }
+    let events = executions as u64 * 100;
+    eprintln!(
+        "wrote {events} events in {:?} ({:.0} events/s)",
+        written.elapsed(),
+        events as f64 / written.elapsed().as_secs_f64()
+    );
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    let began = Instant::now();
+    nodes[2].open().await;
+    let until = Instant::now() + Duration::from_secs(600);
+    while nodes[2].status().and_then(|s| s.applied).unwrap_or(0) < index {
+        assert!(Instant::now() < until, "no catch-up within 600 s");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = began.elapsed();
+    let late = nodes[2].status().expect("status");
+    assert!(late.snapshot.is_some(), "{late:?}");
+    eprintln!(
+        "a replica away for {events} events caught up in {took:?}: {:.0} events/s (open included)",
+        events as f64 / took.as_secs_f64()
+    );
+    holds_events(&nodes, 2, executions).await;
+}
+
+/// Node `i` holds every execution 1..=n with its 100 events.
+async fn holds_events(nodes: &[Node], i: usize, n: i64) {
+    let st = nodes[i]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    for e in [1, n / 2, n] {
+        let (meta, events) = st.read_events(id(e), 0, 200).expect("read").expect("there");
+        assert_eq!(meta.last_seq, 100, "execution {e}");
+        assert_eq!(events.len(), 100);
+    }
+}
