@@ -1176,15 +1176,23 @@ impl Cluster {
                 seen.entry(shard).or_default().push((id, events));
             }
         }
-        seen.iter()
-            .map(|(shard, v)| {
-                assert!(
-                    v.iter().all(|(_, e)| *e == v[0].1),
-                    "shard {shard}'s replicas differ: (node, events) {v:?}"
-                );
-                (*shard, v[0].1)
-            })
-            .collect()
+        let differ = seen.values().any(|v| v.iter().any(|(_, e)| *e != v[0].1));
+        if differ {
+            // Kept for a look: the test's folder goes when it fails.
+            let kept = std::env::temp_dir()
+                .join(format!("forkless-replicas-differ-{}", std::process::id()));
+            let _ = std::process::Command::new("cp")
+                .arg("-a")
+                .arg(self.dir.path())
+                .arg(&kept)
+                .status();
+            panic!(
+                "the replicas differ: (node, events) by shard {seen:?}; the data directories are \
+                 kept in {}",
+                kept.display()
+            );
+        }
+        seen.iter().map(|(shard, v)| (*shard, v[0].1)).collect()
     }
 
     /// Waits (up to 20 s) until node `via` knows a leader of every shard

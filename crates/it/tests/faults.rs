@@ -2,8 +2,11 @@
 //! shards, each a Raft group on three of the five nodes), under a steady
 //! write load through every node: rounds of SIGKILL and restart, SIGSTOP
 //! past the election timeout and SIGCONT, one node cut off from the
-//! others, and the nodes split 2/3 (the leader of a shard on either
-//! side), each healed before the next. Afterwards every acknowledged
+//! others, the nodes split 2/3 (the leader of a shard on either side),
+//! and a node's disk lost (SIGKILL, its data directory deleted, started
+//! again empty), each healed before the next. Groups snapshot every 100
+//! entries and keep 20, so a node back from a fault usually catches up
+//! by a snapshot. Afterwards every acknowledged
 //! write is at its seq, nothing refused or never sent is there, every
 //! replica of a shard holds the same events on disk, and a node cut off
 //! alone acknowledged nothing while cut off (it holds one replica of
@@ -43,6 +46,8 @@ enum Fault {
     Cut(u16),
     /// These nodes on one side, the rest on the other.
     Split(Vec<u16>),
+    /// SIGKILL, the data directory deleted, started again empty.
+    Wipe(u16),
 }
 
 #[test]
@@ -62,6 +67,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
     let mut rng = Rng(seed);
     let lab = netlab::NetLab::new(NODES);
     let mut cl = Cluster::prepare_in_lab(&lab, SHARDS, FACTOR, PeerTiming::default());
+    cl.raft_log = Some((100, 20));
     let ids: Vec<u16> = (1..=NODES).collect();
     cl.start_nodes(&ids, &[]);
     for id in &ids {
@@ -116,10 +122,11 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         } else {
             1 + rng.below(NODES as u64) as u16
         };
-        let fault = match rng.below(4) {
+        let fault = match rng.below(5) {
             0 => Fault::Kill(target),
             1 => Fault::Pause(target),
             2 => Fault::Cut(target),
+            3 => Fault::Wipe(target),
             _ => {
                 let mut side = vec![target];
                 while side.len() < 2 {
@@ -135,6 +142,11 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         let struck = Instant::now();
         match &fault {
             Fault::Kill(n) => cl.kill9(*n),
+            Fault::Wipe(n) => {
+                cl.kill9(*n);
+                let data = cl.node(*n).data_dir.clone();
+                std::fs::remove_dir_all(&data).expect("deleted the node's data directory");
+            }
             Fault::Pause(n) => cl.node(*n).proc().sigstop(),
             Fault::Cut(n) => lab.cut(*n),
             Fault::Split(side) => lab.split(side),
@@ -142,7 +154,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         // The majority side elects where it must and serves; wait for it
         // through a node the fault left alone, for a node faulted alone.
         let faulted: Vec<u16> = match &fault {
-            Fault::Kill(n) | Fault::Pause(n) | Fault::Cut(n) => vec![*n],
+            Fault::Kill(n) | Fault::Pause(n) | Fault::Cut(n) | Fault::Wipe(n) => vec![*n],
             Fault::Split(side) => side.clone(),
         };
         if faulted.len() == 1 {
@@ -162,10 +174,33 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         );
         let healed = Instant::now();
         match &fault {
-            Fault::Kill(n) => {
+            Fault::Kill(n) | Fault::Wipe(n) => {
                 let cfg = cl.node(*n).config.clone();
                 cl.spawn(*n, &cfg);
                 cl.wait_ready(*n);
+                if let Fault::Wipe(_) = fault {
+                    // A lost disk is healed once the node caught up: until
+                    // then its shards have a copy fewer, and a second
+                    // fault would be two (the new replica votes for no
+                    // candidate with entries meanwhile, so a shard that
+                    // needs its vote waits rather than risk an entry).
+                    let c = cl.client(*n);
+                    wait_until(
+                        &format!("node {n} caught up after its disk was lost"),
+                        Duration::from_secs(60),
+                        || {
+                            let v = c
+                                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                                .ok()?
+                                .json();
+                            let shards = v["shards"].as_array()?;
+                            shards
+                                .iter()
+                                .all(|s| s["raft"].is_null() || s["raft"]["fresh"] == false)
+                                .then_some(())
+                        },
+                    );
+                }
             }
             Fault::Pause(n) => cl.node(*n).proc().sigcont(),
             Fault::Cut(_) | Fault::Split(_) => lab.heal_all(),

@@ -465,6 +465,10 @@ async fn serve_connection(
                     quiesce::heard(peer, &beat, &groups);
                     Ok(RpcReply::Beat)
                 }
+                // Only a node itself says that its data directory is new.
+                Rpc::Reverted { node } if node != peer => Err(format!(
+                    "node {peer} spoke for node {node}: a node says only of itself that its data directory is new"
+                )),
                 rpc => match groups(group) {
                     Some(st) => st.handle_rpc(rpc).await,
                     None => Err(format!("this node holds no replica of shard {group}")),

@@ -542,6 +542,33 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
     nodes[2].restart().await;
     holds(&nodes, 2, 1..=110, index).await;
 
+    // Away again while the log moves past it: a second snapshot, which
+    // replaces the first.
+    let had = nodes[2].status().and_then(|s| s.applied).expect("applied");
+    nodes[2].stop();
+    for n in 111..=160 {
+        write(&nodes[l], n).await.expect("a write on the leader");
+    }
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    // (Snapshots are built in the background: wait until the leader's
+    // log forgot what the replica had, so that it needs a snapshot.)
+    let until = Instant::now() + Duration::from_secs(10);
+    while nodes[l].status().and_then(|s| s.purged).unwrap_or(0) <= had {
+        assert!(Instant::now() < until, "the leader's log kept entry {had}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let first = late.snapshot;
+    nodes[2].restart().await;
+    holds(&nodes, 2, 1..=160, index).await;
+    let again = nodes[2].status().expect("status");
+    assert!(
+        again.snapshot > first,
+        "no second snapshot: {again:?} (first {first:?})"
+    );
+
     // It leads on it: a retried append (same idempotency key) applies
     // nothing, a new one lands after the snapshot's events.
     // (A handover is asked for again while it has not taken: one asked
@@ -600,6 +627,40 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
     assert_eq!(meta.last_seq, 3);
     assert_eq!(events.len(), 3);
     assert_eq!(events[2].payload, b"{\"again\":true}".to_vec());
+
+    // Every replica's disk holds the same events (the offline check).
+    let index = nodes[2]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    for (i, node) in nodes.iter().enumerate() {
+        let until = Instant::now() + Duration::from_secs(10);
+        while node.status().and_then(|s| s.applied).unwrap_or(0) < index {
+            assert!(
+                Instant::now() < until,
+                "node {i} did not apply up to {index}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    drop((st3, append));
+    for n in nodes.iter_mut() {
+        n.stop();
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let counts: Vec<(u64, u64)> = (1..=3)
+        .map(|n| {
+            let report =
+                forkless_store::check::check(&dir.path().join(n.to_string())).expect("check");
+            assert!(report.is_healthy(), "node {n}: {report}");
+            let s = &report.shards[0];
+            (s.events, s.indexed_events)
+        })
+        .collect();
+    assert!(
+        counts.iter().all(|c| c.0 == 2 * 160 + 1 && c.1 == c.0),
+        "(events, indexed) on each node's disk: {counts:?}"
+    );
 }
 
 /// Measures a snapshot's transfer and install: the leader holds

@@ -1320,6 +1320,7 @@ async fn cluster(State(app): AppState) -> Response {
                             "purged": g.purged,
                             "voters": g.voters,
                             "quiet": g.quiet,
+                            "fresh": g.fresh,
                             "followers": g.matched.iter().map(|(id, m)| json!({
                                 "node": id,
                                 "matched": m,

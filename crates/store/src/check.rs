@@ -390,6 +390,11 @@ impl LogScan {
         end: Position,
     ) -> Option<u64> {
         if first {
+            // What the shard held before (its groups' events, an earlier
+            // install's imports) is superseded: not counted either.
+            let superseded =
+                self.event_positions.iter().map(|(_, n)| n).sum::<u64>() + self.imported;
+            r.events = r.events.saturating_sub(superseded);
             self.last.clear();
             self.records.clear();
             self.event_positions.clear();

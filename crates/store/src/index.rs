@@ -144,6 +144,15 @@ impl Tail {
         Ok(written)
     }
 
+    /// Writes every run to the index, and no checkpoint position, then
+    /// empties the tail (a snapshot's install, which bounds its memory so
+    /// and checkpoints at its end: `snapshot.rs`).
+    pub(crate) fn write_runs(&mut self, ks: &Keyspaces) -> Result<Written, StoreError> {
+        let (batch, written) = self.runs_batch(ks);
+        self.commit_checkpoint(batch)?;
+        Ok(written)
+    }
+
     /// The batch [`Tail::checkpoint`] commits; built under the tail's read
     /// lock by its only writer, so that readers go on meanwhile.
     pub(crate) fn checkpoint_batch(
@@ -151,6 +160,12 @@ impl Tail {
         ks: &Keyspaces,
         at: Position,
     ) -> (OwnedWriteBatch, Written) {
+        let (mut batch, written) = self.runs_batch(ks);
+        batch.insert(&ks.meta, CHECKPOINT_KEY, at.encode());
+        (batch, written)
+    }
+
+    fn runs_batch(&self, ks: &Keyspaces) -> (OwnedWriteBatch, Written) {
         let mut batch = ks.db.batch().durability(None);
         let mut value = Vec::new();
         let mut written = Written::default();
@@ -172,7 +187,6 @@ impl Tail {
                 written.entries += 1;
             }
         }
-        batch.insert(&ks.meta, CHECKPOINT_KEY, at.encode());
         (batch, written)
     }
 

@@ -288,6 +288,28 @@ impl Replica {
         &self.ks
     }
 
+    /// The install's taking in of a staged snapshot alone, without its
+    /// marker or checkpoint.
+    #[cfg(test)]
+    pub(crate) fn take_in_only(
+        &self,
+        meta: &Meta,
+        path: &std::path::Path,
+    ) -> Result<(), StoreError> {
+        let mut applier = lock(&self.applier);
+        let last = meta.last_log_id.expect("a snapshot as of an entry");
+        let membership = serde_json::to_vec(&meta.last_membership).expect("json");
+        let mut log = self.node.group(self.group);
+        crate::snapshot::take_in(
+            &mut applier,
+            &mut log,
+            path,
+            (last.leader_id.term, last.index),
+            membership,
+        )
+        .map(|_| ())
+    }
+
     /// Whether this replica's data directory is new and it has not caught
     /// up with its group yet (`crate::fresh`).
     pub(crate) fn is_fresh(&self) -> Result<bool, StoreError> {
@@ -950,6 +972,10 @@ pub struct RaftStatus {
     pub heard_ms_ago: Vec<(u64, Option<u64>)>,
     /// Whether the group's timers are off here (idle: `crate::quiet`).
     pub quiet: bool,
+    /// Whether this replica's data directory is new and it has not caught
+    /// up with its group yet (`crate::fresh`: it votes for no candidate
+    /// with entries meanwhile).
+    pub fresh: bool,
 }
 
 impl RaftStatus {
@@ -997,6 +1023,7 @@ impl RaftStatus {
                 })
                 .unwrap_or_default(),
             quiet: false,
+            fresh: false,
         }
     }
 }
@@ -1070,6 +1097,12 @@ pub(crate) async fn handle(
 }
 
 impl Group {
+    /// Whether this replica's data directory is new and it has not caught
+    /// up yet.
+    pub(crate) fn is_fresh(&self) -> bool {
+        self.fresh.as_ref().is_some_and(|f| f.active())
+    }
+
     /// If this replica's data directory was new, whether it has caught up
     /// by now (`crate::fresh`): checked at every call it takes and at every
     /// node heartbeat, so a leader (caught up by being one) and a quiet
@@ -1154,6 +1187,27 @@ async fn receive_snapshot(
     chunk: crate::raft_net::SnapshotChunk,
 ) -> Result<crate::raft_net::RpcReply, String> {
     let stream = chunk.stream();
+    {
+        // Checked here, not left to openraft, which asserts them (a
+        // malformed call must not stop the group).
+        use openraft::async_runtime::WatchReceiver;
+        let term = group.raft.metrics().borrow_watched().vote.leader_id.term;
+        if chunk.vote.leader_id.term < term {
+            return Err(format!(
+                "a snapshot from the leader of term {}, older than this replica's term {term}",
+                chunk.vote.leader_id.term
+            ));
+        }
+        if chunk
+            .meta
+            .last_log_id
+            .is_some_and(|l| l.leader_id.term > chunk.vote.leader_id.term)
+        {
+            return Err(format!(
+                "a snapshot as of an entry of a term after its sender's ({stream})"
+            ));
+        }
+    }
     let mut staging = group.staging.lock().await;
     if chunk.n == 0 {
         if let Some(old) = staging.take() {

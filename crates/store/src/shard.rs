@@ -926,6 +926,7 @@ impl ShardStore {
             use openraft::async_runtime::WatchReceiver;
             let mut status = raft_group::RaftStatus::of(&g.raft.metrics().borrow_watched());
             status.quiet = g.replicated && g.quiet.is_quiet();
+            status.fresh = g.is_fresh();
             status
         })
     }

@@ -19,7 +19,9 @@
 //!
 //! **The receiver** stages the chunks in a file of the shard's folder
 //! (`snapshot.<n>.incoming`, `len u32 | crc32 u32 | records` a chunk),
-//! synced before the install starts. The install then:
+//! each checked as it arrives (every record one an install takes: a
+//! malformed snapshot is refused before anything is emptied), synced
+//! before the install starts. The install then:
 //!
 //! 1. records [`INSTALLING_KEY`] (the snapshot's meta and the staged
 //!    file's name) durably, before it changes anything;
@@ -27,8 +29,11 @@
 //!    vote, its log checkpoint);
 //! 3. writes the snapshot's events into the node log as import parts of
 //!    the shard's group (`node_log.rs`, kinds 8 and 9: no event lies
-//!    elsewhere than in the node log), indexing each where it landed, and
-//!    its puts into the keyspaces;
+//!    elsewhere than in the node log), indexing each where it landed (the
+//!    index is written to the keyspaces every so many events, to bound
+//!    the install's memory, but never with a log checkpoint position: a
+//!    reopen after a crash must read the group's log, and its votes, from
+//!    the last real checkpoint), and its puts into the keyspaces;
 //! 4. records the snapshot's entry as applied and its membership,
 //!    checkpoints (durably), and only then removes the marker and the
 //!    staged file.
@@ -38,7 +43,10 @@
 //! the group starts, so a replica never runs on half a snapshot, and never
 //! loses the state it acknowledged (what it had is only dropped once the
 //! snapshot that replaces it is durable here). The imports of an attempt
-//! that did not finish stay in the node log unreferenced (space only): a
+//! that did not finish stay in the node log unreferenced (space only, and
+//! so do the events the replica held before an install: the node log
+//! reclaims no space yet, so each install grows the disk by the shard's
+//! size): a
 //! replay never reads import parts (their events are in the index once
 //! the install's checkpoint is), and the offline check counts only the
 //! last install's (from its first part, kind 8), with the entries after
@@ -72,12 +80,12 @@ pub(crate) const INSTALLING_KEY: &[u8] = b"raft.installing";
 pub(crate) const IMPORTED_KEY: &[u8] = b"raft.imported";
 
 /// Events written to the node log in one part during an install.
-const IMPORT_PART_BYTES: usize = 1 << 20;
+const IMPORT_PART_BYTES: usize = if cfg!(test) { 4096 } else { 1 << 20 };
 /// Puts written to the keyspaces in one batch during an install.
 const PUT_BATCH_BYTES: usize = 4 << 20;
 /// Events indexed in memory during an install before the index is
 /// written to the keyspaces (bounds the install's memory).
-const INDEX_EVERY_EVENTS: usize = 1 << 20;
+const INDEX_EVERY_EVENTS: usize = if cfg!(test) { 64 } else { 1 << 20 };
 
 /// Whether a `meta` key is the replica's own (its Raft bookkeeping, its
 /// log checkpoint), not part of the shard's state.
@@ -221,8 +229,11 @@ impl Staging {
         })
     }
 
-    /// Appends one chunk.
+    /// Appends one chunk, once every record in it is one an install takes
+    /// (so a malformed snapshot is refused while it arrives, before an
+    /// install empties anything).
     pub(crate) fn write(&mut self, chunk: &[u8]) -> Result<(), StoreError> {
+        check_chunk(chunk)?;
         let mut frame = Vec::with_capacity(8 + chunk.len());
         frame.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
         frame.extend_from_slice(&crc32fast::hash(chunk).to_be_bytes());
@@ -247,6 +258,28 @@ impl Staging {
         }
         Ok(self.path)
     }
+}
+
+/// Whether every record of `chunk` is one an install takes: an event, or
+/// a put to a keyspace of the shard's state (not a key of its sender's
+/// own).
+fn check_chunk(chunk: &[u8]) -> Result<(), StoreError> {
+    let mut pos = 0;
+    while pos < chunk.len() {
+        let (record, used) = log::parse_record(chunk, pos, 0, 0)?;
+        if let Record::Put { keyspace, key, .. } = record {
+            if !PUT_STAGES.contains(&keyspace)
+                || (keyspace == keyspace_id::META && replica_local(key))
+            {
+                return Err(StoreError::Corrupt(format!(
+                    "a snapshot's put to keyspace {keyspace}, key {}: not part of a shard's state",
+                    String::from_utf8_lossy(key)
+                )));
+            }
+        }
+        pos += used;
+    }
+    Ok(())
 }
 
 fn io(path: &Path, what: &str, e: std::io::Error) -> StoreError {
@@ -346,13 +379,16 @@ pub(crate) fn take_in(
     ] {
         k.clear()?;
     }
-    // The replica's own meta stays: the install's marker, its vote (in
-    // its Raft checkpoint) and its log checkpoint, all replaced or
-    // removed by the install's end.
+    // The replica's own meta stays (the install's marker, its vote in
+    // its Raft checkpoint, its log checkpoint, the mark of a new replica
+    // that has not caught up): only the shard's state, and the Raft keys
+    // the install writes again or that describe entries it replaces (the
+    // last applied, the membership, refusals), go.
     let keep = |k: &[u8]| {
-        k == INSTALLING_KEY
-            || k == crate::apply::CHECKPOINT_KEY
-            || k == crate::index::CHECKPOINT_KEY
+        replica_local(k)
+            && k != crate::apply::APPLIED_KEY
+            && k != crate::apply::MEMBERSHIP_KEY
+            && !k.starts_with(crate::apply::REFUSED_PREFIX)
     };
     let mut stale = Vec::new();
     for item in ks.meta.iter() {
@@ -397,9 +433,12 @@ pub(crate) fn take_in(
                         import.write(log, &mut tail, false)?;
                         if import.indexed >= INDEX_EVERY_EVENTS {
                             // The index so far into the keyspaces (not
-                            // durable: the marker covers a crash).
+                            // durable: the marker covers a crash), and
+                            // never the log checkpoint's position: a reopen
+                            // after a crash here must read the group's log
+                            // (its votes) from the last real checkpoint.
                             import.indexed = 0;
-                            tail.checkpoint(&ks, log.position())?;
+                            tail.write_runs(&ks)?;
                         }
                     }
                 }
@@ -596,6 +635,18 @@ mod tests {
         assert!(chunks > 5, "{chunks} chunks");
         let path = staging.finish().expect("finished");
         let ks = theirs.keyspaces().clone();
+        // An install takes in the snapshot without moving the log
+        // checkpoint (a reopen reads the group's log, its votes among it,
+        // from there), however many times it writes the index on the way.
+        let before = ks.meta.get(crate::index::CHECKPOINT_KEY).expect("read");
+        theirs.take_in_only(&meta, &path).expect("taken in");
+        assert_eq!(
+            ks.meta.get(crate::index::CHECKPOINT_KEY).expect("read"),
+            before,
+            "the install moved the log checkpoint before its own"
+        );
+        // The mark of a new replica stays through an install.
+        ks.meta.insert(crate::fresh::FRESH_KEY, []).expect("marked");
         Installing {
             meta,
             file: path.file_name().expect("name").to_string_lossy().into(),
@@ -652,6 +703,15 @@ mod tests {
         assert!(Installing::read(replica.keyspaces())
             .expect("read")
             .is_none());
+        assert!(
+            replica
+                .keyspaces()
+                .meta
+                .get(crate::fresh::FRESH_KEY)
+                .expect("read")
+                .is_some(),
+            "an install dropped the mark of a new replica"
+        );
         let staged: Vec<_> = std::fs::read_dir(to.path().join("shards").join("0"))
             .expect("dir")
             .flatten()
@@ -663,5 +723,8 @@ mod tests {
         // And the offline check finds the installed replica whole.
         let report = crate::check::check(to.path()).expect("check");
         assert!(report.is_healthy(), "{report}");
+        let expected = 30 * 2 + 201;
+        assert_eq!(report.shards[0].events, expected, "{report}");
+        assert_eq!(report.shards[0].indexed_events, expected, "{report}");
     }
 }
