@@ -370,13 +370,16 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
 /// A replica whose data directory is lost (SIGKILL, the folder deleted,
 /// started again empty) rejoins and catches up by itself: the leaders'
 /// logs forgot the entries it needs (a snapshot every 20 entries, 5 kept),
-/// so each shard comes to it as a snapshot, which it installs; it then
-/// takes the writes after it, and its disk holds exactly what the other
-/// replicas' hold (`forkless store check` on every data directory).
+/// so each written shard comes to it as a snapshot, which it installs; a
+/// shard idle (its group quiet) the whole time catches up too; it
+/// then takes the writes after it, and its disk holds exactly what the
+/// other replicas' hold (`forkless store check` on every data directory).
 #[test]
 fn a_wiped_replica_catches_up_by_a_snapshot() {
     let _deadline = deadline("replication: wiped replica", Duration::from_secs(180));
-    let mut cl = Cluster::prepare_replicated(NODES, SHARDS, 3, PeerTiming::default());
+    // Shards 0 and 1 are written; shards 2 and 3 are not.
+    let shards = 2 * SHARDS;
+    let mut cl = Cluster::prepare_replicated(NODES, shards, 3, PeerTiming::default());
     cl.raft_log = Some((20, 5));
     let ids: Vec<u16> = (1..=NODES).collect();
     cl.start_nodes(&ids, &[]);
@@ -413,10 +416,11 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
     let execs: Vec<String> = (0..40)
         .map(|i| {
             let key = format!("wiped-start-{i}");
+            let routing = key_on_shard(&key, i % SHARDS, shards);
             let started = settled(Duration::from_secs(20), || {
                 c.post(
                     "/api/executions",
-                    &serde_json::json!({"workflow": "w", "idempotency_key": key}),
+                    &serde_json::json!({"workflow": "w", "idempotency_key": key, "routing_key": routing}),
                 )
             });
             id_of(&started.json())
@@ -434,6 +438,23 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
     let cfg = cl.node(3).config.clone();
     cl.spawn(3, &cfg);
     cl.wait_ready(3);
+    // Every shard, the idle one too, caught up on node 3 (a quiet
+    // leader, which took the lost replica for matched, once sent it
+    // nothing: the idle shard stayed new there for good).
+    let c3 = cl.client(3);
+    wait_until(
+        "node 3 caught up on every shard",
+        Duration::from_secs(20),
+        || {
+            let v = c3
+                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                .ok()?
+                .json();
+            let all = v["shards"].as_array()?;
+            (all.len() == shards as usize && all.iter().all(|s| s["raft"]["fresh"] == false))
+                .then_some(())
+        },
+    );
     cl.wait_replicas_level();
     let log = std::fs::read_to_string(&cl.node(3).log).unwrap_or_default();
     let installs = log.matches("installed a snapshot of the shard").count();

@@ -46,6 +46,10 @@ struct State {
     /// heartbeats until another leads, so the group must stay awake for
     /// its followers to elect if the handover does not take.
     transfer_term: Option<u64>,
+    /// The group stays awake until then: a follower said it starts again
+    /// (`crate::fresh`), and the leader, which took it for matched, must
+    /// send it heartbeats to learn otherwise.
+    awake_until: Option<Instant>,
 }
 
 impl State {
@@ -81,6 +85,7 @@ impl Quiet {
                 leader_heard: None,
                 quiet_since: Instant::now(),
                 transfer_term: None,
+                awake_until: None,
             }),
         }
     }
@@ -118,6 +123,17 @@ impl Quiet {
         s.wake(raft);
     }
 
+    /// The group wakes and stays awake for at least `for_at_least`.
+    pub(crate) fn hold_awake<SM: RaftStateMachine<GroupConfig>>(
+        &self,
+        raft: &Raft<SM>,
+        for_at_least: Duration,
+    ) {
+        let mut s = self.lock();
+        s.awake_until = Some(Instant::now() + for_at_least);
+        s.wake(raft);
+    }
+
     /// On the leader: goes quiet if nothing was proposed for `idle`, no
     /// handover of its leadership is under way, and every follower it has
     /// heard has every entry (a follower behind keeps the group awake so
@@ -150,7 +166,8 @@ impl Quiet {
                 .as_ref()
                 .is_some_and(|r| r.values().all(|matched| matched.map(|l| l.index) == last));
         let handing_over = s.transfer_term == Some(m.current_term);
-        if !caught_up || handing_over || s.last_write.elapsed() < idle {
+        let held = s.awake_until.is_some_and(|t| Instant::now() < t);
+        if !caught_up || handing_over || held || s.last_write.elapsed() < idle {
             return QuietAs::Awake;
         }
         s.quiet = true;

@@ -1133,6 +1133,15 @@ async fn handle_now(
         crate::raft_net::Rpc::TransferLeader(_) | crate::raft_net::Rpc::Snapshot(_) => {
             group.quiet.wake(raft);
         }
+        // A replica starts again: a quiet leader, which took it for
+        // matched, would send it nothing, and it would never catch up;
+        // awake, its heartbeats find the replica's log gone, and a
+        // follower behind keeps the group awake from then on.
+        crate::raft_net::Rpc::Reverted { .. } => {
+            group
+                .quiet
+                .hold_awake(raft, std::time::Duration::from_secs(2));
+        }
         crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r)
             if r.leadership_transfer =>
         {
