@@ -9,8 +9,9 @@
 //!
 //! - **Its leader must know.** A leader that had this replica's log at
 //!   some entry and finds it gone takes that for a bug (openraft's
-//!   "follower log reversion": a debug build panics, a release build
-//!   stops replicating to it). So the replica answers no AppendEntries or
+//!   "follower log reversion": a debug build panics; a release build
+//!   skips the check and keeps a matched position the follower no longer
+//!   has, which was not studied further). So the replica answers no AppendEntries or
 //!   snapshot of a leader until it told that leader it starts again
 //!   ([`crate::Rpc::Reverted`]: the leader then calls openraft's
 //!   `allow_next_revert` for it, the sanctioned way for a follower whose
