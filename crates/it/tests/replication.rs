@@ -423,6 +423,11 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
                     &serde_json::json!({"workflow": "w", "idempotency_key": key, "routing_key": routing}),
                 )
             });
+            // Its epoch is the group's term, in the body as in the
+            // headers (the body's is as of the answer: a term only grows).
+            let term = started.header_u64("x-forkless-epoch").expect("an epoch header");
+            let body = started.json()["epoch"].as_u64().expect("an epoch in the body");
+            assert!(body >= term && term >= 1, "body epoch {body}, header {term}");
             id_of(&started.json())
         })
         .collect();
@@ -442,19 +447,23 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
     // leader, which took the lost replica for matched, once sent it
     // nothing: the idle shard stayed new there for good).
     let c3 = cl.client(3);
-    wait_until(
-        "node 3 caught up on every shard",
-        Duration::from_secs(20),
-        || {
-            let v = c3
-                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-                .ok()?
-                .json();
-            let all = v["shards"].as_array()?;
-            (all.len() == shards as usize && all.iter().all(|s| s["raft"]["fresh"] == false))
-                .then_some(())
-        },
-    );
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = c3
+            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+            .map(|r| r.json())
+            .unwrap_or_default();
+        let all = v["shards"].as_array().cloned().unwrap_or_default();
+        if all.len() == shards as usize && all.iter().all(|s| s["raft"]["fresh"] == false) {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "node 3 did not catch up on every shard within 20 s: {v}\n{}",
+            cl.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     cl.wait_replicas_level();
     let log = std::fs::read_to_string(&cl.node(3).log).unwrap_or_default();
     let installs = log.matches("installed a snapshot of the shard").count();

@@ -548,6 +548,17 @@ fn json_response(status: StatusCode, v: &impl Serialize) -> Response {
 
 fn execution_json(app: &App, m: &ExecutionMeta, epoch: Option<Epoch>) -> serde_json::Value {
     let n = app.dir.shard_count();
+    // A replicated shard's epoch is its group's term (as in the route
+    // headers); its store keeps the epoch it opened at, which fences
+    // nothing there.
+    let epoch = match app
+        .store
+        .shard(m.id.shard(n))
+        .and_then(|st| st.leadership())
+    {
+        Some(l) => Some(l.term),
+        None => epoch.map(|e| e.get()),
+    };
     json!({
         "execution_id": m.id.to_string(),
         "workflow": m.workflow,
@@ -556,7 +567,7 @@ fn execution_json(app: &App, m: &ExecutionMeta, epoch: Option<Epoch>) -> serde_j
         "routing_key": m.routing_key,
         "partition": m.id.partition().get(),
         "shard": m.id.shard(n).get(),
-        "epoch": epoch.map(|e| e.get()),
+        "epoch": epoch,
         "created_at": wire::rfc3339(m.created_at_ms),
         "updated_at": wire::rfc3339(m.updated_at_ms),
     })

@@ -49,6 +49,12 @@ pub(crate) const FRESH_KEY: &[u8] = b"raft.fresh";
 /// How long a [`Rpc::Reverted`] call may take.
 const TELL_WITHIN: Duration = Duration::from_secs(2);
 
+/// While it has not caught up, a new replica tells its leader again this
+/// often: each word holds the leader's group awake a while, and a leader
+/// whose replication to it was backing off (it was unreachable for long)
+/// may let that while pass before it sends anything.
+const TELL_AGAIN_AFTER: Duration = Duration::from_secs(1);
+
 /// A new replica's state until it caught up.
 pub(crate) struct Fresh {
     me: u64,
@@ -56,6 +62,8 @@ pub(crate) struct Fresh {
     peers: Arc<dyn Peers>,
     /// Leaders that know this replica starts again.
     told: Mutex<HashSet<u64>>,
+    /// When it last told a leader, and which.
+    last_told: Mutex<Option<(std::time::Instant, u64)>>,
     /// Leaders being told.
     telling: Mutex<HashSet<u64>>,
     /// The commit index of the first leader that replicated to it (its
@@ -75,6 +83,7 @@ impl Fresh {
             group,
             peers,
             told: Mutex::default(),
+            last_told: Mutex::default(),
             telling: Mutex::default(),
             bar: AtomicU64::new(u64::MAX),
             caught_up: AtomicBool::new(false),
@@ -101,7 +110,36 @@ impl Fresh {
             }
             return Ok(());
         }
+        self.tell(leader);
+        Err(format!(
+            "this replica's data directory is new: it takes entries from node {leader} once \
+             that node knows it starts again (being told now)"
+        ))
+    }
+
+    /// While careful, tells the leader (`leader`, or else the last one it
+    /// told: a quiet group's new replica may know none) again if it was
+    /// told over [`TELL_AGAIN_AFTER`] ago (called at every node heartbeat).
+    pub(crate) fn nudge(self: &Arc<Self>, leader: Option<u64>) {
+        if !self.active() {
+            return;
+        }
+        let last = *lock(&self.last_told);
+        let Some(leader) = leader.or(last.map(|(_, l)| l)).filter(|l| *l != self.me) else {
+            return;
+        };
+        let due = last.is_none_or(|(t, _)| t.elapsed() >= TELL_AGAIN_AFTER);
+        if due && lock(&self.told).contains(&leader) {
+            self.tell(leader);
+        }
+    }
+
+    /// Tells `leader` that this replica starts again, in the background
+    /// (once at a time per leader).
+    fn tell(self: &Arc<Self>, leader: u64) {
+        *lock(&self.last_told) = Some((std::time::Instant::now(), leader));
         if lock(&self.telling).insert(leader) {
+            let again = lock(&self.told).contains(&leader);
             let me = self.clone();
             tokio::spawn(async move {
                 let told = me
@@ -109,6 +147,9 @@ impl Fresh {
                     .call(leader, me.group, Rpc::Reverted { node: me.me }, TELL_WITHIN)
                     .await;
                 match told {
+                    Ok(RpcReply::Reverted) if again => {
+                        tracing::debug!(group = me.group, leader, "told the leader again");
+                    }
                     Ok(RpcReply::Reverted) => {
                         tracing::info!(
                             group = me.group,
@@ -127,10 +168,6 @@ impl Fresh {
                 lock(&me.telling).remove(&leader);
             });
         }
-        Err(format!(
-            "this replica's data directory is new: it takes entries from node {leader} once \
-             that node knows it starts again (being told now)"
-        ))
     }
 
     /// Whether a vote for a candidate whose last entry is `last_index`
@@ -165,7 +202,9 @@ pub(crate) async fn reverted(
 ) -> Result<RpcReply, String> {
     match raft.trigger().allow_next_revert(&node, true).await {
         Ok(Ok(())) => {
-            tracing::info!(
+            // (Debug: a new replica says it again every second until it
+            // caught up; its own log says it once.)
+            tracing::debug!(
                 node,
                 "a replica's data directory is new: replicating to it from the start"
             );

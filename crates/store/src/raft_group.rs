@@ -1108,12 +1108,13 @@ impl Group {
     /// node heartbeat, so a leader (caught up by being one) and a quiet
     /// follower are not left careful.
     pub(crate) fn fresh_caught_up(&self) {
-        if self.fresh.as_ref().is_some_and(|f| f.active()) {
+        if let Some(f) = self.fresh.as_ref().filter(|f| f.active()) {
             use openraft::async_runtime::WatchReceiver;
             let m = self.raft.metrics().borrow_watched().clone();
             let leading = m.state == openraft::ServerState::Leader;
             self.replica
                 .maybe_caught_up(m.last_applied.map(|l| l.index), leading);
+            f.nudge(m.current_leader);
         }
     }
 }
