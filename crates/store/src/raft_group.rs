@@ -1115,6 +1115,12 @@ impl Group {
             self.replica
                 .maybe_caught_up(m.last_applied.map(|l| l.index), leading);
             f.nudge(m.current_leader);
+            // Awake until caught up (see `ShardStore::follow_quietly`): its
+            // election timer then stands, and a quiet leader answering its
+            // pre-vote wakes and replicates to it.
+            if f.active() && self.quiet.is_quiet() {
+                self.quiet.wake(&self.raft);
+            }
         }
     }
 }

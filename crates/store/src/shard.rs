@@ -958,9 +958,12 @@ impl ShardStore {
     /// `term`; the follower turns its timers off too if it follows that
     /// leader at that term. Says whether it did.
     pub fn follow_quietly(&self, leader: u64, term: u64) -> bool {
+        // A new replica that has not caught up stays awake: quiet, and
+        // knowing no leader, it would hear from nobody (its quiet leader
+        // takes it for matched), and never catch up.
         self.raft
             .as_ref()
-            .filter(|g| g.replicated)
+            .filter(|g| g.replicated && !g.is_fresh())
             .is_some_and(|g| g.quiet.follow(&g.raft, leader, term))
     }
 
