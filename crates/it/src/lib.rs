@@ -967,6 +967,20 @@ impl ClusterNode {
 /// A replica's (node, last log index, applied index).
 type ReplicaProgress = (u16, Option<u64>, Option<u64>);
 
+/// Whether node `c` says none of its replicas is new and still catching
+/// up (`raft.fresh`); `None` while one is, or while it does not answer.
+pub fn none_fresh(c: &Client) -> Option<()> {
+    let v = c
+        .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+        .ok()?
+        .json();
+    v["shards"]
+        .as_array()?
+        .iter()
+        .all(|s| s["raft"].is_null() || s["raft"]["fresh"] == false)
+        .then_some(())
+}
+
 /// Real nodes of a static cluster, sharing a TOML config in a temp dir.
 pub struct Cluster {
     pub dir: tempfile::TempDir,

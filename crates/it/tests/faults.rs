@@ -188,17 +188,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                     wait_until(
                         &format!("node {n} caught up after its disk was lost"),
                         Duration::from_secs(60),
-                        || {
-                            let v = c
-                                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-                                .ok()?
-                                .json();
-                            let shards = v["shards"].as_array()?;
-                            shards
-                                .iter()
-                                .all(|s| s["raft"].is_null() || s["raft"]["fresh"] == false)
-                                .then_some(())
-                        },
+                        || none_fresh(&c),
                     );
                 }
             }

@@ -856,13 +856,20 @@ impl GroupLog {
     where
         F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
     {
+        let kind = if first { IMPORT_FIRST } else { IMPORT };
+        self.send(|records| Body::Import(kind, records), Box::new(durable));
+    }
+
+    /// Queues the records built since [`Log::begin`] as the part `body`
+    /// makes of them ([`Log::append`], [`GroupLog::append_import`]).
+    fn send(&mut self, body: impl FnOnce(Vec<u8>) -> Body, durable: Callback) {
         if self.failed {
             self.buf.clear();
             return durable(Err(stopped()));
         }
+        // A failed log is refused in `queue`, under the lock it takes anyway.
         let records = std::mem::take(&mut self.buf);
-        let kind = if first { IMPORT_FIRST } else { IMPORT };
-        if let Some(spare) = self.queue(Body::Import(kind, records), Box::new(durable)) {
+        if let Some(spare) = self.queue(body(records), durable) {
             self.buf = spare;
         }
     }
@@ -899,15 +906,7 @@ impl Log for GroupLog {
     where
         F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
     {
-        if self.failed {
-            self.buf.clear();
-            return durable(Err(stopped()));
-        }
-        // A failed log is refused in `queue`, under the lock it takes anyway.
-        let records = std::mem::take(&mut self.buf);
-        if let Some(spare) = self.queue(Body::Records(records), Box::new(durable)) {
-            self.buf = spare;
-        }
+        self.send(Body::Records, Box::new(durable));
     }
 
     fn position(&self) -> Position {
