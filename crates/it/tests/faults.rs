@@ -185,11 +185,33 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                     // candidate with entries meanwhile, so a shard that
                     // needs its vote waits rather than risk an entry).
                     let c = cl.client(*n);
-                    wait_until(
-                        &format!("node {n} caught up after its disk was lost"),
-                        Duration::from_secs(60),
-                        || none_fresh(&c),
-                    );
+                    let deadline = Instant::now() + Duration::from_secs(60);
+                    while none_fresh(&c).is_none() {
+                        if Instant::now() > deadline {
+                            let clusters: String = ids
+                                .iter()
+                                .map(|id| {
+                                    let v = cl
+                                        .client(*id)
+                                        .try_req(
+                                            "GET",
+                                            "/api/cluster",
+                                            &[],
+                                            None,
+                                            Duration::from_secs(2),
+                                        )
+                                        .map(|r| r.json().to_string())
+                                        .unwrap_or_else(|e| format!("{e:?}"));
+                                    format!("---- node {id} /api/cluster ----\n{v}\n")
+                                })
+                                .collect();
+                            panic!(
+                                "timed out after 60s waiting for node {n} caught up after its disk was lost (seed {seed})\n{clusters}{}",
+                                cl.logs()
+                            );
+                        }
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                 }
             }
             Fault::Pause(n) => cl.node(*n).proc().sigcont(),

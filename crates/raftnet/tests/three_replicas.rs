@@ -758,3 +758,142 @@ async fn holds_events(nodes: &[Node], i: usize, n: i64) {
         assert_eq!(events.len(), 100);
     }
 }
+
+/// A follower loses its disk again and again while the leader takes
+/// writes and forgets its log every few entries: each time it comes back
+/// empty under its id, is let start again, catches up by a snapshot, and
+/// no core panics (openraft's debug checks are on in this build). The
+/// window this exercises: the leader resets the follower's progress while
+/// a replication stream of the old one still reads the log the reset let
+/// it purge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_time() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+    let panics: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    {
+        let panics = panics.clone();
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            panics.lock().expect("panics").push(info.to_string());
+            default(info);
+        }));
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let log = forkless_store::RaftLogLimits {
+        snapshot_every: 10,
+        kept: 0,
+    };
+    let mut nodes = cluster_of(dir.path(), &[], log).await;
+    let l = leader(&nodes).await;
+    let leader_store = nodes[l].store.clone().expect("up");
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let acked: Arc<std::sync::Mutex<Vec<i64>>> = Arc::default();
+    let writers: Vec<_> = (0..4i64)
+        .map(|w| {
+            let (store, stop, acked) = (leader_store.clone(), stop.clone(), acked.clone());
+            tokio::spawn(async move {
+                let st = store.shard(SHARD).expect("shard");
+                let mut n = w * 1_000_000;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    n += 1;
+                    let started = st
+                        .start(StartRequest {
+                            epoch: Epoch(1),
+                            id: id(n),
+                            workflow: "wf".into(),
+                            started_payload: b"{}".to_vec(),
+                            routing_key: None,
+                            idempotency_key: None,
+                        })
+                        .await;
+                    if started.is_ok() {
+                        acked.lock().expect("acked").push(n);
+                    } else {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                }
+            })
+        })
+        .collect();
+    let followers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    for round in 0..12 {
+        let f = followers[round % 2];
+        eprintln!("round {round}: node {} loses its disk", nodes[f].id);
+        nodes[f].stop();
+        // Away long enough for the leader to forget what it had.
+        let before = acked.lock().expect("acked").len();
+        let until = Instant::now() + Duration::from_secs(20);
+        while acked.lock().expect("acked").len() < before + 30 {
+            assert!(
+                Instant::now() < until,
+                "round {round}: no writes while a follower was away"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        std::fs::remove_dir_all(dir.path().join(nodes[f].id.to_string())).expect("wiped");
+        eprintln!("round {round}: wiped; restarting");
+        nodes[f].restart().await;
+        eprintln!("round {round}: restarted");
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let s = nodes[f].status();
+            if s.as_ref().is_some_and(|s| !s.fresh && s.applied.is_some()) {
+                break;
+            }
+            assert!(
+                panics.lock().expect("panics").is_empty(),
+                "round {round}: a panic: {:?}",
+                panics.lock().expect("panics")
+            );
+            assert!(
+                Instant::now() < until,
+                "round {round}: node {} did not catch up: {s:?}; leader {:?}",
+                nodes[f].id,
+                nodes[l].status()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for w in writers {
+        w.await.expect("writer");
+    }
+    assert!(
+        panics.lock().expect("panics").is_empty(),
+        "panics: {:?}",
+        panics.lock().expect("panics")
+    );
+    // Every acknowledged start is on every replica.
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    let acked = acked.lock().expect("acked").clone();
+    for (i, node) in nodes.iter().enumerate() {
+        let until = Instant::now() + Duration::from_secs(10);
+        while node.status().and_then(|s| s.applied).unwrap_or(0) < index {
+            assert!(
+                Instant::now() < until,
+                "node {i} did not apply up to {index}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let st = node
+            .store
+            .as_ref()
+            .expect("up")
+            .shard(SHARD)
+            .expect("shard");
+        for n in &acked {
+            assert!(
+                st.read_events(id(*n), 0, 1).expect("read").is_some(),
+                "node {i} lacks acknowledged execution {n}"
+            );
+        }
+    }
+}

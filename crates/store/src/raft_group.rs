@@ -1075,6 +1075,12 @@ pub(crate) async fn handle(
     group: &Group,
     rpc: crate::raft_net::Rpc,
 ) -> Result<crate::raft_net::RpcReply, String> {
+    if let crate::raft_net::Rpc::AppendEntries(r) = &rpc {
+        if let Err(why) = contiguous(r) {
+            tracing::warn!("refused an AppendEntries: {why}");
+            return Err(why);
+        }
+    }
     group.fresh_caught_up();
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
         match &rpc {
@@ -1094,6 +1100,25 @@ pub(crate) async fn handle(
     let answer = handle_now(group, rpc).await;
     group.fresh_caught_up();
     answer
+}
+
+/// Whether an AppendEntries' entries follow its `prev_log_id` without a
+/// gap: a leader's bug (openraft once sent one, `vendor/PATCHES.md`) must
+/// not leave a hole in this replica's log, so such a call is refused
+/// before openraft sees it (the leader takes the refusal for a failed
+/// call and replicates again).
+fn contiguous(r: &AppendEntriesRequest<GroupConfig>) -> Result<(), String> {
+    let first = r.prev_log_id.map_or(0, |p| p.index + 1);
+    for (next, e) in (first..).zip(&r.entries) {
+        if e.log_id.index != next {
+            return Err(format!(
+                "its entries do not follow its prev_log_id {:?} without a gap: entry {} where {next} was due",
+                r.prev_log_id.map(|p| p.index),
+                e.log_id.index
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Group {
@@ -1268,4 +1293,41 @@ async fn receive_snapshot(
     installed
         .map(|r| crate::raft_net::RpcReply::Snapshot(Some(r)))
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::vote::leader_id_std::CommittedLeaderId;
+
+    fn request(prev: Option<u64>, indexes: &[u64]) -> AppendEntriesRequest<GroupConfig> {
+        let log_id = |index| openraft::LogId::new(CommittedLeaderId::new(2), index);
+        AppendEntriesRequest {
+            vote: openraft::impls::Vote::new_committed(2, 1),
+            prev_log_id: prev.map(log_id),
+            leader_commit: None,
+            entries: indexes
+                .iter()
+                .map(|i| openraft::Entry {
+                    log_id: log_id(*i),
+                    payload: openraft::EntryPayload::Blank,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_append_with_a_gap_after_its_prev_log_id_is_refused() {
+        assert!(contiguous(&request(Some(32), &[33, 34, 35])).is_ok());
+        assert!(contiguous(&request(None, &[0, 1])).is_ok());
+        assert!(contiguous(&request(Some(32), &[])).is_ok(), "a heartbeat");
+        // What openraft sent once (prev 2.32, entries from 40 on).
+        let why = contiguous(&request(Some(32), &[40, 41])).expect_err("a gap");
+        assert!(why.contains("entry 40 where 33 was due"), "{why}");
+        assert!(contiguous(&request(None, &[3])).is_err());
+        assert!(
+            contiguous(&request(Some(5), &[6, 8])).is_err(),
+            "a gap within"
+        );
+    }
 }
