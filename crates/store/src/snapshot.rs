@@ -264,9 +264,7 @@ impl Staging {
 /// a put to a keyspace of the shard's state (not a key of its sender's
 /// own).
 fn check_chunk(chunk: &[u8]) -> Result<(), StoreError> {
-    let mut pos = 0;
-    while pos < chunk.len() {
-        let (record, used) = log::parse_record(chunk, pos, 0, 0)?;
+    each_record(chunk, |record, _| {
         if let Record::Put { keyspace, key, .. } = record {
             if !PUT_STAGES.contains(&keyspace)
                 || (keyspace == keyspace_id::META && replica_local(key))
@@ -277,6 +275,19 @@ fn check_chunk(chunk: &[u8]) -> Result<(), StoreError> {
                 )));
             }
         }
+        Ok(())
+    })
+}
+
+/// Calls `visit` on each record of a chunk, in order, with its length.
+fn each_record<'a>(
+    chunk: &'a [u8],
+    mut visit: impl FnMut(Record<'a>, usize) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    let mut pos = 0;
+    while pos < chunk.len() {
+        let (record, used) = log::parse_record(chunk, pos, 0, 0)?;
+        visit(record, used)?;
         pos += used;
     }
     Ok(())
@@ -409,9 +420,7 @@ pub(crate) fn take_in(
     let mut batch = ks.db.batch().durability(None);
     let mut batch_bytes = 0usize;
     read_staged(path, |chunk| {
-        let mut pos = 0;
-        while pos < chunk.len() {
-            let (record, used) = log::parse_record(chunk, pos, 0, 0)?;
+        each_record(chunk, |record, used| {
             match record {
                 Record::Event {
                     partition,
@@ -466,9 +475,8 @@ pub(crate) fn take_in(
                     }
                 }
             }
-            pos += used;
-        }
-        Ok(())
+            Ok(())
+        })
     })?;
     if import.events > 0 {
         import.write(log, &mut tail, false)?;
