@@ -230,18 +230,23 @@ async fn write(node: &Node, n: i64) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Waits until node `i` has applied up to `index`, then checks it holds
-/// executions `ns` with both their events.
-async fn holds(nodes: &[Node], i: usize, ns: std::ops::RangeInclusive<i64>, index: u64) {
+/// Waits until `node` (node `i`) has applied up to `index`, at most 10 s.
+async fn applied(node: &Node, i: usize, index: u64) {
     let until = Instant::now() + Duration::from_secs(10);
-    while nodes[i].status().and_then(|s| s.applied).unwrap_or(0) < index {
+    while node.status().and_then(|s| s.applied).unwrap_or(0) < index {
         assert!(
             Instant::now() < until,
             "node {i} did not apply up to {index}: {:?}",
-            nodes[i].status()
+            node.status()
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Waits until node `i` has applied up to `index`, then checks it holds
+/// executions `ns` with both their events.
+async fn holds(nodes: &[Node], i: usize, ns: std::ops::RangeInclusive<i64>, index: u64) {
+    applied(&nodes[i], i, index).await;
     let st = nodes[i]
         .store
         .as_ref()
@@ -634,14 +639,7 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
         .and_then(|s| s.last_log_index)
         .expect("log");
     for (i, node) in nodes.iter().enumerate() {
-        let until = Instant::now() + Duration::from_secs(10);
-        while node.status().and_then(|s| s.applied).unwrap_or(0) < index {
-            assert!(
-                Instant::now() < until,
-                "node {i} did not apply up to {index}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        applied(node, i, index).await;
     }
     drop((st3, append));
     for n in nodes.iter_mut() {
@@ -875,14 +873,7 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
         .expect("log");
     let acked = acked.lock().expect("acked").clone();
     for (i, node) in nodes.iter().enumerate() {
-        let until = Instant::now() + Duration::from_secs(10);
-        while node.status().and_then(|s| s.applied).unwrap_or(0) < index {
-            assert!(
-                Instant::now() < until,
-                "node {i} did not apply up to {index}"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        applied(node, i, index).await;
         let st = node
             .store
             .as_ref()
