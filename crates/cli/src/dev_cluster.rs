@@ -89,9 +89,9 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
         count.get(),
         random_secret()?
     );
-    if factor > 1 {
-        toml = format!("replication_factor = {factor}\n{toml}");
-    }
+    // Said even when 1: a file of three nodes or more that leaves it out
+    // replicates three times.
+    toml = format!("replication_factor = {factor}\n{toml}");
     for i in 1..=a.nodes {
         toml.push_str(&format!(
             "\n[[nodes]]\nid = {i}\napi_addr = \"127.0.0.1:{}\"\npeer_addr = \"127.0.0.1:{}\"\n",

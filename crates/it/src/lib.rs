@@ -1321,9 +1321,12 @@ impl Cluster {
             "shard_count = {}\nsecret = \"{}\"\n\n[peer]\nforward_connect_timeout_ms = {}\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n",
             self.shard_count, self.secret, t.forward_connect_timeout_ms, t.forward_timeout_ms, t.probe_interval_ms, t.probe_timeout_ms
         );
-        if let Some(f) = self.replication_factor {
-            s = format!("replication_factor = {f}\n{s}");
-        }
+        // Said even when 1: a file of three nodes or more that leaves it
+        // out replicates three times.
+        s = format!(
+            "replication_factor = {}\n{s}",
+            self.replication_factor.unwrap_or(1)
+        );
         if self.raft_timing.is_some() || self.raft_log.is_some() {
             s.push_str("\n[raft]\n");
         }

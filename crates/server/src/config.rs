@@ -226,8 +226,9 @@ pub struct FileConfig {
     pub shards: Vec<FileShard>,
     /// How many nodes hold a replica of each shard. 2 or more makes every
     /// shard a Raft group on that many nodes, its leader the owner (every
-    /// node then needs a `raft_addr`, and `[[shards]]` is left out); 1, or
-    /// left out, is the static cluster: one copy, owners from the file.
+    /// node then needs a `raft_addr`, and `[[shards]]` is left out); 1 is
+    /// the static cluster: one copy, owners from the file. Left out: 3
+    /// with three nodes or more ([`DEFAULT_REPLICATION_FACTOR`]), else 1.
     pub replication_factor: Option<u64>,
     /// A replicated cluster's Raft timers.
     #[serde(default)]
@@ -514,7 +515,19 @@ pub fn validate_cluster(
         });
     }
     let n = shard_count.get() as usize;
-    let replication = match file.replication_factor {
+    // Left out, a cluster of three nodes or more replicates every shard
+    // three times; a static cluster of one copy says `replication_factor
+    // = 1`. The errors below name the default when it is what asked.
+    let defaulted = file.replication_factor.is_none() && nodes.len() >= 3;
+    let factor = file
+        .replication_factor
+        .or(defaulted.then_some(DEFAULT_REPLICATION_FACTOR));
+    let by_default = if defaulted {
+        format!(" (the default with {} nodes; set replication_factor = 1 for a static cluster of one copy)", nodes.len())
+    } else {
+        String::new()
+    };
+    let replication = match factor {
         None | Some(1) => None,
         Some(0) => return bad("replication_factor must be at least 1".into()),
         Some(f) if f as usize > nodes.len() => {
@@ -525,13 +538,13 @@ pub fn validate_cluster(
         }
         Some(f) => {
             if !file.shards.is_empty() {
-                return bad("shards: a replicated cluster's owners are its shards' Raft leaders, elected; leave [[shards]] out".into());
+                return bad(format!("shards: a replicated cluster's owners are its shards' Raft leaders, elected; leave [[shards]] out{by_default}"));
             }
             let mut raft_addrs = std::collections::BTreeMap::new();
             for (i, fnode) in file.nodes.iter().enumerate() {
                 let Some(a) = &fnode.raft_addr else {
                     return bad(format!(
-                        "nodes[{i}].raft_addr is missing: with replication_factor {f} every node needs the address its Raft transport listens on"
+                        "nodes[{i}].raft_addr is missing: with replication_factor {f}{by_default} every node needs the address its Raft transport listens on"
                     ));
                 };
                 let a = parse_addr(&format!("nodes[{i}].raft_addr"), a)?;
@@ -891,6 +904,11 @@ impl Overrides {
     }
 }
 
+/// The replication factor of a cluster file that lists three nodes or
+/// more and leaves `replication_factor` out: a shard then survives the
+/// loss of any one of its replicas.
+pub const DEFAULT_REPLICATION_FACTOR: u64 = 3;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1003,7 +1021,7 @@ peer_addr = "127.0.0.1:7172"
             ("replication_factor = 3\n[raft]\nheartbeat_ms = 100\nelection_timeout_min_ms = 100", "must be more than raft.heartbeat_ms"),
             ("replication_factor = 3\n[raft]\nelection_timeout_min_ms = 500\nelection_timeout_max_ms = 400", "raft.election_timeout_max_ms (400)"),
             ("replication_factor = 3\n[raft]\nheartbeat_ms = 5", "raft.heartbeat_ms must be 10 to 10000"),
-            ("[raft]\nheartbeat_ms = 50", "the [raft] timers are for a replicated cluster"),
+            ("replication_factor = 1\n[raft]\nheartbeat_ms = 50", "the [raft] timers are for a replicated cluster"),
             ("replication_factor = 3\n[raft]\nsnapshot_every_entries = 5", "raft.snapshot_every_entries must be 10 to 10000000, not 5"),
             ("replication_factor = 3\n[raft]\nlog_kept_entries = 20000000", "raft.log_kept_entries must be at most 10000000"),
         ] {
@@ -1027,6 +1045,45 @@ peer_addr = "127.0.0.1:7172"
             replicated("replication_factor = 3")
         );
         check(&with_shards, Some(1), Some("leave [[shards]] out"));
+    }
+
+    #[test]
+    fn three_nodes_or_more_replicate_three_times_unless_told_otherwise() {
+        let c = check(&replicated(""), Some(1), None).expect("valid");
+        let r = c.cluster.and_then(|c| c.replication).expect("replicated");
+        assert_eq!(r.factor, DEFAULT_REPLICATION_FACTOR as usize);
+        assert_eq!(r.replicas(ShardId(1)).len(), 3);
+        // Two nodes: the static cluster, as before.
+        assert!(check(NODES, Some(1), None)
+            .and_then(|c| c.cluster)
+            .expect("cluster")
+            .replication
+            .is_none());
+        // A file of the static cluster of before (no Raft addresses,
+        // perhaps its owners listed) is refused by name, with the way to
+        // keep it as it was.
+        let without_raft: String = replicated("")
+            .lines()
+            .filter(|l| !l.starts_with("raft_addr"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let hint = "(the default with 3 nodes; set replication_factor = 1 for a static cluster of one copy)";
+        check(&without_raft, Some(1), Some(hint));
+        check(
+            &without_raft,
+            Some(1),
+            Some("nodes[0].raft_addr is missing"),
+        );
+        let listed = (0..4).fold(without_raft.clone(), |t, s| {
+            format!("{t}[[shards]]\nshard = {s}\nowner = {}\n", s % 3 + 1)
+        });
+        check(&listed, Some(1), Some(hint));
+        let kept = format!("replication_factor = 1\n{listed}");
+        assert!(check(&kept, Some(1), None)
+            .and_then(|c| c.cluster)
+            .expect("cluster")
+            .replication
+            .is_none());
     }
 
     #[test]
