@@ -12,7 +12,6 @@
 //! is tried again only after [`TRANSFER_BACKOFF`], doubling with each
 //! failure in a row up to [`TRANSFER_BACKOFF_MAX`].
 
-use forkless_store::ShardStore;
 use forkless_types::ShardId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -58,7 +57,7 @@ pub const HEARD_WITHIN_BEATS: u32 = 3;
 /// Hands each of `shards` this node leads to its preferred replica
 /// (`preferred`), until `stop` turns true.
 pub async fn run(
-    shards: Vec<Arc<ShardStore>>,
+    shards: crate::Hosted,
     preferred: Arc<dyn Fn(ShardId) -> u64 + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
     heartbeat: Duration,
@@ -80,7 +79,7 @@ pub async fn run(
             _ = ticks.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        for st in &shards {
+        for st in &shards() {
             let Some(s) = st.raft_status() else { continue };
             let want = preferred(st.id());
             let shard = st.id().get();

@@ -345,6 +345,11 @@ async fn run_client(
 /// Where a server finds the shard a call is for.
 pub type Groups = Arc<dyn Fn(u32) -> Option<Arc<ShardStore>> + Send + Sync>;
 
+/// The replicated shards this node holds now, looked up again each round
+/// by the tasks that go over them (a group the store's supervisor
+/// restarted is a new `ShardStore`; the one it replaced must not be held).
+pub type Hosted = Arc<dyn Fn() -> Vec<Arc<ShardStore>> + Send + Sync>;
+
 /// Serves the Raft calls of peers on `listener` until `stop` turns true.
 pub async fn serve(
     listener: TcpListener,

@@ -15,7 +15,7 @@
 //! followers.
 
 use crate::Groups;
-use forkless_store::{Beat, Peers, QuietAs, RaftTiming, Rpc, ShardStore};
+use forkless_store::{Beat, Peers, QuietAs, RaftTiming, Rpc};
 use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -69,7 +69,7 @@ impl PeersHeard {
 pub async fn run(
     peers: Arc<dyn Peers>,
     peer_ids: Vec<u64>,
-    shards: Vec<Arc<ShardStore>>,
+    shards: crate::Hosted,
     timing: RaftTiming,
     heard: Arc<PeersHeard>,
     mut stop: watch::Receiver<bool>,
@@ -93,7 +93,7 @@ pub async fn run(
             _ = stop.wait_for(|s| *s) => return,
         }
         let mut quiet = Vec::new();
-        for st in &shards {
+        for st in &shards() {
             if let QuietAs::Leader { term } = st.quiesce_if_idle(idle) {
                 quiet.push((st.id().get(), term));
             }
@@ -113,7 +113,7 @@ pub async fn run(
             });
         }
         let mut woke = Vec::new();
-        for st in &shards {
+        for st in &shards() {
             let Some((leader, since)) = st.quiet_leader() else {
                 continue;
             };

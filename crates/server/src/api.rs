@@ -1290,6 +1290,7 @@ async fn by_key(
 
 async fn cluster(State(app): AppState) -> Response {
     let n = app.dir.shard_count();
+    let restarts = app.store.restarts();
     let shards: Vec<_> = (0..n.get())
         .map(|s| {
             let a = app.dir.assignment(ShardId(s));
@@ -1304,6 +1305,15 @@ async fn cluster(State(app): AppState) -> Response {
             });
             if let Some(why) = failed {
                 shard["failed"] = json!(why);
+            }
+            // Restarts of its Raft group by the store's supervisor.
+            if let Some(r) = restarts.get(&ShardId(s)) {
+                shard["restarts"] = json!({
+                    "count": r.count,
+                    "in_a_row": r.in_a_row,
+                    "last_reason": r.last_reason,
+                    "last_error": r.last_outcome.as_ref().err(),
+                });
             }
             if let Some(r) = app
                 .cfg

@@ -104,6 +104,11 @@ impl App {
                 ..StoreConfig::default()
             },
         )?);
+        if cfg.store.raft || replication.is_some() {
+            // A shard whose Raft group stops by itself (a panic) is
+            // restarted; the node's other shards serve meanwhile.
+            store.supervise()?;
+        }
         for s in 0..cfg.shard_count.get() {
             let shard = ShardId(s);
             if let Some(r) = &replicated {
@@ -205,45 +210,69 @@ fn store_replication(
 
 /// Keeps the directory's owner of each replicated shard this node holds a
 /// replica of at its group's leader (the higher term wins), and logs every
-/// change of leader; ends when the group stops or the node does.
+/// change of leader, until the node stops; a group that stopped is
+/// followed again once the store's supervisor restarted it.
 async fn follow_leaders(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let mut tasks = tokio::task::JoinSet::new();
     for st in app.store.hosted() {
-        let Some(mut watch) = st.raft_watch().filter(|_| st.is_replicated()) else {
+        if !st.is_replicated() {
             continue;
-        };
+        }
         let (app, shard) = (app.clone(), st.id());
+        drop(st);
         tasks.spawn(async move {
             let mut seen = None;
-            let mut now = Some(watch.now());
-            while let Some(l) = now {
-                if seen != Some((l.leader, l.term)) {
-                    seen = Some((l.leader, l.term));
-                    match l.leader.and_then(forkless_types::NodeId::new) {
-                        Some(leader) => {
-                            app.dir
-                                .observe(shard, leader, forkless_types::Epoch(l.term));
-                            tracing::info!(
-                                shard = shard.get(),
-                                leader = l.leader,
-                                term = l.term,
-                                this_node_leads = l.leader == Some(l.me),
-                                "shard leader known"
-                            );
-                        }
-                        None => tracing::info!(
-                            shard = shard.get(),
-                            term = l.term,
-                            "shard has no leader (an election is under way)"
-                        ),
-                    }
+            loop {
+                // The shard as it is now: absent or stopped while the
+                // supervisor restarts it (looked at again every 200 ms).
+                let watch = app
+                    .store
+                    .shard(shard)
+                    .filter(|st| st.group_stopped().is_none())
+                    .and_then(|st| st.raft_watch());
+                match watch {
+                    Some(watch) => follow_leader(&app, shard, watch, &mut seen).await,
+                    None => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
                 }
-                now = watch.changed().await;
             }
         });
     }
     let _ = stop.wait_for(|s| *s).await;
     tasks.abort_all();
+}
+
+/// Follows one group's leader (see `follow_leaders`) until the group stops.
+async fn follow_leader(
+    app: &App,
+    shard: ShardId,
+    mut watch: forkless_store::RaftWatch,
+    seen: &mut Option<(Option<u64>, u64)>,
+) {
+    let mut now = Some(watch.now());
+    while let Some(l) = now {
+        if *seen != Some((l.leader, l.term)) {
+            *seen = Some((l.leader, l.term));
+            match l.leader.and_then(forkless_types::NodeId::new) {
+                Some(leader) => {
+                    app.dir
+                        .observe(shard, leader, forkless_types::Epoch(l.term));
+                    tracing::info!(
+                        shard = shard.get(),
+                        leader = l.leader,
+                        term = l.term,
+                        this_node_leads = l.leader == Some(l.me),
+                        "shard leader known"
+                    );
+                }
+                None => tracing::info!(
+                    shard = shard.get(),
+                    term = l.term,
+                    "shard has no leader (an election is under way)"
+                ),
+            }
+        }
+        now = watch.changed().await;
+    }
 }
 
 /// Runs the node until `shutdown` resolves: the client listener, the peer
@@ -326,12 +355,14 @@ pub async fn run(
                 .map(|n| u64::from(n.id.get()))
                 .filter(|id| *id != rep.me)
                 .collect();
-            let shards: Vec<_> = app
-                .store
-                .hosted()
-                .into_iter()
-                .filter(|st| st.is_replicated())
-                .collect();
+            let store = app.store.clone();
+            let shards: forkless_raftnet::Hosted = Arc::new(move || {
+                store
+                    .hosted()
+                    .into_iter()
+                    .filter(|st| st.is_replicated())
+                    .collect()
+            });
             let heard = Arc::new(forkless_raftnet::quiesce::PeersHeard::default());
             tokio::spawn(forkless_raftnet::quiesce::run(
                 rep.peers.clone(),

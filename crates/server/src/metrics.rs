@@ -416,6 +416,19 @@ impl Collector for StoreCollector {
             ConstGauge::new(i64::from(down))
                 .encode(failed.encode_family(&ShardLabel { shard })?)?;
         }
+        let restarts = self.0.restarts();
+        if !restarts.is_empty() {
+            let mut family = encoder.encode_descriptor(
+                "store_shard_restarts",
+                "Restarts of this shard's Raft group by the store's supervisor after it stopped by itself (a panic); the reason is in the log and /api/cluster",
+                None,
+                MetricType::Counter,
+            )?;
+            for (shard, r) in restarts {
+                prometheus_client::metrics::counter::ConstCounter::new(r.count)
+                    .encode(family.encode_family(&ShardLabel { shard: shard.get() })?)?;
+            }
+        }
         Ok(())
     }
 }

@@ -65,6 +65,22 @@ mod read;
 mod shard;
 mod shard_log;
 mod snapshot;
+mod supervise;
+
+/// Faults a test arms (with the `failpoints` feature, for other crates'
+/// tests; this crate's own tests have them always).
+#[cfg(any(test, feature = "failpoints"))]
+pub mod failpoints {
+    /// The next append to the log of shard `shard`'s Raft group in the
+    /// store at `store_dir` panics, as a bug in openraft's core or in the
+    /// log would: the group stops, and the store's supervisor restarts it.
+    pub fn panic_at_next_append(store_dir: &std::path::Path, shard: forkless_types::ShardId) {
+        crate::raft_log::PANIC_AT_NEXT_APPEND
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((store_dir.join(crate::NODE_LOG_DIR), shard.get()));
+    }
+}
 mod waiters;
 mod write_slot;
 mod writer;
@@ -80,6 +96,7 @@ pub use raft_net::{
     APPEND_BYTES_MAX,
 };
 pub use shard::{ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
+pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;
 
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};
@@ -369,6 +386,10 @@ pub struct Store {
     /// repaired folder; the other shards serve.
     failed: RwLock<BTreeMap<ShardId, String>>,
     opening: [std::sync::Mutex<()>; OPEN_LOCKS],
+    /// The restarts of shards whose Raft group stopped by itself.
+    restarts: std::sync::Mutex<BTreeMap<ShardId, Restarts>>,
+    /// Shards being restarted (closed, not yet open again), with why.
+    restarting: RwLock<BTreeMap<ShardId, String>>,
 }
 
 const OPEN_LOCKS: usize = 16;
@@ -486,6 +507,8 @@ impl Store {
             shards: Arc::new(RwLock::new(BTreeMap::new())),
             failed: RwLock::new(BTreeMap::new()),
             opening: Default::default(),
+            restarts: Default::default(),
+            restarting: Default::default(),
         };
         // Reopen every shard that has data here, owned or not: a shard this
         // node no longer owns must still be there to be fenced and read.
@@ -686,13 +709,10 @@ impl Store {
 
     /// Why the shard is out of service, if it is.
     pub fn failure(&self, shard: ShardId) -> Option<String> {
-        if let Some(why) = self
-            .failed
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&shard)
-        {
-            return Some(why.clone());
+        for map in [&self.failed, &self.restarting] {
+            if let Some(why) = map.read().unwrap_or_else(|e| e.into_inner()).get(&shard) {
+                return Some(why.clone());
+            }
         }
         self.shard(shard).and_then(|s| s.failure())
     }
@@ -710,12 +730,26 @@ impl Store {
             )));
         }
         // One opener per shard at a time; different shards open in parallel.
-        let _opening = self.opening[shard.get() as usize % OPEN_LOCKS]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let _opening = self.opening_lock(shard);
         if let Some(s) = self.shard(shard) {
             return Ok(s);
         }
+        self.open_locked(shard, initial_epoch)
+    }
+
+    fn opening_lock(&self, shard: ShardId) -> std::sync::MutexGuard<'_, ()> {
+        self.opening[shard.get() as usize % OPEN_LOCKS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`Store::open_shard`] with the shard's opening lock held and the
+    /// shard not open.
+    fn open_locked(
+        &self,
+        shard: ShardId,
+        initial_epoch: Epoch,
+    ) -> Result<Arc<ShardStore>, StoreError> {
         if let Some(reason) = self
             .failed
             .read()

@@ -522,6 +522,39 @@ impl NodeLog {
         self.keeper.shared.lock().groups.contains_key(&group)
     }
 
+    /// Waits until nothing of `group` is queued or being written (for at
+    /// most `within`): what a group that stopped handed the log is then
+    /// durable, or failed, and a reopen of the group reads all of it.
+    /// Nothing may append for the group meanwhile.
+    pub(crate) fn settle(&self, group: u32, within: std::time::Duration) -> Result<(), StoreError> {
+        let shared = &self.keeper.shared;
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            // Under the queue's lock a part is either waiting or in the
+            // round being written, which holds `rounds` until its end is
+            // recorded: taking that lock waits the round out.
+            let pending = shared.lock().waiting.iter().any(|q| q.group == group);
+            drop(shared.rounds.lock().unwrap_or_else(|e| e.into_inner()));
+            if !pending {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(StoreError::Io(format!(
+                    "group {group}'s appends to the node log were not written within {} s",
+                    within.as_secs()
+                )));
+            }
+            shared.wake.notify_one();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// The log's folder.
+    #[cfg(any(test, feature = "failpoints"))]
+    pub(crate) fn dir(&self) -> PathBuf {
+        self.keeper.shared.dir.clone()
+    }
+
     /// The segments readers read the log's events through.
     pub(crate) fn segments(&self) -> Arc<Segments> {
         self.keeper.shared.segments.clone()

@@ -814,6 +814,7 @@ pub(crate) fn start_alone(
             (READY_WITHIN * 3).as_secs()
         )))
     })?;
+    let (stopped, closing) = watch_stop(shard, &raft)?;
     Ok(Group {
         raft,
         replicated: false,
@@ -823,6 +824,8 @@ pub(crate) fn start_alone(
         replica: held,
         staging: tokio::sync::Mutex::new(None),
         released: Mutex::new(on_release),
+        stopped,
+        closing,
     })
 }
 
@@ -886,6 +889,7 @@ pub(crate) fn start_replicated(
     if let Some(f) = &fresh {
         let _ = held.fresh.set(f.clone());
     }
+    let (stopped, closing) = watch_stop(shard, &raft)?;
     Ok(Group {
         raft,
         replicated: true,
@@ -895,6 +899,8 @@ pub(crate) fn start_replicated(
         replica: held,
         staging: tokio::sync::Mutex::new(None),
         released: Mutex::new(on_release),
+        stopped,
+        closing,
     })
 }
 
@@ -922,10 +928,55 @@ pub(crate) struct Group {
     fresh: Option<Arc<crate::fresh::Fresh>>,
     /// In a mutex only so that the shard is `Sync`; used once, at drop.
     released: Mutex<std::sync::mpsc::Receiver<()>>,
+    /// Why the group stopped by itself, once it has (`watch_stop`).
+    stopped: Arc<std::sync::OnceLock<String>>,
+    /// Set as the group is shut down on purpose, which is no stop.
+    closing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Watches `raft` until its core stops, and records why if it stopped by
+/// itself (a panic, a storage error) rather than being shut down: the
+/// store's supervisor restarts such a group (`Store::supervise`). A core
+/// that panicked drops its metrics without saying so; any call to it then
+/// returns the reason.
+fn watch_stop(
+    shard: forkless_types::ShardId,
+    raft: &ShardRaft,
+) -> Result<
+    (
+        Arc<std::sync::OnceLock<String>>,
+        Arc<std::sync::atomic::AtomicBool>,
+    ),
+    StoreError,
+> {
+    use openraft::async_runtime::WatchReceiver;
+    let stopped: Arc<std::sync::OnceLock<String>> = Arc::default();
+    let closing: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+    let (raft, out, shut) = (raft.clone(), stopped.clone(), closing.clone());
+    runtime()?.spawn(async move {
+        let mut rx = raft.metrics();
+        let fatal = loop {
+            if let Err(f) = &rx.borrow_watched().running_state {
+                break f.to_string();
+            }
+            if rx.changed().await.is_err() {
+                break match raft.trigger().heartbeat().await {
+                    Err(f) => f.to_string(),
+                    Ok(()) => "its core ended".into(),
+                };
+            }
+        };
+        if !shut.load(Ordering::Acquire) {
+            tracing::error!(shard = %shard, reason = %fatal, "a shard's Raft group stopped by itself; the store's supervisor restarts it");
+            let _ = out.set(fatal);
+        }
+    });
+    Ok((stopped, closing))
 }
 
 impl Drop for Group {
     fn drop(&mut self) {
+        self.closing.store(true, Ordering::Release);
         let raft = self.raft.clone();
         match run(async move { raft.shutdown().await }, STOPS_WITHIN) {
             Ok(Some(Ok(()))) => {}
@@ -1122,6 +1173,12 @@ fn contiguous(r: &AppendEntriesRequest<GroupConfig>) -> Result<(), String> {
 }
 
 impl Group {
+    /// Why the group stopped by itself, if it has (a panic of its core, an
+    /// error of its storage): it takes nothing more until restarted.
+    pub(crate) fn stopped(&self) -> Option<String> {
+        self.stopped.get().cloned()
+    }
+
     /// Whether this replica's data directory is new and it has not caught
     /// up yet.
     pub(crate) fn is_fresh(&self) -> bool {

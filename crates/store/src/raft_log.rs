@@ -529,6 +529,26 @@ fn read_entries<RB: RangeBounds<u64>>(
         .collect()
 }
 
+/// The groups (by node log folder and group) whose next append panics, as
+/// a bug in openraft's core or in this log would: a test arms one to see
+/// the group stop and the store's supervisor restart it.
+#[cfg(any(test, feature = "failpoints"))]
+pub(crate) static PANIC_AT_NEXT_APPEND: Mutex<Vec<(std::path::PathBuf, u32)>> =
+    Mutex::new(Vec::new());
+
+#[cfg(any(test, feature = "failpoints"))]
+fn panic_if_armed(node: &NodeLog, group: u32) {
+    let key = (node.dir(), group);
+    let mut armed = PANIC_AT_NEXT_APPEND
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(i) = armed.iter().position(|k| *k == key) {
+        armed.remove(i);
+        drop(armed);
+        panic!("a panic a test injected into group {group}'s append");
+    }
+}
+
 impl RaftLogStorage<GroupConfig> for RaftLog {
     type LogReader = RaftLogRead;
 
@@ -561,6 +581,8 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
+        #[cfg(any(test, feature = "failpoints"))]
+        panic_if_armed(&self.node, self.group);
         let mut pieces: Vec<Piece> = Vec::new();
         let mut buf = self.buffer();
         let mut placed = Vec::new();

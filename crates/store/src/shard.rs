@@ -915,6 +915,12 @@ impl ShardStore {
         self.raft.as_ref().map(|g| g.replica.clone())
     }
 
+    /// Why the shard's Raft group stopped by itself, if it has: the
+    /// shard takes nothing until the store's supervisor restarts it.
+    pub fn group_stopped(&self) -> Option<String> {
+        self.raft.as_ref().and_then(|g| g.stopped())
+    }
+
     /// Whether the shard is a Raft group with replicas on other nodes.
     pub fn is_replicated(&self) -> bool {
         self.raft.as_ref().is_some_and(|g| g.replicated)
@@ -1120,6 +1126,10 @@ impl ShardStore {
             .get()
             .cloned()
             .or_else(|| self.node.as_ref().and_then(|n| n.failure()))
+            .or_else(|| {
+                self.group_stopped()
+                    .map(|why| format!("its Raft group stopped ({why}); it is being restarted"))
+            })
     }
 
     /// Asks the shard to checkpoint if the log has written `bytes` since
