@@ -97,6 +97,10 @@ enum Cmd {
         /// Mark the point as a rerun of a slow-spell point.
         #[arg(long)]
         rerun: bool,
+        /// Replicas of the NATS stream (a cluster of at least that many
+        /// servers); the other systems' replication is their servers'.
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
         /// Version of the system under test, recorded with the point.
         #[arg(long)]
         server_version: Option<String>,
@@ -144,6 +148,9 @@ enum Cmd {
         /// appended if absent; nothing else touched).
         #[arg(long)]
         insert_into: Option<PathBuf>,
+        /// The markers' name: `<!-- NAME:begin -->` and `<!-- NAME:end -->`.
+        #[arg(long, default_value = "compare")]
+        section: String,
     },
 }
 
@@ -222,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
             rerun,
             server_version,
             sitting,
+            replicas,
         } => {
             ensure_loopback(&url)?;
             let probe = match probe_dir {
@@ -251,7 +259,7 @@ async fn main() -> anyhow::Result<()> {
                 Kind::Forkless => run(ForklessHttp::new(&url)?, &w).await,
                 Kind::Redis => run(peers::Redis::new(&url), &w).await,
                 Kind::Postgres => run(peers::Postgres::new(&url), &w).await,
-                Kind::Nats => run(peers::Nats::new(&url), &w).await,
+                Kind::Nats => run(peers::Nats::new(&url, replicas), &w).await,
                 #[cfg(feature = "etcd")]
                 Kind::Etcd => run(peers::Etcd::new(&url), &w).await,
                 #[cfg(not(feature = "etcd"))]
@@ -317,6 +325,7 @@ async fn main() -> anyhow::Result<()> {
             results,
             preamble,
             insert_into,
+            section: name,
         } => {
             let points = results::load(&results)?;
             let mut section = String::new();
@@ -340,7 +349,7 @@ async fn main() -> anyhow::Result<()> {
                         }
                         Err(e) => return Err(e).context(format!("reading {}", file.display())),
                     };
-                    std::fs::write(&file, results::splice(&doc, &section))
+                    std::fs::write(&file, results::splice_named(&doc, &name, &section))
                         .with_context(|| format!("writing {}", file.display()))?;
                     println!("updated {}", file.display());
                 }

@@ -201,12 +201,17 @@ const NATS_STREAM: &str = "EV";
 /// NATS JetStream, one file-stored stream, one subject per key.
 pub struct Nats {
     url: String,
+    replicas: usize,
 }
 
 impl Nats {
-    /// `url` like `nats://127.0.0.1:4230`.
-    pub fn new(url: &str) -> Self {
-        Self { url: url.into() }
+    /// `url` like `nats://127.0.0.1:4230`; the stream has `replicas`
+    /// replicas (1 on one server; 3 on a cluster of three).
+    pub fn new(url: &str, replicas: usize) -> Self {
+        Self {
+            url: url.into(),
+            replicas,
+        }
     }
 }
 
@@ -226,7 +231,7 @@ impl Target for Nats {
             name: NATS_STREAM.into(),
             subjects: vec!["ev.>".into()],
             storage: async_nats::jetstream::stream::StorageType::File,
-            num_replicas: 1,
+            num_replicas: self.replicas,
             ..Default::default()
         })
         .await

@@ -234,10 +234,20 @@ pub fn table(points: &[Point]) -> String {
 /// appends a marked section if the markers are absent. Everything outside
 /// the markers is kept byte for byte.
 pub fn splice(doc: &str, section: &str) -> String {
-    let block = format!("{BEGIN_MARKER}\n{}\n{END_MARKER}", section.trim_end());
-    match (doc.find(BEGIN_MARKER), doc.find(END_MARKER)) {
+    splice_named(doc, "compare", section)
+}
+
+/// [`splice`] between the markers `<!-- {name}:begin -->` and
+/// `<!-- {name}:end -->` (`compare` is [`BEGIN_MARKER`] and [`END_MARKER`]).
+pub fn splice_named(doc: &str, name: &str, section: &str) -> String {
+    let (begin, end) = (
+        format!("<!-- {name}:begin -->"),
+        format!("<!-- {name}:end -->"),
+    );
+    let block = format!("{begin}\n{}\n{end}", section.trim_end());
+    match (doc.find(&begin), doc.find(&end)) {
         (Some(b), Some(e)) if e > b => {
-            format!("{}{}{}", &doc[..b], block, &doc[e + END_MARKER.len()..])
+            format!("{}{}{}", &doc[..b], block, &doc[e + end.len()..])
         }
         _ => {
             let mut out = doc.to_string();
@@ -270,6 +280,19 @@ mod tests {
         assert!(
             again.contains("newer") && !again.contains("new table") && again.ends_with("tail\n")
         );
+    }
+
+    #[test]
+    fn a_named_section_leaves_the_others_alone() {
+        let doc = format!("{BEGIN_MARKER}\na\n{END_MARKER}\n");
+        let out = splice_named(&doc, "compare-replicated", "b");
+        assert_eq!(
+            out,
+            format!("{BEGIN_MARKER}\na\n{END_MARKER}\n\n<!-- compare-replicated:begin -->\nb\n<!-- compare-replicated:end -->\n")
+        );
+        let again = splice_named(&out, "compare-replicated", "c");
+        assert!(again.starts_with(&doc) && again.contains("\nc\n") && !again.contains("\nb\n"));
+        assert_eq!(splice(&again, "z").matches("\nz\n").count(), 1);
     }
 
     #[test]
