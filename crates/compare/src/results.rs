@@ -11,10 +11,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::probe::Probe;
 
-/// Where the compare section sits in BENCHMARKS.md.
-pub const BEGIN_MARKER: &str = "<!-- compare:begin -->";
-pub const END_MARKER: &str = "<!-- compare:end -->";
-
 /// One measured point.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Point {
@@ -230,15 +226,11 @@ pub fn table(points: &[Point]) -> String {
     s
 }
 
-/// Replaces the text between the markers in `doc` with `section`, or
-/// appends a marked section if the markers are absent. Everything outside
-/// the markers is kept byte for byte.
-pub fn splice(doc: &str, section: &str) -> String {
-    splice_named(doc, "compare", section)
-}
-
-/// [`splice`] between the markers `<!-- {name}:begin -->` and
-/// `<!-- {name}:end -->` (`compare` is [`BEGIN_MARKER`] and [`END_MARKER`]).
+/// Replaces the text between the markers `<!-- {name}:begin -->` and
+/// `<!-- {name}:end -->` in `doc` with `section`, or appends a marked
+/// section if the markers are absent (bench/compare's is `compare`, its
+/// `--replicated` one `compare-replicated`). Everything outside the
+/// markers is kept byte for byte.
 pub fn splice_named(doc: &str, name: &str, section: &str) -> String {
     let (begin, end) = (
         format!("<!-- {name}:begin -->"),
@@ -267,6 +259,13 @@ pub fn splice_named(doc: &str, name: &str, section: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const BEGIN_MARKER: &str = "<!-- compare:begin -->";
+    const END_MARKER: &str = "<!-- compare:end -->";
+
+    fn splice(doc: &str, section: &str) -> String {
+        splice_named(doc, "compare", section)
+    }
 
     #[test]
     fn splice_keeps_outside_text() {
