@@ -154,6 +154,11 @@ pub fn draw(points: &[Point], out: &Path, title: &str, font: Option<&Path>) -> a
         if label.starts_with("forkless via") {
             return RGBColor(120, 120, 120).to_rgba();
         }
+        if label.starts_with("forkless (3 nodes") {
+            // The replicated forkless beside the one-node line: the same
+            // system, told apart at a glance.
+            return RGBColor(200, 20, 20).to_rgba();
+        }
         if label.starts_with("forkless") {
             return BLACK.to_rgba();
         }
