@@ -1,5 +1,5 @@
 //! The client verbs: `start`, `append`, `signal`, `cancel`, `get`,
-//! `events`, `key`, `status`. Data goes to stdout as JSON, one object per
+//! `events`, `key`, `status`, `cluster remove-node`. Data goes to stdout as JSON, one object per
 //! line; a refusal goes to stderr as the error's JSON object, exit code 1.
 
 use anyhow::{bail, Context};
@@ -55,6 +55,32 @@ pub enum Verb {
     Key(KeyArgs),
     /// Print the cluster map: nodes, shard owners and epochs.
     Status(StatusArgs),
+    /// Change a replicated cluster's replicas.
+    #[command(subcommand)]
+    Cluster(ClusterVerb),
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum ClusterVerb {
+    /// Move every replica a node holds (a dead one, or one to retire) to
+    /// other nodes of the cluster file, by Raft membership changes: the
+    /// new replica joins as a learner, catches up, then takes the old
+    /// one's vote, one shard at a time. Prints the server's report (one
+    /// JSON object, each shard listed); exit 1 if a shard could not be
+    /// moved (run it again to go on).
+    RemoveNode(RemoveNodeArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RemoveNodeArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The node whose replicas move (an id of the cluster file).
+    node: u16,
+    /// Where they move; left out, each shard's leader picks a live node
+    /// outside the shard's replicas.
+    #[arg(long)]
+    to: Option<u16>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -294,6 +320,17 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
         Verb::Key(a) => {
             let c = client(&a.server)?;
             print(&c.find_by_key(&a.routing_key).await?)?;
+        }
+        Verb::Cluster(ClusterVerb::RemoveNode(a)) => {
+            let report = client(&a.server)?.remove_node(a.node, a.to).await?;
+            print(&report)?;
+            if report.get("complete") != Some(&serde_json::Value::Bool(true)) {
+                return Err(anyhow::anyhow!(
+                    "not every shard's replica on node {} could be moved (see the report's shards); run it again to go on",
+                    a.node
+                )
+                .into());
+            }
         }
         Verb::Status(a) => {
             let map = client(&a.server)?.cluster().await?;

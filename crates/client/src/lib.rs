@@ -200,6 +200,10 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// How long a node's removal may take: each of its shards' new replica
+/// catches up in turn (the server gives each five minutes).
+const REMOVE_NODE_WITHIN: Duration = Duration::from_secs(3600);
+
 impl Client {
     /// A routing-aware client that learns the cluster from `server`.
     pub fn new(server: &str) -> Result<Client, Error> {
@@ -608,6 +612,27 @@ impl Client {
             steer: Steer::Id(id),
             idempotent,
             extra_timeout: Duration::ZERO,
+        })
+        .await
+    }
+
+    /// Moves every replica node `node` holds to other nodes (`to`, or
+    /// where each shard's leader picks), by Raft membership changes, one
+    /// shard at a time: the server's report, each shard listed, with
+    /// `complete` false if one could not be moved (asking again goes on).
+    pub async fn remove_node(
+        &self,
+        node: u16,
+        to: Option<u16>,
+    ) -> Result<serde_json::Value, Error> {
+        self.json(Call {
+            method: Method::POST,
+            path: "/api/cluster/remove-node".into(),
+            body: Some(Self::body(&serde_json::json!({ "node": node, "to": to }))?),
+            steer: Steer::Any,
+            // Asked again, it goes on where it stopped.
+            idempotent: true,
+            extra_timeout: REMOVE_NODE_WITHIN,
         })
         .await
     }

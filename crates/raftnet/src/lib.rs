@@ -32,7 +32,7 @@ use futures_util::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
@@ -350,13 +350,36 @@ pub type Groups = Arc<dyn Fn(u32) -> Option<Arc<ShardStore>> + Send + Sync>;
 /// restarted is a new `ShardStore`; the one it replaced must not be held).
 pub type Hosted = Arc<dyn Fn() -> Vec<Arc<ShardStore>> + Send + Sync>;
 
+/// Opens this node's replica of a shard it holds none of, for a leader
+/// that replicates to it (a replica added by a membership change, or one
+/// whose data directory was lost): `None` if it cannot.
+pub type Join = Arc<dyn Fn(u32) -> Option<Arc<ShardStore>> + Send + Sync>;
+
 /// Serves the Raft calls of peers on `listener` until `stop` turns true.
 pub async fn serve(
     listener: TcpListener,
     secret: String,
     groups: Groups,
+    stop: watch::Receiver<bool>,
+) {
+    serve_joining(listener, secret, groups, None, stop).await
+}
+
+/// [`serve`], and a call that replicates to a shard this node holds no
+/// replica of (AppendEntries, a snapshot's chunk) first opens one with
+/// `join` (in the background: the call is refused meanwhile, and the
+/// leader sends it again).
+pub async fn serve_joining(
+    listener: TcpListener,
+    secret: String,
+    groups: Groups,
+    join: Option<Join>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let joins = Arc::new(Joins {
+        join,
+        opening: Mutex::default(),
+    });
     let open = Arc::new(AtomicUsize::new(0));
     let secret: Arc<str> = secret.into();
     loop {
@@ -378,10 +401,15 @@ pub async fn serve(
             continue;
         }
         let _ = tcp.set_nodelay(true);
-        let (open, secret, groups, stop) =
-            (open.clone(), secret.clone(), groups.clone(), stop.clone());
+        let (open, secret, groups, joins, stop) = (
+            open.clone(),
+            secret.clone(),
+            groups.clone(),
+            joins.clone(),
+            stop.clone(),
+        );
         tokio::spawn(async move {
-            if let Err(why) = serve_connection(tcp, &secret, groups, stop).await {
+            if let Err(why) = serve_connection(tcp, &secret, groups, joins, stop).await {
                 tracing::info!(%from, reason = %why, "Raft connection from a peer closed");
             }
             open.fetch_sub(1, Ordering::AcqRel);
@@ -389,10 +417,52 @@ pub async fn serve(
     }
 }
 
+/// The shards being opened for a leader that replicates to them.
+struct Joins {
+    join: Option<Join>,
+    opening: Mutex<std::collections::HashSet<u32>>,
+}
+
+impl Joins {
+    /// For a call to `group`, which this node holds no replica of: opens
+    /// one in the background if the call replicates to it, and says why
+    /// the call is refused.
+    fn refuse(self: &Arc<Self>, peer: u64, group: u32, rpc: &Rpc) -> String {
+        let replicates = matches!(rpc, Rpc::AppendEntries(_) | Rpc::Snapshot(_));
+        let Some(join) = self.join.clone().filter(|_| replicates) else {
+            return format!("this node holds no replica of shard {group}");
+        };
+        if self
+            .opening
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(group)
+        {
+            tracing::info!(
+                shard = group,
+                leader = peer,
+                "a leader replicates to this node a shard it holds no replica of: opening one"
+            );
+            let me = self.clone();
+            tokio::task::spawn_blocking(move || {
+                if join(group).is_none() {
+                    tracing::warn!(shard = group, "could not open a replica of the shard");
+                }
+                me.opening
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&group);
+            });
+        }
+        format!("this node is opening its replica of shard {group}; send it again")
+    }
+}
+
 async fn serve_connection(
     tcp: TcpStream,
     secret: &str,
     groups: Groups,
+    joins: Arc<Joins>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), String> {
     let mut framed = Framed::new(tcp, codec());
@@ -463,7 +533,7 @@ async fn serve_connection(
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break Ok(());
         };
-        let (groups, out) = (groups.clone(), out.clone());
+        let (groups, joins, out) = (groups.clone(), joins.clone(), out.clone());
         tokio::spawn(async move {
             let result = match rpc {
                 Rpc::Beat(beat) => {
@@ -476,7 +546,7 @@ async fn serve_connection(
                 )),
                 rpc => match groups(group) {
                     Some(st) => st.handle_rpc(rpc).await,
-                    None => Err(format!("this node holds no replica of shard {group}")),
+                    None => Err(joins.refuse(peer, group, &rpc)),
                 },
             };
             if let Ok(f) = encode(&ToClient::Answer { id, result }) {

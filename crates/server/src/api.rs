@@ -117,6 +117,8 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/executions/{id}/cancel", post(cancel))
         .route("/api/keys/{*key}", get(by_key))
         .route("/api/cluster", get(cluster))
+        .route("/api/cluster/remove-node", post(remove_node))
+        .route("/api/shards/{shard}/replace", post(replace_replica))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -306,15 +308,21 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
     let mut owner = app.dir.owner_of(shard);
     // A replicated shard this node holds a replica of is its own exactly
     // while its group says this node leads: the group knows sooner than
-    // the directory, which follows it.
+    // the directory, which follows it. A group that knows no leader, or
+    // one at an older term than the directory learned from the peers (a
+    // replica cut off, or one a membership change removed, which hears
+    // from its group no more), leaves the directory's owner standing: the
+    // higher term wins.
     let replicated = app
         .cfg
         .cluster
         .as_ref()
         .is_some_and(|c| c.replication.is_some());
+    let directory_term = app.dir.assignment(shard).map(|a| a.epoch);
     if let Some(l) = replicated
         .then(|| app.store.shard(shard).and_then(|st| st.leadership()))
         .flatten()
+        .filter(|l| l.leader.is_some() && directory_term.is_none_or(|t| Epoch(l.term) >= t))
     {
         owner = match l.leader {
             Some(n) if n == l.me => Owner::Local {
@@ -1288,6 +1296,302 @@ async fn by_key(
 // ---------------------------------------------------------------------------
 // Operators
 
+// ---------------------------------------------------------------------------
+// Replacing replicas (Raft membership changes)
+
+/// How long a new replica may take to catch up as a learner before its
+/// replacement gives up (it stays a learner; asking again goes on).
+const CATCH_UP_WITHIN: Duration = Duration::from_secs(300);
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReplaceBody {
+    /// The node whose replica moves.
+    from: u16,
+    /// Where it moves; left out, the shard's leader picks a live node
+    /// outside the shard's replicas.
+    #[serde(default)]
+    to: Option<u16>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RemoveNodeBody {
+    node: u16,
+    #[serde(default)]
+    to: Option<u16>,
+}
+
+/// The node ids of the cluster file, and their Raft addresses; a 400 when
+/// the cluster does not replicate its shards.
+fn replicated_nodes(
+    app: &App,
+) -> Result<&std::collections::BTreeMap<forkless_types::NodeId, std::net::SocketAddr>, ApiError> {
+    app.cfg
+        .cluster
+        .as_ref()
+        .and_then(|c| c.replication.as_ref())
+        .map(|r| &r.raft_addrs)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "cluster",
+                "this cluster does not replicate its shards (replication_factor 1, or one node): there is no replica to move",
+            )
+        })
+}
+
+/// A node id from a request body, checked against the cluster file.
+fn cluster_node(app: &App, field: &str, id: u16) -> Result<forkless_types::NodeId, ApiError> {
+    let nodes = replicated_nodes(app)?;
+    forkless_types::NodeId::new(u64::from(id))
+        .filter(|n| nodes.contains_key(n))
+        .ok_or_else(|| {
+            ApiError::invalid(
+                field,
+                format!(
+                    "node {id} is not in the cluster file (its nodes: {:?})",
+                    nodes.keys().map(|n| n.get()).collect::<Vec<_>>()
+                ),
+            )
+        })
+}
+
+/// `POST /api/shards/{shard}/replace`: moves the shard's replica on node
+/// `from` to node `to` (`ShardStore::replace_replica`), on the shard's
+/// leader (forwarded one hop there, as a write is).
+async fn replace_replica(
+    State(app): AppState,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    shard: Result<Path<String>, PathRejection>,
+    body: Body,
+) -> Response {
+    let run = async {
+        let hops = hops_taken(&app, &headers)?;
+        let raw = path_param(shard, "shard")?;
+        let n = app.dir.shard_count().get();
+        let shard = raw
+            .parse::<u32>()
+            .ok()
+            .filter(|s| *s < n)
+            .map(ShardId)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "shard",
+                    format!("{raw:?} is not a shard of this cluster (0 to {})", n - 1),
+                )
+            })?;
+        let bytes = read_body(&app, body).await?;
+        let b: ReplaceBody = parse(&bytes)?;
+        let from = cluster_node(&app, "from", b.from)?;
+        let to = b.to.map(|t| cluster_node(&app, "to", t)).transpose()?;
+        if to == Some(from) {
+            return Err(ApiError::invalid("to", "must differ from `from`"));
+        }
+        Ok((hops, shard, from, to, bytes))
+    };
+    let (hops, shard, from, to, bytes) = match run.await {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    let route = Route {
+        partition: None,
+        shard,
+        hops_taken: hops,
+        extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
+    };
+    let app2 = app.clone();
+    dispatch(&app, method, &uri, bytes, route, move |_, st| async move {
+        replace_on_leader(&app2, &st, from, to).await
+    })
+    .await
+}
+
+/// The leader's part of a replacement: picks the node to move to when
+/// none was named, then moves the replica.
+async fn replace_on_leader(
+    app: &App,
+    st: &ShardStore,
+    from: forkless_types::NodeId,
+    to: Option<forkless_types::NodeId>,
+) -> Result<Response, ApiError> {
+    let shard = st.id();
+    let nodes = replicated_nodes(app)?;
+    let status = st.raft_status().ok_or_else(|| {
+        from_store(
+            StoreError::NotExecuted {
+                shard,
+                reason: "the shard's Raft group has stopped".into(),
+            },
+            shard.get(),
+            None,
+            app.dir.map_version(),
+        )
+    })?;
+    if !status.voters.contains(&u64::from(from.get())) {
+        // Nothing to move (the node holds no replica of the shard, or the
+        // move was made before).
+        return Ok(json_response(
+            StatusCode::OK,
+            &json!({
+                "shard": shard.get(),
+                "from": from.get(),
+                "changed": false,
+                "voters": status.voters,
+            }),
+        ));
+    }
+    let to = match to {
+        Some(t) => t,
+        None => pick_target(app, nodes, shard, from, &status.voters, &status.learners).ok_or_else(|| {
+            ApiError::invalid(
+                "to",
+                format!(
+                    "shard {shard}'s replicas are on nodes {:?}: no live node of the cluster file is outside them to move node {from}'s replica to",
+                    status.voters
+                ),
+            )
+        })?,
+    };
+    let addr = nodes.get(&to).map(|a| a.to_string()).unwrap_or_default();
+    let done = st
+        .replace_replica(
+            u64::from(from.get()),
+            u64::from(to.get()),
+            addr,
+            CATCH_UP_WITHIN,
+        )
+        .await
+        .map_err(|e| from_store(e, shard.get(), None, app.dir.map_version()))?;
+    Ok(json_response(
+        StatusCode::OK,
+        &json!({
+            "shard": shard.get(),
+            "from": from.get(),
+            "to": to.get(),
+            "changed": done.changed,
+            "voters": done.voters,
+        }),
+    ))
+}
+
+/// The node a shard's replica on `from` moves to: a learner already
+/// catching up (a replacement cut short), else the first live node of
+/// the cluster file outside the shard's replicas, counting from the
+/// shard's own place in the node list (so the moved replicas of many
+/// shards spread over the nodes left).
+fn pick_target(
+    app: &App,
+    nodes: &std::collections::BTreeMap<forkless_types::NodeId, std::net::SocketAddr>,
+    shard: ShardId,
+    from: forkless_types::NodeId,
+    voters: &[u64],
+    learners: &[u64],
+) -> Option<forkless_types::NodeId> {
+    let ids: Vec<_> = nodes.keys().copied().collect();
+    let usable = |n: &forkless_types::NodeId| {
+        *n != from
+            && !voters.contains(&u64::from(n.get()))
+            && (u64::from(n.get()) == u64::from(app.cfg.node_id.get())
+                || app.dir.liveness().is_alive(*n))
+    };
+    if let Some(l) = ids
+        .iter()
+        .find(|n| usable(n) && learners.contains(&u64::from(n.get())))
+    {
+        return Some(*l);
+    }
+    let start = shard.get() as usize % ids.len().max(1);
+    (0..ids.len())
+        .map(|i| ids[(start + i) % ids.len()])
+        .find(|n| usable(n))
+}
+
+/// `POST /api/cluster/remove-node`: moves every replica node `node` holds
+/// to another node (`to`, or one each shard's leader picks), one shard
+/// at a time, each on its leader. The answer lists each shard, and
+/// `complete` says whether every one is done; one that could not be says
+/// why (ask again to go on: shards already done are reported unchanged).
+async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Response {
+    let run = async {
+        if headers.contains_key(HOPS_HEADER) {
+            return Err(ApiError::invalid(
+                HOPS_HEADER,
+                "a node removal is not forwarded",
+            ));
+        }
+        let bytes = read_body(&app, body).await?;
+        let b: RemoveNodeBody = parse(&bytes)?;
+        let node = cluster_node(&app, "node", b.node)?;
+        if let Some(t) = b.to {
+            cluster_node(&app, "to", t)?;
+            if t == b.node {
+                return Err(ApiError::invalid("to", "must differ from `node`"));
+            }
+        }
+        Ok((node, b.to))
+    };
+    let (node, to) = match run.await {
+        Ok(v) => v,
+        Err(e) => return e.into_response(),
+    };
+    tracing::info!(node = node.get(), to = ?to, "moving every replica of a node to others");
+    let mut shards = Vec::new();
+    let mut complete = true;
+    for s in 0..app.dir.shard_count().get() {
+        let body = Bytes::from(json!({ "from": node.get(), "to": to }).to_string());
+        let route = Route {
+            partition: None,
+            shard: ShardId(s),
+            hops_taken: 0,
+            extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
+        };
+        let path = format!("/api/shards/{s}/replace");
+        let a = app.clone();
+        let answer = route_request(
+            &app,
+            Method::POST,
+            &path,
+            body,
+            route,
+            move |_, st| async move {
+                replace_on_leader(
+                    &a,
+                    &st,
+                    node,
+                    to.and_then(|t| forkless_types::NodeId::new(u64::from(t))),
+                )
+                .await
+            },
+        )
+        .await;
+        let resp = match answer {
+            Routed::Local(r, _) | Routed::Answer(r) => r,
+        };
+        let status = resp.status();
+        let text = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap_or_default();
+        let mut v: serde_json::Value = serde_json::from_slice(&text)
+            .unwrap_or_else(|_| json!({ "error": String::from_utf8_lossy(&text) }));
+        if !status.is_success() {
+            complete = false;
+            v = json!({ "shard": s, "status": status.as_u16(), "error": v });
+        }
+        shards.push(v);
+    }
+    tracing::info!(
+        node = node.get(),
+        complete,
+        "moving every replica of a node to others: done"
+    );
+    json_response(
+        StatusCode::OK,
+        &json!({ "node": node.get(), "complete": complete, "shards": shards }),
+    )
+}
+
 async fn cluster(State(app): AppState) -> Response {
     let n = app.dir.shard_count();
     let restarts = app.store.restarts();
@@ -1330,6 +1634,11 @@ async fn cluster(State(app): AppState) -> Response {
                 // else what the directory learned (epoch 0: none yet).
                 match local.and_then(|st| st.raft_status()) {
                     Some(g) => {
+                        // The group's own membership, which a replacement
+                        // changes; the placement above is only its first.
+                        if !g.voters.is_empty() {
+                            shard["replicas"] = json!(g.voters);
+                        }
                         shard["leader"] = json!(g.leader);
                         shard["term"] = json!(g.term);
                         shard["raft"] = json!({
@@ -1340,6 +1649,7 @@ async fn cluster(State(app): AppState) -> Response {
                             "snapshot": g.snapshot,
                             "purged": g.purged,
                             "voters": g.voters,
+                            "learners": g.learners,
                             "quiet": g.quiet,
                             "fresh": g.fresh,
                             "followers": g.matched.iter().map(|(id, m)| json!({

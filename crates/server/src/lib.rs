@@ -214,31 +214,41 @@ fn store_replication(
 /// followed again once the store's supervisor restarted it.
 async fn follow_leaders(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let mut tasks = tokio::task::JoinSet::new();
-    for st in app.store.hosted() {
-        if !st.is_replicated() {
-            continue;
-        }
-        let (app, shard) = (app.clone(), st.id());
-        drop(st);
-        tasks.spawn(async move {
-            let mut seen = None;
-            loop {
-                // The shard as it is now: absent or stopped while the
-                // supervisor restarts it (looked at again every 200 ms).
-                let watch = app
-                    .store
-                    .shard(shard)
-                    .filter(|st| st.group_stopped().is_none())
-                    .and_then(|st| st.raft_watch());
-                match watch {
-                    Some(watch) => follow_leader(&app, shard, watch, &mut seen).await,
-                    None => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-                }
+    let mut followed = std::collections::BTreeSet::new();
+    loop {
+        // A replica opened since (one a membership change added here) is
+        // followed from the next look, within a second.
+        for st in app.store.hosted() {
+            if st.is_replicated() && followed.insert(st.id()) {
+                follow_shard(&mut tasks, app.clone(), st.id());
             }
-        });
+        }
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => break,
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+        }
     }
-    let _ = stop.wait_for(|s| *s).await;
     tasks.abort_all();
+}
+
+/// Spawns the task that follows `shard`'s leader (`follow_leaders`).
+fn follow_shard(tasks: &mut tokio::task::JoinSet<()>, app: Arc<App>, shard: ShardId) {
+    tasks.spawn(async move {
+        let mut seen = None;
+        loop {
+            // The shard as it is now: absent or stopped while the
+            // supervisor restarts it (looked at again every 200 ms).
+            let watch = app
+                .store
+                .shard(shard)
+                .filter(|st| st.group_stopped().is_none())
+                .and_then(|st| st.raft_watch());
+            match watch {
+                Some(watch) => follow_leader(&app, shard, watch, &mut seen).await,
+                None => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
+            }
+        }
+    });
 }
 
 /// Follows one group's leader (see `follow_leaders`) until the group stops.
@@ -339,10 +349,28 @@ pub async fn run(
     if let Some(listener) = raft_listener {
         let store = app.store.clone();
         let groups: forkless_raftnet::Groups = Arc::new(move |g| store.shard(ShardId(g)));
-        tokio::spawn(forkless_raftnet::serve(
+        // A leader that replicates to this node a shard it holds no
+        // replica of (a membership change added it, or its data
+        // directory was lost) has it opened: the group, never initialized
+        // here, learns its membership from that leader.
+        let join: Option<forkless_raftnet::Join> = app.replication.as_ref().map(|_| {
+            let store = app.store.clone();
+            let join: forkless_raftnet::Join = Arc::new(move |g| {
+                match store.open_shard(ShardId(g), forkless_types::Epoch(1)) {
+                    Ok(st) => Some(st),
+                    Err(e) => {
+                        tracing::warn!(shard = g, error = %e, "could not open a replica a leader replicates to");
+                        None
+                    }
+                }
+            });
+            join
+        });
+        tokio::spawn(forkless_raftnet::serve_joining(
             listener,
             app.secret.clone(),
             groups,
+            join,
             stop_rx.clone(),
         ));
         tokio::spawn(follow_leaders(app.clone(), stop_rx.clone()));

@@ -844,13 +844,14 @@ pub(crate) fn start_replicated(
 ) -> Result<Group, StoreError> {
     let config = config_with(&rep.log, &rep.timing)?;
     let members = (rep.members)(shard);
-    if !members.contains_key(&rep.me) {
-        return Err(StoreError::Invalid(format!(
-            "shard {shard}'s replicas ({:?}) do not include this node ({})",
-            members.keys().collect::<Vec<_>>(),
-            rep.me
-        )));
-    }
+    // A replica the cluster file does not place here was added by a
+    // membership change (`ShardStore::replace_replica`): it never
+    // initializes its group (its membership is the group's, which it
+    // learns from the leader), and it starts as a new replica until it
+    // caught up. One the file places here and whose group is new
+    // initializes it with the file's placement, the group's first
+    // membership on every replica alike.
+    let placed_here = members.contains_key(&rep.me);
     let me = rep.me;
     let held = replica.clone();
     let network = crate::raft_net::PeerNetwork {
@@ -863,7 +864,13 @@ pub(crate) fn start_replicated(
         async move {
             let (raft, initialized) =
                 new_raft(shard, me, config, network, log, replica.clone(), released).await?;
-            if !initialized {
+            if !initialized && !placed_here {
+                replica.mark_fresh()?;
+                tracing::info!(
+                    shard = shard.get(),
+                    "a replica the cluster file does not place here: waiting for the group's leader to replicate to it"
+                );
+            } else if !initialized {
                 use openraft::errors::{InitializeError, RaftError};
                 replica.mark_fresh()?;
                 match raft.initialize(members).await {
@@ -1016,6 +1023,9 @@ pub struct RaftStatus {
     pub purged: Option<u64>,
     /// The voters of its membership.
     pub voters: Vec<u64>,
+    /// Its learners: replicas being caught up, which do not vote yet
+    /// (`ShardStore::replace_replica`).
+    pub learners: Vec<u64>,
     /// On the leader: each follower's last entry known to match its own.
     pub matched: Vec<(u64, Option<u64>)>,
     /// On the leader: how long ago each follower last acknowledged an
@@ -1048,6 +1058,7 @@ impl RaftStatus {
             snapshot: m.snapshot.map(|l| l.index),
             purged: m.purged.map(|l| l.index),
             voters: m.membership_config.membership().voter_ids().collect(),
+            learners: m.membership_config.membership().learner_ids().collect(),
             matched: m
                 .replication
                 .as_ref()

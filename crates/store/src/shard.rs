@@ -1004,6 +1004,134 @@ impl ShardStore {
             .map_err(|e| StoreError::Io(format!("shard {}'s Raft group stopped: {e}", self.shard)))
     }
 
+    /// On the leader of the shard's replicated group: moves the replica on
+    /// node `from` to node `to` (at Raft address `to_addr`) by Raft
+    /// membership changes: `to` joins as a learner and is caught up (from
+    /// the log, or by a snapshot of the shard once the log forgot what it
+    /// needs), waiting at most `catch_up_within`; then one change of the
+    /// voters swaps `from` for `to` (openraft's joint consensus: the old and
+    /// the new voters' quorums both agree). `from` may be down: the other
+    /// replicas are a quorum of both. Resumable: a replacement already
+    /// made is reported so, and one cut short (the learner added, not yet
+    /// a voter) is taken up where it stopped. `NotExecuted` when this node
+    /// does not lead the group.
+    pub async fn replace_replica(
+        &self,
+        from: u64,
+        to: u64,
+        to_addr: String,
+        catch_up_within: std::time::Duration,
+    ) -> Result<Replaced, StoreError> {
+        let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
+            return Err(StoreError::Invalid(format!(
+                "shard {} is not a replicated Raft group on this node",
+                self.shard
+            )));
+        };
+        let not_executed = |reason: String| StoreError::NotExecuted {
+            shard: self.shard,
+            reason,
+        };
+        let status = self
+            .raft_status()
+            .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?;
+        if status.state != "leader" {
+            return Err(not_executed(format!(
+                "this node does not lead the shard's group (its leader: {:?})",
+                status.leader
+            )));
+        }
+        let voters: std::collections::BTreeSet<u64> = status.voters.iter().copied().collect();
+        if !voters.contains(&from) {
+            return Ok(Replaced {
+                voters: status.voters,
+                changed: false,
+            });
+        }
+        if voters.contains(&to) {
+            return Err(StoreError::Invalid(format!(
+                "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({:?})",
+                self.shard, status.voters
+            )));
+        }
+        // The leader keeps its timers on while it catches the learner up
+        // (a quiet leader sends nothing), and first confirms with a
+        // quorum that it still leads (a quiet leader has not heard one
+        // lately, and openraft refuses its membership changes until it
+        // has).
+        g.quiet.hold_awake(&g.raft, catch_up_within);
+        self.linearize().await?;
+        let io = |what: &str, e: &dyn std::fmt::Display| StoreError::NotExecuted {
+            shard: self.shard,
+            reason: format!("{what}: {e}"),
+        };
+        tracing::info!(
+            shard = self.shard.get(),
+            from,
+            to,
+            "adding a learner to replace a replica"
+        );
+        // openraft's own wait ("blocking") takes a learner within 5,000
+        // entries for caught up; this one waits until it holds every entry
+        // up to its own addition, so that it becomes a voter with the
+        // whole shard (every entry acknowledged before the move).
+        let added = g
+            .raft
+            .add_learner(to, crate::BasicNode::new(to_addr), false)
+            .await
+            .map_err(|e| io(&format!("adding node {to} as a learner"), &e))?;
+        let upto = added.log_id().index;
+        let caught_up = g
+            .raft
+            .wait(Some(catch_up_within))
+            .metrics(
+                // (Or this node leads no more: nothing to wait for.)
+                |m| {
+                    m.replication.as_ref().is_none_or(|r| {
+                        r.get(&to)
+                            .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
+                    })
+                },
+                "the new learner holds every entry up to its addition",
+            )
+            .await;
+        match caught_up {
+            Ok(m) if m.replication.is_none() => {
+                return Err(not_executed(format!(
+                    "this node stopped leading the shard's group while node {to} caught up as a \
+                     learner; it stays one, and asking again (the new leader) goes on"
+                )))
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return Err(not_executed(format!(
+                    "node {to} did not catch up as a learner within {} s ({e}); it stays one, \
+                     and asking again goes on",
+                    catch_up_within.as_secs()
+                )))
+            }
+        }
+        let mut next = voters.clone();
+        next.remove(&from);
+        next.insert(to);
+        tracing::info!(shard = self.shard.get(), from, to, voters = ?next, "the learner caught up: changing the voters");
+        let changed = g
+            .raft
+            .change_membership(openraft::ChangeMembers::ReplaceAllVoters(next), false)
+            .await
+            .map_err(|e| io("changing the group's voters", &e))?;
+        let voters = changed
+            .membership()
+            .as_ref()
+            .map(|m| m.voter_ids().collect())
+            .unwrap_or_default();
+        tracing::info!(shard = self.shard.get(), from, to, voters = ?voters, "a replica replaced");
+        Ok(Replaced {
+            voters,
+            changed: true,
+        })
+    }
+
     /// Whether the shard's replicated group has its timers off here.
     pub fn is_quiet(&self) -> bool {
         self.raft
@@ -1424,4 +1552,13 @@ mod tests {
         writer.ring();
         thread.join().expect("the writer stops");
     }
+}
+
+/// What [`ShardStore::replace_replica`] came to: the group's voters after
+/// it, and whether it changed them (`false`: the replica to move was not
+/// among them, so there was nothing to do, or it was done before).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replaced {
+    pub voters: Vec<u64>,
+    pub changed: bool,
 }

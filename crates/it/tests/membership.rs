@@ -1,0 +1,233 @@
+//! Real processes: replacing a dead node's replicas by Raft membership
+//! changes. Four nodes, four shards, three replicas of each (so each shard
+//! has one node outside its replicas). Under a steady write load node 1 is
+//! killed for good and `forkless cluster remove-node 1` moves each of its
+//! replicas to the node outside that shard's replicas: a learner, caught
+//! up (by a snapshot: the groups keep few entries), then a voter in node
+//! 1's place. Then a second node is killed: every shard still elects and
+//! takes writes, which needs the new replicas' votes and copies. At the
+//! end every acknowledged write is at its seq, the removed node (back on
+//! its old data) forwards writes to the leaders rather than failing them,
+//! and every replica of a shard holds the same events.
+
+use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Shared};
+use forkless_it::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const NODES: u16 = 4;
+const SHARDS: u32 = 4;
+
+fn id_of(v: &Value) -> String {
+    v["execution_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
+        .to_string()
+}
+
+/// A node's log without its terminal colours.
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // An escape sequence runs to its final letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// `forkless cluster remove-node 1` through node `via`: its report.
+fn remove_node_1(cl: &Cluster, via: u16) -> Value {
+    let server = format!("http://{}", cl.node(via).api);
+    let (code, out, err) = run_cli(
+        &["cluster", "remove-node", "1", "--server", &server],
+        Duration::from_secs(120),
+    );
+    assert_eq!(
+        code,
+        Some(0),
+        "remove-node failed: {out}\n{err}\n{}",
+        cl.logs()
+    );
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+#[test]
+fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums() {
+    let _deadline = deadline("membership: remove a dead node", Duration::from_secs(240));
+    let mut cl = Cluster::prepare_replicated(NODES, SHARDS, 3, PeerTiming::default());
+    // A snapshot every 20 entries, 5 kept: a new replica catches up by a
+    // snapshot of the shard, not from the log.
+    cl.raft_log = Some((20, 5));
+    let ids: Vec<u16> = (1..=NODES).collect();
+    cl.start_nodes(&ids, &[]);
+    cl.wait_leaders_known(2, &[]);
+
+    // Two executions on every shard, written through nodes 2 to 4 (never
+    // node 1, which dies for good).
+    let c = cl.client(2);
+    let execs: Vec<String> = (0..2 * SHARDS)
+        .map(|i| {
+            let key = key_on_shard(&format!("member-{i}"), i % SHARDS, SHARDS);
+            id_of(&c.start(&json!({"workflow": "w", "routing_key": key})))
+        })
+        .collect();
+    let shared = Shared::default();
+    let via: Vec<Client> = [2, 3, 4].iter().map(|n| cl.client(*n)).collect();
+    let writers: Vec<_> = (0..4)
+        .map(|t| {
+            let mine: Vec<String> = (0..4)
+                .map(|k| execs[(t * 2 + k) % execs.len()].clone())
+                .collect();
+            let mut via = via.clone();
+            via.rotate_left(t % 3);
+            let shared = shared.clone();
+            std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
+        })
+        .collect();
+    let acked_at_least = |n: usize, what: &str| {
+        wait_until(what, Duration::from_secs(60), || {
+            (shared.acks() >= n).then_some(())
+        })
+    };
+    acked_at_least(200, "200 acknowledged writes before node 1 dies");
+
+    cl.kill9(1);
+    cl.wait_leaders_known(2, &[1]);
+    let before = shared.acks();
+    acked_at_least(before + 100, "100 acknowledged writes with node 1 dead");
+
+    // Its replicas move, under the load. Node 1 held replicas of shards
+    // 0, 2 and 3 (shard s is placed on the nodes s+1, s+2, s+3, wrapping).
+    let started = std::time::Instant::now();
+    let report = remove_node_1(&cl, 2);
+    eprintln!("remove-node 1 took {:?}: {report}", started.elapsed());
+    assert_eq!(report["complete"], true, "{report}");
+    let shards = report["shards"].as_array().expect("a shards list");
+    assert_eq!(shards.len(), SHARDS as usize, "{report}");
+    for s in shards {
+        let shard = s["shard"].as_u64().expect("a shard");
+        let voters: Vec<u64> = s["voters"]
+            .as_array()
+            .expect("voters")
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        assert_eq!(s["changed"], shard != 1, "shard {shard}: {s}");
+        assert_eq!(voters.len(), 3, "shard {shard}: {s}");
+        assert!(!voters.contains(&1), "shard {shard}: {s}");
+    }
+    // Each new replica caught up by a snapshot of its shard.
+    for s in shards.iter().filter(|s| s["changed"] == true) {
+        let (shard, to) = (s["shard"].as_u64(), s["to"].as_u64());
+        let (Some(shard), Some(to)) = (shard, to) else {
+            panic!("a moved shard without its shard or node: {s}");
+        };
+        let log = plain(&cl.node(to as u16).proc().log());
+        let line = format!("group={shard} ");
+        assert!(
+            log.lines()
+                .any(|l| l.contains("installed a snapshot of the shard") && l.contains(&line)),
+            "node {to} did not install a snapshot of shard {shard}:\n{log}"
+        );
+    }
+    // Asked again, there is nothing left to do.
+    let again = remove_node_1(&cl, 3);
+    assert!(
+        again["shards"]
+            .as_array()
+            .expect("a shards list")
+            .iter()
+            .all(|s| s["changed"] == false),
+        "{again}"
+    );
+    let moved = shared.acks();
+    acked_at_least(moved + 100, "100 acknowledged writes after the move");
+
+    // Every shard's replicas are now nodes 2, 3 and 4. With node 2 dead
+    // too, shard 0's quorum is node 3 and its new replica on node 4, and
+    // shard 3's is node 4 and its new replica on node 3.
+    cl.kill9(2);
+    let after = cl.wait_leaders_known(3, &[1, 2]);
+    let twice = shared.acks();
+    acked_at_least(
+        twice + 200,
+        "200 acknowledged writes with nodes 1 and 2 dead",
+    );
+    eprintln!("leaders with nodes 1 and 2 dead: {after:?}");
+
+    // Node 2 comes back and catches up; node 1 comes back on its old
+    // data: none of its groups has it as a voter any more, and it
+    // forwards writes to the shards' leaders.
+    let cfg = cl.node(2).config.clone();
+    cl.spawn(2, &cfg);
+    cl.wait_ready(2);
+    let cfg = cl.node(1).config.clone();
+    cl.spawn(1, &cfg);
+    cl.wait_ready(1);
+    let c1 = cl.client(1);
+    // Executions of their own (the writers' are checked against what the
+    // writers sent), one on every shard.
+    let own: Vec<String> = (0..SHARDS)
+        .map(|i| {
+            let key = key_on_shard(&format!("via-removed-{i}"), i, SHARDS);
+            id_of(
+                &cl.client(3)
+                    .start(&json!({"workflow": "w", "routing_key": key})),
+            )
+        })
+        .collect();
+    for e in &own {
+        let r = settled(Duration::from_secs(20), || {
+            c1.post(
+                &format!("/api/executions/{e}/events"),
+                &workload::batch_body(&[format!("{e}-via-removed-node-1")], None),
+            )
+        });
+        // (200: a retry of an answer that was unknown, deduplicated.)
+        assert!(
+            r.status == 201 || r.status == 200,
+            "{}: {}: {}\n{}",
+            e,
+            r.status,
+            r.text(),
+            cl.logs()
+        );
+    }
+    for e in &own {
+        let markers: Vec<String> = cl
+            .client(4)
+            .events(e)
+            .iter()
+            .filter_map(|v| v["payload"]["marker"].as_str().map(String::from))
+            .collect();
+        assert_eq!(markers, vec![format!("{e}-via-removed-node-1")]);
+    }
+    shared.stop.set();
+    for w in writers {
+        w.join()
+            .expect("writer thread")
+            .expect("the API kept its promises");
+    }
+    let mut batches = shared.take();
+    eprintln!("answers: {:?}", histogram(&batches));
+    settle_unknowns(&cl.client(3), &mut batches);
+    // The removed node's replicas follow no group: it is stopped before
+    // the replicas are compared.
+    cl.kill9(1);
+    cl.wait_replicas_level();
+    for n in 2..=NODES {
+        let report = verify(&cl.client(n), &execs, &batches);
+        assert!(report.acked >= 500, "{report:?}");
+    }
+    let counts = cl.stop_and_compare_replicas();
+    assert!(counts.values().sum::<u64>() >= 500, "{counts:?}");
+}
