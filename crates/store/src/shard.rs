@@ -1060,6 +1060,16 @@ impl ShardStore {
         // lately, and openraft refuses its membership changes until it
         // has).
         g.quiet.hold_awake(&g.raft, catch_up_within);
+        // ...and lets it go quiet again once the move is over, done or not.
+        struct Release<'a>(&'a raft_group::Group);
+        impl Drop for Release<'_> {
+            fn drop(&mut self) {
+                self.0
+                    .quiet
+                    .hold_awake(&self.0.raft, std::time::Duration::ZERO);
+            }
+        }
+        let _release = Release(g);
         self.linearize().await?;
         let io = |what: &str, e: &dyn std::fmt::Display| StoreError::NotExecuted {
             shard: self.shard,
