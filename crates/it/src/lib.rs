@@ -343,12 +343,50 @@ pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Optio
     }
 }
 
-/// `n` distinct free ports on 127.0.0.1 (all held while picking, then released).
+/// `n` distinct free ports on 127.0.0.1 (all held while picking, then
+/// released), below the kernel's ephemeral range: a port picked from that
+/// range (`bind(:0)`) can be taken between the pick and the node's bind by
+/// any outgoing connection on the machine (a node's own, or another test's:
+/// CI once saw a node refuse to start with "address already in use" so).
+/// No port is handed out twice in one process (the tests of one binary run
+/// in parallel).
 pub fn free_ports(n: usize) -> Vec<u16> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
-        .collect();
-    ls.iter().map(|l| l.local_addr().unwrap().port()).collect()
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| t.split_whitespace().next()?.parse::<usize>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000usize, ephemeral_low.min(65_536));
+    if high <= low + 1000 {
+        // An ephemeral range that leaves no room below it: the kernel picks.
+        let ls: Vec<_> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
+            .collect();
+        return ls.iter().map(|l| l.local_addr().unwrap().port()).collect();
+    }
+    let span = high - low;
+    // Each process starts at its own place in the range.
+    let _ = NEXT.compare_exchange(
+        usize::MAX,
+        std::process::id() as usize * 7919 % span,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    );
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..span {
+        if held.len() == n {
+            break;
+        }
+        let port = low + NEXT.fetch_add(1, Ordering::AcqRel) % span;
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+            held.push(l);
+        }
+    }
+    assert_eq!(held.len(), n, "no {n} free ports below {high} on 127.0.0.1");
+    held.iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect()
 }
 
 pub fn addr(port: u16) -> SocketAddr {

@@ -438,15 +438,14 @@ impl Joins {
             .unwrap_or_else(|e| e.into_inner())
             .insert(group)
         {
-            tracing::info!(
-                shard = group,
-                leader = peer,
-                "a leader replicates to this node a shard it holds no replica of: opening one"
-            );
             let me = self.clone();
             tokio::task::spawn_blocking(move || {
-                if join(group).is_none() {
-                    tracing::warn!(shard = group, "could not open a replica of the shard");
+                if join(group).is_some() {
+                    tracing::info!(
+                        shard = group,
+                        leader = peer,
+                        "a leader replicates to this node a shard it held no replica of: opened one"
+                    );
                 }
                 me.opening
                     .lock()

@@ -356,6 +356,12 @@ pub async fn run(
         let join: Option<forkless_raftnet::Join> = app.replication.as_ref().map(|_| {
             let store = app.store.clone();
             let join: forkless_raftnet::Join = Arc::new(move |g| {
+                // A shard out of service here (damage found at open) stays
+                // so: reported once by the store, not reopened at every
+                // call of its leader.
+                if store.failure(ShardId(g)).is_some() {
+                    return None;
+                }
                 match store.open_shard(ShardId(g), forkless_types::Epoch(1)) {
                     Ok(st) => Some(st),
                     Err(e) => {

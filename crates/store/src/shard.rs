@@ -1041,18 +1041,12 @@ impl ShardStore {
                 status.leader
             )));
         }
-        let voters: std::collections::BTreeSet<u64> = status.voters.iter().copied().collect();
-        if !voters.contains(&from) {
+        // (In a joint configuration, the voters of both.)
+        if !status.voters.contains(&from) {
             return Ok(Replaced {
                 voters: status.voters,
                 changed: false,
             });
-        }
-        if voters.contains(&to) {
-            return Err(StoreError::Invalid(format!(
-                "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({:?})",
-                self.shard, status.voters
-            )));
         }
         // The leader keeps its timers on while it catches the learner up
         // (a quiet leader sends nothing), and first confirms with a
@@ -1075,6 +1069,42 @@ impl ShardStore {
             shard: self.shard,
             reason: format!("{what}: {e}"),
         };
+        // A change of voters cut short between its two steps (its leader
+        // died with the group in the joint configuration, the old voters
+        // and the new) is finished first: to the configuration it was
+        // going to.
+        let unfinished = {
+            use openraft::async_runtime::WatchReceiver;
+            let m = g.raft.metrics();
+            let m = m.borrow_watched();
+            let joint = m.membership_config.membership().get_joint_config();
+            (joint.len() > 1).then(|| joint.last().cloned()).flatten()
+        };
+        if let Some(last) = unfinished {
+            tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
+            g.raft
+                .change_membership(openraft::ChangeMembers::ReplaceAllVoters(last), false)
+                .await
+                .map_err(|e| io("finishing a change of voters cut short", &e))?;
+        }
+        let voters: std::collections::BTreeSet<u64> = self
+            .raft_status()
+            .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
+            .voters
+            .into_iter()
+            .collect();
+        if !voters.contains(&from) {
+            return Ok(Replaced {
+                voters: voters.into_iter().collect(),
+                changed: true,
+            });
+        }
+        if voters.contains(&to) {
+            return Err(StoreError::Invalid(format!(
+                "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
+                self.shard
+            )));
+        }
         tracing::info!(
             shard = self.shard.get(),
             from,
