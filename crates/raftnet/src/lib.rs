@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
@@ -429,8 +429,18 @@ impl Joins {
     /// the call is refused.
     fn refuse(self: &Arc<Self>, peer: u64, group: u32, rpc: &Rpc) -> String {
         let replicates = matches!(rpc, Rpc::AppendEntries(_) | Rpc::Snapshot(_));
-        let Some(join) = self.join.clone().filter(|_| replicates) else {
+        if !replicates || !self.open(peer, group) {
             return format!("this node holds no replica of shard {group}");
+        }
+        format!("this node is opening its replica of shard {group}; send it again")
+    }
+
+    /// Opens this node's replica of `group` in the background for its
+    /// leader `peer`, unless one is being opened; false if this node opens
+    /// none (no `join`).
+    fn open(self: &Arc<Self>, peer: u64, group: u32) -> bool {
+        let Some(join) = self.join.clone() else {
+            return false;
         };
         if self
             .opening
@@ -453,7 +463,7 @@ impl Joins {
                     .remove(&group);
             });
         }
-        format!("this node is opening its replica of shard {group}; send it again")
+        true
     }
 }
 
@@ -537,6 +547,14 @@ async fn serve_connection(
             let result = match rpc {
                 Rpc::Beat(beat) => {
                     quiesce::heard(peer, &beat, &groups);
+                    // A group of this node's, led quietly by the peer, that
+                    // it holds no replica of: opened (it then tells the
+                    // leader it starts from nothing, which wakes it).
+                    for shard in &beat.yours {
+                        if groups(*shard).is_none() {
+                            joins.open(peer, *shard);
+                        }
+                    }
                     Ok(RpcReply::Beat)
                 }
                 // Only a node itself says that its data directory is new.

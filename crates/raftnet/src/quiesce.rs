@@ -93,14 +93,24 @@ pub async fn run(
             _ = stop.wait_for(|s| *s) => return,
         }
         let mut quiet = Vec::new();
+        // Each quiet group's members (voters and learners).
+        let mut members = Vec::new();
         for st in &shards() {
             if let QuietAs::Leader { term } = st.quiesce_if_idle(idle) {
                 quiet.push((st.id().get(), term));
+                members.push(st.members());
             }
         }
         for &peer in &peer_ids {
+            let yours = quiet
+                .iter()
+                .zip(&members)
+                .filter(|(_, m)| m.contains(&peer))
+                .map(|((shard, _), _)| *shard)
+                .collect();
             let beat = Rpc::Beat(Beat {
                 quiet: quiet.clone(),
+                yours,
             });
             let call = peers.call(peer, 0, beat, every);
             // Not waited for: a slow peer must not delay the others' beats

@@ -134,6 +134,14 @@ impl Fresh {
         }
     }
 
+    /// A leader it heard of (one that leads the group quietly, naming it
+    /// in its node's heartbeat, and sends it nothing): told, if it was not.
+    pub(crate) fn hear_of(self: &Arc<Self>, leader: u64) {
+        if self.active() && leader != self.me && !lock(&self.told).contains(&leader) {
+            self.tell(leader);
+        }
+    }
+
     /// Tells `leader` that this replica starts again, in the background
     /// (once at a time per leader).
     fn tell(self: &Arc<Self>, leader: u64) {

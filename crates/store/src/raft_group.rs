@@ -1196,6 +1196,14 @@ impl Group {
         self.fresh.as_ref().is_some_and(|f| f.active())
     }
 
+    /// A new replica heard that `leader` leads its group quietly: it tells
+    /// that leader it starts from nothing, if it has not yet.
+    pub(crate) fn fresh_heard_of(&self, leader: u64) {
+        if let Some(f) = self.fresh.as_ref().filter(|f| f.active()) {
+            f.hear_of(leader);
+        }
+    }
+
     /// If this replica's data directory was new, whether it has caught up
     /// by now (`crate::fresh`): checked at every call it takes and at every
     /// node heartbeat, so a leader (caught up by being one) and a quiet

@@ -100,6 +100,10 @@ pub enum Rpc {
 pub struct Beat {
     /// (shard, term) of each group the sender leads with its timers off.
     pub quiet: Vec<(u32, u64)>,
+    /// Those of them whose membership has the receiver (a voter or a
+    /// learner): a replica it may not hold yet (a move added it, or its
+    /// disk was lost), which a quiet leader sends nothing to.
+    pub yours: Vec<u32>,
 }
 
 impl Rpc {

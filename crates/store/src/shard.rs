@@ -966,11 +966,35 @@ impl ShardStore {
     pub fn follow_quietly(&self, leader: u64, term: u64) -> bool {
         // A new replica that has not caught up stays awake: quiet, and
         // knowing no leader, it would hear from nobody (its quiet leader
-        // takes it for matched), and never catch up.
+        // takes it for matched), and never catch up. It tells that leader
+        // it starts from nothing, which wakes the leader's group.
+        let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
+            return false;
+        };
+        if g.is_fresh() {
+            g.fresh_heard_of(leader);
+            return false;
+        }
+        g.quiet.follow(&g.raft, leader, term)
+    }
+
+    /// The replicas of the shard's group (voters and learners) as this
+    /// replica has its membership; empty for a shard run alone.
+    pub fn members(&self) -> Vec<u64> {
+        use openraft::async_runtime::WatchReceiver;
         self.raft
             .as_ref()
-            .filter(|g| g.replicated && !g.is_fresh())
-            .is_some_and(|g| g.quiet.follow(&g.raft, leader, term))
+            .filter(|g| g.replicated)
+            .map(|g| {
+                let m = g.raft.metrics();
+                let m = m.borrow_watched();
+                m.membership_config
+                    .membership()
+                    .nodes()
+                    .map(|(id, _)| *id)
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Turns the group's timers back on; says whether they were off.
