@@ -1294,10 +1294,7 @@ async fn by_key(
 }
 
 // ---------------------------------------------------------------------------
-// Operators
-
-// ---------------------------------------------------------------------------
-// Replacing replicas (Raft membership changes)
+// Operators: replacing replicas (Raft membership changes), the cluster map
 
 /// How long a new replica may take to catch up as a learner before its
 /// replacement gives up (it stays a learner; asking again goes on).
