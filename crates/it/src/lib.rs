@@ -389,6 +389,14 @@ pub fn free_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
+/// The `execution_id` of an execution's JSON (a start's answer, say).
+pub fn id_of(v: &Value) -> String {
+    v["execution_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
+        .to_string()
+}
+
 pub fn addr(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }

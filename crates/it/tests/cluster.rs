@@ -19,13 +19,6 @@ fn owner_of_id(id: &str) -> u16 {
     owner_of_shard(shard_of_id(id, SHARDS))
 }
 
-fn id_of(v: &Value) -> String {
-    v["execution_id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
-        .to_string()
-}
-
 fn ev(t: &str, n: u64) -> Value {
     json!({"type": t, "payload": {"n": n}})
 }

@@ -3,15 +3,7 @@
 //! Two real nodes on loopback.
 
 use forkless_it::*;
-use serde_json::Value;
 use std::time::Duration;
-
-fn id_of(v: &Value) -> String {
-    v["execution_id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
-        .to_string()
-}
 
 /// The reads of `id`, each as (method, path).
 fn reads(id: &str) -> [String; 3] {

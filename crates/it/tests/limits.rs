@@ -3,15 +3,7 @@
 //! processes on loopback.
 
 use forkless_it::*;
-use serde_json::Value;
 use std::time::{Duration, Instant};
-
-fn id_of(v: &Value) -> String {
-    v["execution_id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
-        .to_string()
-}
 
 /// A page of events stops once its payloads reach the page budget (4 MiB
 /// by default), with at least one event, and says where to continue

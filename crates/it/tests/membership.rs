@@ -19,13 +19,6 @@ use std::time::Duration;
 const NODES: u16 = 4;
 const SHARDS: u32 = 4;
 
-fn id_of(v: &Value) -> String {
-    v["execution_id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
-        .to_string()
-}
-
 /// A node's log without its terminal colours.
 fn plain(log: &str) -> String {
     let mut out = String::with_capacity(log.len());

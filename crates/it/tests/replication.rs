@@ -8,18 +8,10 @@
 
 use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Outcome, Shared};
 use forkless_it::*;
-use serde_json::Value;
 use std::time::{Duration, Instant};
 
 const NODES: u16 = 3;
 const SHARDS: u32 = 2;
-
-fn id_of(v: &Value) -> String {
-    v["execution_id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("no string execution_id in {v}"))
-        .to_string()
-}
 
 /// What happens to the node leading shard 0.
 #[derive(Debug, Clone, Copy, PartialEq)]

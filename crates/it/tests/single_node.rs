@@ -26,13 +26,6 @@ fn node(dir: &tempfile::TempDir) -> Node {
     )
 }
 
-fn id_of(v: &Value) -> String {
-    v["execution_id"]
-        .as_str()
-        .unwrap_or_else(|| panic!("execution_id is not a string in {v}"))
-        .to_string()
-}
-
 fn ev(t: &str) -> Value {
     json!({"type": t, "payload": {"n": 1}})
 }
