@@ -158,7 +158,14 @@ pub struct StoreSettings {
     /// runs alone (`docs/replication.md`, step 5). Not yet as fast as the
     /// default at one client (`BENCHMARKS.md`).
     pub raft: bool,
+    /// How many groups of a shard's writes its Raft leader keeps proposed
+    /// and not yet applied at once (1 to 64; 1: each group is applied
+    /// before the next is evaluated).
+    pub groups_in_flight: usize,
 }
+
+/// The most `store.groups_in_flight` accepted.
+pub const GROUPS_IN_FLIGHT_MAX: usize = 64;
 
 impl Default for StoreSettings {
     fn default() -> Self {
@@ -169,6 +176,7 @@ impl Default for StoreSettings {
             background_nice: d.background_nice,
             writer_priority: d.writer_priority,
             raft: d.raft,
+            groups_in_flight: d.raft_groups_in_flight,
         }
     }
 }
@@ -186,6 +194,12 @@ impl StoreSettings {
             return bad(format!(
                 "store.writer_priority must be 0 to {WRITER_PRIORITY_MAX} (nice steps above the request path; 0 keeps the same priority), not {}",
                 self.writer_priority
+            ));
+        }
+        if !(1..=GROUPS_IN_FLIGHT_MAX).contains(&self.groups_in_flight) {
+            return bad(format!(
+                "store.groups_in_flight must be 1 to {GROUPS_IN_FLIGHT_MAX} (groups a shard's leader keeps proposed and not yet applied), not {}",
+                self.groups_in_flight
             ));
         }
         if self.journal_bytes_max < JOURNAL_BYTES_MIN {
@@ -1325,6 +1339,7 @@ peer_addr = "127.0.0.1:7172"
                 background_nice: 0,
                 writer_priority: 0,
                 raft: true,
+                groups_in_flight: forkless_store::RAFT_GROUPS_IN_FLIGHT,
             }
         );
         // The flag (or FORKLESS_STORE_RAFT) wins over the file.

@@ -101,6 +101,7 @@ impl App {
                 raft: cfg.store.raft || replication.is_some(),
                 replication: replication.clone(),
                 requests_in_progress: Some(in_progress.clone()),
+                raft_groups_in_flight: cfg.store.groups_in_flight,
                 ..StoreConfig::default()
             },
         )?);

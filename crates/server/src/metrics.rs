@@ -340,6 +340,16 @@ impl Collector for StoreCollector {
             ConstCounter::new(st.commands)
                 .encode(commands.encode_family(&ShardLabel { shard: *shard })?)?;
         }
+        let mut behind = encoder.encode_descriptor(
+            "store_groups_behind_others",
+            "Of those commits, the groups a shard's Raft leader proposed while earlier ones were still in flight (not yet applied), by shard",
+            None,
+            MetricType::Counter,
+        )?;
+        for (shard, st, _) in &shards {
+            ConstCounter::new(st.groups_behind_others)
+                .encode(behind.encode_family(&ShardLabel { shard: *shard })?)?;
+        }
         let mut checkpoints = encoder.encode_descriptor(
             "store_checkpoints",
             "Checkpoints of the shard's log: the events written since the last one moved from memory into the events index",

@@ -45,6 +45,9 @@ pub(crate) struct Shared {
     groups_by_thread: AtomicU64,
     groups_by_caller: AtomicU64,
     commands: AtomicU64,
+    /// Groups that wrote and were proposed while earlier ones were still
+    /// in flight (`docs/replication.md`, "Groups in flight").
+    groups_behind_others: AtomicU64,
     /// Shared with the writer, which counts its checkpoints here.
     checkpoints: Arc<CheckpointCounters>,
     /// Why the shard stopped taking writes, once it has (set by the
@@ -67,6 +70,9 @@ pub struct CommitStats {
     /// Commands (starts, appends, epoch moves, refused ones included) those
     /// groups carried.
     pub commands: u64,
+    /// Of those groups, the ones a shard's Raft leader proposed while
+    /// earlier ones were still in flight (not yet applied).
+    pub groups_behind_others: u64,
     /// Checkpoints of the log made (see
     /// [`crate::StoreConfig::log_checkpoint_bytes`]).
     pub checkpoints: u64,
@@ -135,6 +141,9 @@ enum NoGroup {
     Empty,
     /// Every handle was dropped and the queue is empty: the writer stops.
     Closed,
+    /// The queue is empty, and groups are in flight whose outcome is not
+    /// known yet: an answer or a new command unparks the writer thread.
+    InFlight,
 }
 
 impl Shared {
@@ -211,6 +220,7 @@ impl Shared {
             groups_by_writer_thread: self.groups_by_thread.load(Ordering::Relaxed),
             groups_by_caller: self.groups_by_caller.load(Ordering::Relaxed),
             commands: self.commands.load(Ordering::Relaxed),
+            groups_behind_others: self.groups_behind_others.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.made.load(Ordering::Relaxed),
             checkpoint_index_micros: self.checkpoints.index_micros.load(Ordering::Relaxed),
             checkpoint_sync_micros: self.checkpoints.sync_micros.load(Ordering::Relaxed),
@@ -273,6 +283,12 @@ impl Shared {
                     drop(guard);
                     std::thread::park();
                 }
+                Err(NoGroup::InFlight) => {
+                    drop(guard);
+                    // Bounded: an entry that never answers is settled as
+                    // unknown at its deadline, looked at every slice.
+                    std::thread::park_timeout(crate::writer::WAIT_SLICE);
+                }
             }
         }
     }
@@ -288,10 +304,30 @@ impl Core {
     /// Takes the next group off the queue and commits it; the answers are
     /// for the caller to send once it has released the lock. `Err` if the
     /// queue is empty or closed.
+    ///
+    /// Groups in flight whose entries were applied are answered first,
+    /// before the next group is evaluated (as soon as the writer thread
+    /// is woken by their answer), so that their callers do not wait for
+    /// one more evaluation and proposal.
     fn commit_next(&mut self, shared: &Shared, by: Committer) -> Result<Vec<Reply>, NoGroup> {
+        if self.writer.has_in_flight() {
+            let replies = self.writer.settle_ready();
+            if !replies.is_empty() {
+                shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
+                return Ok(replies);
+            }
+        }
         let first = match self.rx.try_recv() {
             Ok(c) => c,
+            Err(mpsc::error::TryRecvError::Empty) if self.writer.has_in_flight() => {
+                return Err(NoGroup::InFlight)
+            }
             Err(mpsc::error::TryRecvError::Empty) => return Err(NoGroup::Empty),
+            Err(mpsc::error::TryRecvError::Disconnected) if self.writer.has_in_flight() => {
+                let replies = self.writer.settle_all();
+                shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
+                return Ok(replies);
+            }
             Err(mpsc::error::TryRecvError::Disconnected) => return Err(NoGroup::Closed),
         };
         let cmds = &mut self.group;
@@ -312,7 +348,17 @@ impl Core {
             shared.solo_streak.store(0, Ordering::Release);
         }
         let group = cmds.len() as u64;
-        let (replies, wrote) = self.writer.commit_group(cmds);
+        // Only the writer thread leaves groups in flight: a caller
+        // committing on its own thread waits for its own answer.
+        let pipeline = match by {
+            Committer::WriterThread => Some(&shared.thread),
+            Committer::Caller => None,
+        };
+        let behind = self.writer.behind_others;
+        let (replies, wrote) = self.writer.commit_group(cmds, pipeline);
+        if self.writer.behind_others > behind {
+            shared.groups_behind_others.fetch_add(1, Ordering::Relaxed);
+        }
         if wrote {
             match by {
                 Committer::WriterThread => &shared.groups_by_thread,
@@ -403,6 +449,7 @@ pub(crate) fn spawn(
         groups_by_thread: AtomicU64::new(0),
         groups_by_caller: AtomicU64::new(0),
         commands: AtomicU64::new(0),
+        groups_behind_others: AtomicU64::new(0),
         checkpoints,
         failure,
         waiters,

@@ -95,7 +95,7 @@ pub use raft_net::{
     Beat, CallError, Peers, RaftLogLimits, RaftTiming, Replication, Rpc, RpcReply, SnapshotChunk,
     APPEND_BYTES_MAX,
 };
-pub use shard::{Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN};
+pub use shard::{Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT};
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;
 

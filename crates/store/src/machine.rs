@@ -216,10 +216,20 @@ impl Checker {
     }
 }
 
-/// The state machine with the overlay of the group being applied.
+/// The state machine with the overlay of the group being applied, and
+/// the overlays of the groups before it that are proposed to the shard's
+/// Raft group and not yet applied (a leader's pipeline: `writer.rs`).
 #[derive(Default)]
 pub(crate) struct Machine {
     overlay: Overlay,
+    /// What the groups in flight wrote, oldest first: a command is
+    /// evaluated against the state as of all of them (the newest write
+    /// wins), since every one of them is applied before it or none of
+    /// what follows them stands (`docs/replication.md`, "Groups in
+    /// flight").
+    in_flight: std::collections::VecDeque<Overlay>,
+    /// Overlays of settled groups, kept for their tables' capacity.
+    spare: Vec<Overlay>,
     /// The event value being encoded (kept for its capacity; the sink
     /// copies it).
     value: Vec<u8>,
@@ -234,15 +244,50 @@ struct Overlay {
     epoch: Option<Epoch>,
 }
 
+impl Overlay {
+    fn clear(&mut self) {
+        self.metas.clear();
+        self.event_idem.clear();
+        self.start_idem.clear();
+        self.epoch = None;
+    }
+}
+
 impl Machine {
     /// Starts a group: forgets what the previous one wrote (keeping the
-    /// tables' capacity).
+    /// tables' capacity). The groups in flight stay.
     pub(crate) fn begin(&mut self) {
-        let o = &mut self.overlay;
-        o.metas.clear();
-        o.event_idem.clear();
-        o.start_idem.clear();
-        o.epoch = None;
+        self.overlay.clear();
+    }
+
+    /// The group just built is in flight: later groups are evaluated as
+    /// of what it wrote too, until it is settled.
+    pub(crate) fn push_in_flight(&mut self) {
+        let mut next = self.spare.pop().unwrap_or_default();
+        next.clear();
+        self.in_flight
+            .push_back(std::mem::replace(&mut self.overlay, next));
+    }
+
+    /// The oldest group in flight is settled: applied (the shard's state
+    /// holds what it wrote now) or not, and then every later one is
+    /// settled before a new group is evaluated.
+    pub(crate) fn settle_oldest(&mut self) {
+        if let Some(mut o) = self.in_flight.pop_front() {
+            o.clear();
+            self.spare.push(o);
+        }
+    }
+
+    /// How many groups are in flight.
+    pub(crate) fn groups_in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// The newest value `get` finds: in the group being built, then in
+    /// the groups in flight, newest first.
+    fn newest<T>(&self, get: impl Fn(&Overlay) -> Option<T>) -> Option<T> {
+        get(&self.overlay).or_else(|| self.in_flight.iter().rev().find_map(&get))
     }
 
     /// The epoch the group moved the shard to, if it did.
@@ -264,7 +309,7 @@ impl Machine {
     }
 
     fn epoch(&self, state: &impl State) -> Epoch {
-        self.overlay.epoch.unwrap_or_else(|| state.epoch())
+        self.newest(|o| o.epoch).unwrap_or_else(|| state.epoch())
     }
 
     fn check_epoch(&self, state: &impl State, presented: Epoch) -> Result<(), StoreError> {
@@ -280,8 +325,8 @@ impl Machine {
         state: &impl State,
         id: ExecutionId,
     ) -> Result<Option<ExecutionMeta>, StoreError> {
-        match self.overlay.metas.get(&id) {
-            Some(m) => Ok(Some(m.clone())),
+        match self.newest(|o| o.metas.get(&id).cloned()) {
+            Some(m) => Ok(Some(m)),
             None => state.meta(id),
         }
     }
@@ -343,8 +388,8 @@ impl Machine {
             )
         });
         if let Some(k) = &idem_key {
-            let existing = match self.overlay.start_idem.get(k) {
-                Some(id) => Some(*id),
+            let existing = match self.newest(|o| o.start_idem.get(k).copied()) {
+                Some(id) => Some(id),
                 None => shard.start_idem(k)?,
             };
             if let Some(id) = existing {
@@ -433,8 +478,8 @@ impl Machine {
         for (i, e) in req.events.iter().enumerate() {
             if let Some(idem) = &e.idempotency_key {
                 let k = codec::event_idem_key(p, req.id, idem);
-                let seq = match self.overlay.event_idem.get(&k) {
-                    Some(seq) => Some(*seq),
+                let seq = match self.newest(|o| o.event_idem.get(&k).copied()) {
+                    Some(seq) => Some(seq),
                     None => shard.event_idem(&k)?,
                 };
                 if let Some(seq) = seq {
@@ -807,6 +852,75 @@ mod tests {
         }
         s.commit(&mut m);
         (m, s)
+    }
+
+    /// A group in flight (proposed, not applied: the state does not hold
+    /// it yet) is part of what the next group is evaluated against, with
+    /// the preconditions resting on it, until it is settled.
+    #[test]
+    fn a_group_is_evaluated_after_the_groups_in_flight() {
+        let (mut m, mut s) = setup();
+        m.begin();
+        let first = [
+            start(30, Some("s30"), None),
+            append(10, &[("c", "p4", Some("k4"))], None),
+        ];
+        for cmd in &first {
+            run(&mut m, &mut s, cmd, NOW);
+        }
+        m.push_in_flight();
+        assert_eq!(m.groups_in_flight(), 1);
+        s.pre.clear();
+        m.begin();
+        m.push_in_flight();
+        s.pre.clear();
+        // Two groups in flight now (the second wrote nothing): the third
+        // sees both, newest first, and rests on what they wrote.
+        m.begin();
+        let answers: Vec<String> = [
+            append(10, &[("d", "p5", None)], Some(4)),
+            start(30, None, None),
+            start(31, Some("s30"), None),
+            append(30, &[("e", "q", None)], None),
+            append(10, &[("c", "p4", Some("k4"))], None),
+        ]
+        .iter()
+        .map(|cmd| run(&mut m, &mut s, cmd, NOW))
+        .collect();
+        assert_eq!(answers[0], "seqs 5..5 dedup false running");
+        assert_eq!(answers[1], "ExecutionExists(ExecutionId(30))");
+        assert_eq!(answers[2], "started 30 at 2000 existing true");
+        assert_eq!(answers[3], "seqs 2..2 dedup false running");
+        // A retry of the group in flight's append (this state reads the
+        // event back: the writer's cannot yet, and says "not executed").
+        assert_eq!(answers[4], "seqs 4..4 dedup true running");
+        assert!(s.pre.contains(&Precondition::Open {
+            id: id(10),
+            last_seq: 4
+        }));
+        assert!(s.pre.contains(&Precondition::Open {
+            id: id(30),
+            last_seq: 1
+        }));
+        // Settled (applied, but this state was never given them): what
+        // they wrote is no longer in the overlays.
+        m.settle_oldest();
+        m.settle_oldest();
+        assert_eq!(m.groups_in_flight(), 0);
+        m.begin();
+        assert_eq!(
+            run(&mut m, &mut s, &append(30, &[("e", "q", None)], None), NOW),
+            "NotFound(ExecutionId(30))"
+        );
+        assert_eq!(
+            run(
+                &mut m,
+                &mut s,
+                &append(10, &[("d", "p", None)], Some(4)),
+                NOW
+            ),
+            "SequenceConflict { expected: 4, last_seq: 3 }"
+        );
     }
 
     struct Case {

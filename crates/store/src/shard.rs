@@ -37,6 +37,9 @@ pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
 /// this node's leadership ([`ShardStore::linearize`]).
 pub const READ_CONFIRM_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// [`StoreConfig::raft_groups_in_flight`]'s default.
+pub const RAFT_GROUPS_IN_FLIGHT: usize = 8;
+
 /// Tuning of each shard's database.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -99,6 +102,13 @@ pub struct StoreConfig {
     /// is a replica of a Raft group whose other replicas it reaches
     /// through this (`docs/replication.md`). Needs `raft`.
     pub replication: Option<crate::raft_net::Replication>,
+    /// How many groups of a shard's writes its Raft leader keeps
+    /// proposed and not yet applied at once (1: each group is applied
+    /// before the next is evaluated). More overlap a group's replication
+    /// round trip with the evaluation and proposal of the next ones
+    /// (`docs/replication.md`, "Groups in flight"; measured in
+    /// BENCHMARKS.md).
+    pub raft_groups_in_flight: usize,
 }
 
 impl Default for StoreConfig {
@@ -115,6 +125,7 @@ impl Default for StoreConfig {
             node_log: true,
             raft: false,
             replication: None,
+            raft_groups_in_flight: RAFT_GROUPS_IN_FLIGHT,
         }
     }
 }
@@ -843,6 +854,7 @@ impl ShardStore {
                 quiet: started.quiet.clone(),
                 replica,
                 proposal: ProposalBuf::default(),
+                depth: config.raft_groups_in_flight.max(1),
             }),
         };
         let mut store = Self::spawn(

@@ -17,6 +17,9 @@ pub struct WriteSlot<T> {
 struct Slot<T> {
     state: Mutex<Answer<T>>,
     filled: std::sync::Condvar,
+    /// Unparked when the answer arrives: a writer with groups in flight
+    /// parks until either an answer or a new command comes.
+    waker: Option<std::thread::Thread>,
 }
 
 /// What a [`WriteSlot`] came to.
@@ -31,11 +34,13 @@ pub(crate) enum Answer<T> {
 }
 
 impl<T> WriteSlot<T> {
-    /// A slot, and the wait on it.
-    pub(crate) fn new() -> (WriteSlot<T>, SlotWait<T>) {
+    /// A slot, and the wait on it; `waker` is unparked when the answer
+    /// arrives.
+    pub(crate) fn new(waker: Option<std::thread::Thread>) -> (WriteSlot<T>, SlotWait<T>) {
         let slot = Arc::new(Slot {
             state: Mutex::new(Answer::Waiting),
             filled: std::sync::Condvar::new(),
+            waker,
         });
         (
             WriteSlot {
@@ -50,6 +55,9 @@ impl<T> WriteSlot<T> {
         self.answered = true;
         *self.slot.state.lock().unwrap_or_else(|e| e.into_inner()) = answer;
         self.slot.filled.notify_one();
+        if let Some(t) = &self.slot.waker {
+            t.unpark();
+        }
     }
 }
 

@@ -19,9 +19,10 @@ use crate::keyspaces::Keyspaces;
 use crate::log::{Durable, Loc, Log};
 use crate::machine::{self, Machine};
 use crate::raft_group::{self, Replica, ShardRaft};
-use crate::raft_log::Proposal;
+use crate::raft_log::{GroupConfig, Proposal};
 use crate::read::SharedTail;
 use crate::shard_log::{EventFiles, ShardLog};
+use crate::write_slot::SlotWait;
 use crate::write_slot::{Answer, WriteSlot};
 use crate::{
     AppendOutcome, AppendRequest, ExecutionMeta, StartOutcome, StartRequest, StoreError,
@@ -30,6 +31,8 @@ use crate::{
 use fjall::OwnedWriteBatch;
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use openraft::async_runtime::WatchReceiver;
+use openraft::raft::ClientWriteResult;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
@@ -96,6 +99,18 @@ impl Reply {
         }
     }
 
+    /// The reply, whatever it was, becomes `err` (a group evaluated as
+    /// of a group in flight that failed: its refusals rest on a state
+    /// that may never have been, as much as its successes).
+    fn fail_all(self, err: StoreError) -> Reply {
+        match self {
+            Reply::Start(tx, _) => Reply::Start(tx, Err(err)),
+            Reply::Append(tx, _) => Reply::Append(tx, Err(err)),
+            Reply::Epoch(tx, _) => Reply::Epoch(tx, Err(err)),
+            Reply::Checkpoint(tx, _) => Reply::Checkpoint(tx, Err(err)),
+        }
+    }
+
     fn fail(self, err: StoreError) -> Reply {
         match self {
             Reply::Start(tx, Ok(_)) => Reply::Start(tx, Err(err)),
@@ -144,6 +159,30 @@ pub(crate) struct Writer {
     /// Where the log reports the group being committed durable.
     durable: Arc<DurableSlot>,
     checkpoints: Arc<CheckpointCounters>,
+    /// Groups proposed to the shard's Raft group and not yet settled,
+    /// oldest first ([`RaftWrite::depth`] at most; `docs/replication.md`,
+    /// "Groups in flight"). Their answers go out in order, each once its
+    /// entry is applied and every group before it stood.
+    in_flight: VecDeque<InFlight>,
+    /// The term the groups in flight were proposed under.
+    in_flight_term: u64,
+    /// Why a group in flight did not stand: every later group in flight
+    /// was evaluated as of what it wrote, so their answers are unknown,
+    /// and no group is evaluated until all are settled.
+    poisoned: Option<StoreError>,
+    /// Groups that wrote and were proposed while others were in flight.
+    pub(crate) behind_others: u64,
+}
+
+/// A group proposed and not yet settled.
+struct InFlight {
+    replies: Vec<Reply>,
+    /// Where its entry's outcome arrives; `None` for a group that wrote
+    /// nothing (its answers stand once the groups before it did).
+    answer: Option<SlotWait<ClientWriteResult<GroupConfig>>>,
+    proposed: Instant,
+    /// A checkpoint was asked for after it.
+    asked: bool,
 }
 
 /// A shard's Raft group as its writer uses it.
@@ -155,6 +194,9 @@ pub(crate) struct RaftWrite {
     pub(crate) quiet: Arc<crate::quiet::Quiet>,
     pub(crate) replica: Arc<Replica>,
     pub(crate) proposal: ProposalBuf,
+    /// How many groups may be in flight at once (1: each group is
+    /// applied before the next is evaluated).
+    pub(crate) depth: usize,
 }
 
 /// How long a new leader's writer waits for its term's first entry to be
@@ -169,7 +211,7 @@ const LEADER_READY_WITHIN: std::time::Duration = std::time::Duration::from_secs(
 const QUORUM_SILENT_MAX: std::time::Duration = std::time::Duration::from_millis(1500);
 
 /// How often a write waiting on its entry looks at its leader's quorum.
-const WAIT_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
+pub(crate) const WAIT_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl RaftWrite {
     /// Why this node, though it leads, should take itself for cut off from
@@ -379,18 +421,38 @@ impl Writer {
             cache,
             machine: Machine::default(),
             durable: Arc::default(),
+            in_flight: VecDeque::new(),
+            in_flight_term: 0,
+            poisoned: None,
+            behind_others: 0,
         }
+    }
+
+    /// Whether groups are in flight (proposed, not yet settled).
+    pub(crate) fn has_in_flight(&self) -> bool {
+        !self.in_flight.is_empty()
     }
 
     pub(crate) fn shard(&self) -> ShardId {
         self.shard
     }
 
-    /// Applies `cmds` as one atomic batch with one fsync and returns their
-    /// answers, to be sent by the caller (after the commit, never before).
+    /// Applies `cmds` as one atomic batch with one fsync and returns
+    /// answers to be sent by the caller (after the commit, never before).
     /// Also says whether the group wrote anything (a group of refused
     /// commands commits nothing and costs no fsync).
-    pub(crate) fn commit_group(&mut self, cmds: &mut Vec<Command>) -> (Vec<Reply>, bool) {
+    ///
+    /// Under Raft the answers returned are those of the groups settled
+    /// meanwhile: with `pipeline` (the thread to wake when an answer
+    /// arrives: the shard's writer thread) this group may be left in
+    /// flight, to be settled by a later call or by
+    /// [`Writer::settle_ready`]; without, every group in flight is
+    /// settled before it returns.
+    pub(crate) fn commit_group(
+        &mut self,
+        cmds: &mut Vec<Command>,
+        pipeline: Option<&std::thread::Thread>,
+    ) -> (Vec<Reply>, bool) {
         let now = now_ms();
         // A log that failed refuses the group before it is tried (the node
         // log, under a Raft group too: its entries would go there).
@@ -400,18 +462,40 @@ impl Writer {
             }
         }
         // Under Raft the group is evaluated against this replica's applied
-        // state, which is the group's only once this node leads and has
-        // applied its term's first entry (everything committed before it).
+        // state plus what the groups in flight wrote, which is the group's
+        // only once this node leads and has applied its term's first entry
+        // (everything committed before it), and the groups in flight are
+        // of that term and none of them failed.
+        let mut settled = self.settle_ready();
         let mut not_leading = None;
-        if let Some(r) = &mut self.raft {
-            match r
-                .wake(self.shard)
+        let lead = self.raft.as_ref().map(|r| {
+            r.wake(self.shard)
                 .and_then(|confirmed| r.leading(self.shard, confirmed))
-            {
-                Ok(term) => r.proposal.begin(term),
-                Err(e) => not_leading = Some(e),
+        });
+        match lead {
+            Some(Ok(term)) => {
+                if !self.in_flight.is_empty() && self.in_flight_term != term {
+                    settled.extend(self.settle_all());
+                }
+                let depth = self.raft.as_ref().map_or(1, |r| r.depth.max(1));
+                while self.in_flight.len() >= depth && self.poisoned.is_none() {
+                    settled.extend(self.settle_oldest(true).unwrap_or_default());
+                }
+                if self.poisoned.is_some() {
+                    settled.extend(self.settle_all());
+                }
+                self.in_flight_term = term;
+                if let Some(r) = &mut self.raft {
+                    r.proposal.begin(term);
+                }
             }
+            Some(Err(e)) => {
+                settled.extend(self.settle_all());
+                not_leading = Some(e);
+            }
+            None => {}
         }
+        let in_flight = self.machine.groups_in_flight();
         self.pending.clear();
         // Applied to the keyspaces only once the group is durable in the
         // log, which is what makes them durable: no sync of fjall's own.
@@ -435,6 +519,8 @@ impl Writer {
             },
             out,
             pending: &mut self.pending,
+            in_flight,
+            shard: self.shard,
         };
         let mut replies = Vec::with_capacity(cmds.len());
         let mut asked = false;
@@ -483,7 +569,13 @@ impl Writer {
         // takes it.
         drop(cache);
         if self.raft.is_some() {
-            return self.commit_to_raft(replies, asked);
+            let (mut proposed, wrote) = self.propose(replies, asked, pipeline);
+            settled.append(&mut proposed);
+            match pipeline {
+                Some(_) => settled.extend(self.settle_ready()),
+                None => settled.extend(self.settle_all()),
+            }
+            return (settled, wrote);
         }
         let wrote = !self.log.is_empty();
         if wrote {
@@ -530,116 +622,206 @@ impl Writer {
         (replies, wrote)
     }
 
-    /// Proposes the group's proposal to the shard's Raft group and waits
-    /// until its entry is committed and applied (the apply publishes it,
-    /// on every replica); then the answers stand, or fail with what Raft
-    /// said: not executed (this node does not lead, or the entry was
-    /// refused at its apply), or not known.
-    fn commit_to_raft(&mut self, replies: Vec<Reply>, asked: bool) -> (Vec<Reply>, bool) {
+    /// Proposes the group's proposal to the shard's Raft group and puts
+    /// the group in flight (a group that wrote nothing too: its answers
+    /// rest on the groups in flight before it). Returns answers only if
+    /// the group could not be proposed; says whether it wrote.
+    fn propose(
+        &mut self,
+        replies: Vec<Reply>,
+        asked: bool,
+        waker: Option<&std::thread::Thread>,
+    ) -> (Vec<Reply>, bool) {
         let Some(r) = &mut self.raft else {
             return (replies, false);
         };
         let wrote = r.proposal.has_records();
-        let mut replies = replies;
+        let mut answer = None;
         if wrote {
             let proposal = Proposal(r.proposal.take());
-            let shard = self.shard;
-            let not_executed = |reason: String| StoreError::NotExecuted { shard, reason };
-            let unknown = |reason: String| StoreError::OutcomeUnknown { shard, reason };
-            use openraft::errors::ClientWriteError;
             // Handed to the group's core from this thread (its queue takes
             // it at once, with room for 65,536), answered by its apply.
             // Unconstrained: on a caller's thread of a runtime, tokio's
             // cooperative budget would keep refusing the send, and this
             // thread would poll it forever.
-            let (slot, answer) = WriteSlot::new();
+            let (slot, wait) = WriteSlot::new(waker.cloned());
             let sent = futures_executor::block_on(tokio::task::unconstrained(
                 r.raft.client_write_ff(proposal, Some(slot)),
             ));
-            let answer = match sent {
-                Ok(()) => {
-                    let started = Instant::now();
-                    loop {
-                        let a = answer.wait(WAIT_SLICE);
-                        if !matches!(a, Answer::Waiting) || started.elapsed() >= WRITE_WITHIN {
-                            break a;
-                        }
-                        if let Some(why) = r.cut_off() {
-                            break Answer::Abandoned(why);
-                        }
-                    }
-                }
-                Err(fatal) => {
-                    let e = unknown(format!("the shard's Raft group stopped: {fatal}"));
-                    self.fail_stop(e.clone());
-                    return (
-                        replies.into_iter().map(|r| r.fail(e.clone())).collect(),
-                        false,
-                    );
-                }
-            };
-            let failed = match answer {
-                Answer::Done(Ok(resp)) => match resp.data {
-                    Applied::Done => None,
-                    Applied::Refused(why) => Some(not_executed(format!(
-                        "its entry was refused at apply: {why}"
-                    ))),
-                },
-                Answer::Done(Err(ClientWriteError::ForwardToLeader(f))) => {
-                    Some(not_executed(format!(
-                        "this node does not lead the shard's group (leader: {:?})",
-                        f.leader_id
-                    )))
-                }
-                Answer::Done(Err(ClientWriteError::LogEntryDiscarded(_))) => Some(unknown(
-                    "its entry was discarded by a newer leader; it may have been committed".into(),
-                )),
-                Answer::Done(Err(e)) => Some(not_executed(e.to_string())),
-                // The group stopped with the entry (a failed write of its
-                // log, a panic): what it did is unknown, and so is its state.
-                Answer::Dropped => {
-                    let fatal = match &r.raft.metrics().borrow_watched().running_state {
-                        Err(fatal) => Some(fatal.to_string()),
-                        Ok(()) => None,
-                    };
-                    // The group's metrics may not say yet; a failed node
-                    // log does.
-                    let why = fatal
-                        .or_else(|| self.log.begin().err().map(|e| e.to_string()))
-                        .unwrap_or_else(|| "no reason given".into());
-                    let e = unknown(format!(
-                        "the shard's Raft group stopped with this write: {why}"
-                    ));
-                    self.fail_stop(e.clone());
-                    Some(e)
-                }
-                Answer::Waiting => Some(unknown(format!(
-                    "its entry was not committed and applied within {} s",
-                    WRITE_WITHIN.as_secs()
-                ))),
-                Answer::Abandoned(why) => Some(unknown(format!(
-                    "its entry was proposed but not yet committed when {why}"
-                ))),
-            };
-            // What the group wrote is published by the apply (or not at
-            // all): the machine's overlay goes.
-            self.machine.take_written().for_each(drop);
-            if let Some(e) = failed {
+            if let Err(fatal) = sent {
+                let e = StoreError::OutcomeUnknown {
+                    shard: self.shard,
+                    reason: format!("the shard's Raft group stopped: {fatal}"),
+                };
+                self.fail_stop(e.clone());
+                // Never in flight: what it wrote goes (the groups in
+                // flight are answered as their group lets them go).
+                self.machine.begin();
                 return (
                     replies.into_iter().map(|r| r.fail(e.clone())).collect(),
                     false,
                 );
             }
-        }
-        if asked && self.failed.is_none() {
-            if let Some(r) = &self.raft {
-                if let Err(e) = r.replica.checkpoint() {
-                    self.fail_stop(e.clone());
-                    replies = checkpoint_failed(replies, &e);
-                }
+            answer = Some(wait);
+            if !self.in_flight.is_empty() {
+                self.behind_others += 1;
             }
         }
-        (replies, wrote)
+        self.machine.push_in_flight();
+        self.in_flight.push_back(InFlight {
+            replies,
+            answer,
+            proposed: Instant::now(),
+            asked,
+        });
+        (Vec::new(), wrote)
+    }
+
+    /// Settles the groups in flight whose outcome is known, oldest first,
+    /// without waiting; also settles (as unknown) the oldest one whose
+    /// entry has waited [`WRITE_WITHIN`] or whose leader seems cut off.
+    pub(crate) fn settle_ready(&mut self) -> Vec<Reply> {
+        let mut out = Vec::new();
+        while let Some(mut replies) = self.settle_oldest(false) {
+            out.append(&mut replies);
+        }
+        out
+    }
+
+    /// Settles every group in flight, waiting for each.
+    pub(crate) fn settle_all(&mut self) -> Vec<Reply> {
+        let mut out = Vec::new();
+        while let Some(mut replies) = self.settle_oldest(true) {
+            out.append(&mut replies);
+        }
+        out
+    }
+
+    /// Settles the oldest group in flight: its answers stand if its entry
+    /// was committed and applied and every group before it stood; else
+    /// they fail with what Raft said (not executed: this node does not
+    /// lead, or the entry was refused at its apply; or not known), or, if
+    /// an earlier group failed, as unknown. `None` if no group is in
+    /// flight, or, with `wait` false, the oldest's outcome is not known
+    /// yet.
+    fn settle_oldest(&mut self, wait: bool) -> Option<Vec<Reply>> {
+        let front = self.in_flight.front()?;
+        let answer = match &front.answer {
+            None => None,
+            Some(slot) => Some(loop {
+                let slice = if wait {
+                    WAIT_SLICE
+                } else {
+                    std::time::Duration::ZERO
+                };
+                let a = slot.wait(slice);
+                if !matches!(a, Answer::Waiting) || front.proposed.elapsed() >= WRITE_WITHIN {
+                    break a;
+                }
+                if let Some(why) = self.raft.as_ref().and_then(RaftWrite::cut_off) {
+                    break Answer::Abandoned(why);
+                }
+                if !wait {
+                    return None;
+                }
+            }),
+        };
+        let failed = answer.and_then(|a| self.failure_of(a));
+        let group = self.in_flight.pop_front()?;
+        self.machine.settle_oldest();
+        let replies = match (failed, &self.poisoned) {
+            (Some(e), poisoned) => {
+                if poisoned.is_none() {
+                    self.poisoned = Some(e.clone());
+                }
+                group
+                    .replies
+                    .into_iter()
+                    .map(|r| r.fail(e.clone()))
+                    .collect()
+            }
+            (None, Some(p)) => {
+                let e = StoreError::OutcomeUnknown {
+                    shard: self.shard,
+                    reason: format!(
+                        "a group proposed before it, which it was evaluated after, failed ({p})"
+                    ),
+                };
+                group
+                    .replies
+                    .into_iter()
+                    .map(|r| r.fail_all(e.clone()))
+                    .collect()
+            }
+            (None, None) => {
+                let mut replies = group.replies;
+                if group.asked && self.failed.is_none() {
+                    if let Some(r) = &self.raft {
+                        if let Err(e) = r.replica.checkpoint() {
+                            self.fail_stop(e.clone());
+                            replies = checkpoint_failed(replies, &e);
+                        }
+                    }
+                }
+                replies
+            }
+        };
+        if self.in_flight.is_empty() {
+            self.poisoned = None;
+        }
+        Some(replies)
+    }
+
+    /// Why a proposed group's answers do not stand, from what its entry
+    /// came to; `None` if they do.
+    fn failure_of(&mut self, answer: Answer<ClientWriteResult<GroupConfig>>) -> Option<StoreError> {
+        use openraft::errors::ClientWriteError;
+        let shard = self.shard;
+        let not_executed = |reason: String| StoreError::NotExecuted { shard, reason };
+        let unknown = |reason: String| StoreError::OutcomeUnknown { shard, reason };
+        match answer {
+            Answer::Done(Ok(resp)) => match resp.data {
+                Applied::Done => None,
+                Applied::Refused(why) => Some(not_executed(format!(
+                    "its entry was refused at apply: {why}"
+                ))),
+            },
+            Answer::Done(Err(ClientWriteError::ForwardToLeader(f))) => Some(not_executed(format!(
+                "this node does not lead the shard's group (leader: {:?})",
+                f.leader_id
+            ))),
+            Answer::Done(Err(ClientWriteError::LogEntryDiscarded(_))) => Some(unknown(
+                "its entry was discarded by a newer leader; it may have been committed".into(),
+            )),
+            Answer::Done(Err(e)) => Some(not_executed(e.to_string())),
+            // The group stopped with the entry (a failed write of its
+            // log, a panic): what it did is unknown, and so is its state.
+            Answer::Dropped => {
+                let fatal = self.raft.as_ref().and_then(|r| {
+                    match &r.raft.metrics().borrow_watched().running_state {
+                        Err(fatal) => Some(fatal.to_string()),
+                        Ok(()) => None,
+                    }
+                });
+                // The group's metrics may not say yet; a failed node
+                // log does.
+                let why = fatal
+                    .or_else(|| self.log.begin().err().map(|e| e.to_string()))
+                    .unwrap_or_else(|| "no reason given".into());
+                let e = unknown(format!(
+                    "the shard's Raft group stopped with this write: {why}"
+                ));
+                self.fail_stop(e.clone());
+                Some(e)
+            }
+            Answer::Waiting => Some(unknown(format!(
+                "its entry was not committed and applied within {} s",
+                WRITE_WITHIN.as_secs()
+            ))),
+            Answer::Abandoned(why) => Some(unknown(format!(
+                "its entry was proposed but not yet committed when {why}"
+            ))),
+        }
     }
 
     /// The log's bytes written since the last checkpoint.
@@ -783,6 +965,10 @@ struct Group<'a> {
     committed: Committed<'a>,
     out: Out<'a>,
     pending: &'a mut Vec<PendingEvent>,
+    /// Groups in flight before this one (their events are not readable
+    /// until applied).
+    in_flight: usize,
+    shard: ShardId,
 }
 
 impl machine::State for Group<'_> {
@@ -812,7 +998,17 @@ impl machine::State for Group<'_> {
             };
             return codec::decode_event(seq, value);
         }
-        self.committed.stored_event(id, seq)
+        match self.committed.stored_event(id, seq) {
+            // Written by a group in flight: readable once it is applied.
+            // The command asking (a retry of that write) writes nothing.
+            Err(e) if self.in_flight > 0 => Err(StoreError::NotExecuted {
+                shard: self.shard,
+                reason: format!(
+                    "event {seq} of execution {id}, which this retry's idempotency keys name, is being committed; retry ({e})"
+                ),
+            }),
+            r => r,
+        }
     }
 }
 
