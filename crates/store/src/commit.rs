@@ -141,8 +141,9 @@ enum NoGroup {
     Empty,
     /// Every handle was dropped and the queue is empty: the writer stops.
     Closed,
-    /// The queue is empty, and groups are in flight whose outcome is not
-    /// known yet: an answer or a new command unparks the writer thread.
+    /// The queue is empty, or as many groups are in flight as may be, and
+    /// their outcome is not known yet: an answer (or a new command)
+    /// unparks the writer thread.
     InFlight,
 }
 
@@ -193,6 +194,9 @@ impl Shared {
                                 return;
                             }
                         }
+                        // The writer thread has groups in flight: it
+                        // takes this command once one settles.
+                        Some((Err(NoGroup::InFlight), _)) => {}
                         // Another committer took this command's group.
                         Some((Err(_), _)) => return,
                         None => {}
@@ -316,6 +320,9 @@ impl Core {
                 shared.in_flight.fetch_sub(replies.len(), Ordering::AcqRel);
                 return Ok(replies);
             }
+        }
+        if self.writer.pipeline_full() {
+            return Err(NoGroup::InFlight);
         }
         let first = match self.rx.try_recv() {
             Ok(c) => c,

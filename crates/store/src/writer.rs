@@ -433,6 +433,16 @@ impl Writer {
         !self.in_flight.is_empty()
     }
 
+    /// Whether as many groups are in flight as may be: the next group is
+    /// taken off the queue only once one settles, so that it holds every
+    /// command that came meanwhile (taken now, it would hold only those
+    /// that came during the last evaluation, and wait as long).
+    pub(crate) fn pipeline_full(&self) -> bool {
+        self.raft
+            .as_ref()
+            .is_some_and(|r| self.in_flight.len() >= r.depth.max(1))
+    }
+
     pub(crate) fn shard(&self) -> ShardId {
         self.shard
     }
