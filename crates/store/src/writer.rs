@@ -740,16 +740,22 @@ impl Writer {
         let group = self.in_flight.pop_front()?;
         self.machine.settle_oldest();
         let replies = match (failed, &self.poisoned) {
-            (Some(e), poisoned) => {
-                if poisoned.is_none() {
-                    self.poisoned = Some(e.clone());
-                }
+            // The first to fail was evaluated against a state that stood:
+            // its refusals stand. A later one's rest on the failed group's
+            // writes, so all its answers become its own failure.
+            (Some(e), None) => {
+                self.poisoned = Some(e.clone());
                 group
                     .replies
                     .into_iter()
                     .map(|r| r.fail(e.clone()))
                     .collect()
             }
+            (Some(e), Some(_)) => group
+                .replies
+                .into_iter()
+                .map(|r| r.fail_all(e.clone()))
+                .collect(),
             (None, Some(p)) => {
                 let e = StoreError::OutcomeUnknown {
                     shard: self.shard,
