@@ -344,13 +344,51 @@ pub fn wait_until<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Optio
 }
 
 /// `n` distinct free ports on 127.0.0.1 (all held while picking, then
-/// released), below the kernel's ephemeral range: a port picked from that
-/// range (`bind(:0)`) can be taken between the pick and the node's bind by
-/// any outgoing connection on the machine (a node's own, or another test's:
-/// CI once saw a node refuse to start with "address already in use" so).
-/// No port is handed out twice in one process (the tests of one binary run
-/// in parallel).
+/// released): [`hold_free_ports`]'s, let go at once. Where the port is
+/// bound again only later, hold it instead (as [`Cluster`] does until a
+/// node starts): a released port can be taken by anyone meanwhile.
 pub fn free_ports(n: usize) -> Vec<u16> {
+    hold_free_ports(n).iter().map(HeldPort::port).collect()
+}
+
+/// A TCP port of 127.0.0.1 bound and not listening, without
+/// `SO_REUSEADDR`: no one else can bind it while it is held, and a
+/// connection to it is refused (as to a node not started yet).
+pub struct HeldPort(socket2::Socket);
+
+impl HeldPort {
+    fn bind(port: u16) -> std::io::Result<HeldPort> {
+        use socket2::{Domain, Socket, Type};
+        let s = Socket::new(Domain::IPV4, Type::STREAM, None)?;
+        s.bind(&addr(port).into())?;
+        Ok(HeldPort(s))
+    }
+
+    pub fn port(&self) -> u16 {
+        self.0
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .map(|a| a.port())
+            .expect("a bound socket's address")
+    }
+
+    /// Starts listening (the kernel then completes connections to it).
+    pub fn listen(self) -> TcpListener {
+        self.0.listen(128).expect("listen on a held port");
+        self.0.into()
+    }
+}
+
+/// `n` listeners on distinct free ports of 127.0.0.1, below the kernel's
+/// ephemeral range: a port picked from that range (`bind(:0)`) can be
+/// taken between the pick and the node's bind by any outgoing connection
+/// on the machine (a node's own, or another test's: CI once saw a node
+/// refuse to start with "address already in use" so). No port is handed
+/// out twice in one process (the tests of one binary run in parallel), and
+/// each process starts its walk at a place of its own (its pid and the
+/// clock: processes in separate pid namespaces can share a pid).
+pub fn hold_free_ports(n: usize) -> Vec<HeldPort> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(usize::MAX);
     let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
@@ -360,16 +398,19 @@ pub fn free_ports(n: usize) -> Vec<u16> {
     let (low, high) = (10_000usize, ephemeral_low.min(65_536));
     if high <= low + 1000 {
         // An ephemeral range that leaves no room below it: the kernel picks.
-        let ls: Vec<_> = (0..n)
-            .map(|_| TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0"))
+        return (0..n)
+            .map(|_| HeldPort::bind(0).expect("bind 127.0.0.1:0"))
             .collect();
-        return ls.iter().map(|l| l.local_addr().unwrap().port()).collect();
     }
     let span = high - low;
     // Each process starts at its own place in the range.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() as usize)
+        .unwrap_or(0);
     let _ = NEXT.compare_exchange(
         usize::MAX,
-        std::process::id() as usize * 7919 % span,
+        (std::process::id() as usize * 7919 + nanos / 1000) % span,
         Ordering::AcqRel,
         Ordering::Acquire,
     );
@@ -379,14 +420,27 @@ pub fn free_ports(n: usize) -> Vec<u16> {
             break;
         }
         let port = low + NEXT.fetch_add(1, Ordering::AcqRel) % span;
-        if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+        if let Ok(l) = HeldPort::bind(port as u16) {
             held.push(l);
         }
     }
     assert_eq!(held.len(), n, "no {n} free ports below {high} on 127.0.0.1");
-    held.iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect()
+    held
+}
+
+/// What `ss` says holds TCP port `port` (for a failure message: which
+/// process took a port the harness picked).
+pub fn who_holds(port: u16) -> String {
+    match Command::new("ss")
+        .args(["-tanp", &format!("( sport = :{port} )")])
+        .output()
+    {
+        Ok(o) => format!(
+            "sockets on port {port}:\n{}",
+            String::from_utf8_lossy(&o.stdout)
+        ),
+        Err(e) => format!("(ss not run: {e})"),
+    }
 }
 
 /// The `execution_id` of an execution's JSON (a start's answer, say).
@@ -1043,6 +1097,10 @@ pub struct Cluster {
     /// `[raft]` snapshot_every_entries and log_kept_entries, if not the
     /// defaults.
     pub raft_log: Option<(u64, u64)>,
+    /// The loopback ports picked for nodes that have not started yet, held
+    /// (bound, not listening), by port: a node's are let go just before it starts
+    /// (see [`Cluster::spawn`]), so nothing else can take them meanwhile.
+    held: std::collections::HashMap<u16, HeldPort>,
 }
 
 impl Cluster {
@@ -1064,7 +1122,8 @@ impl Cluster {
     /// Picks ports and data dirs for `node_count` nodes, starting none.
     pub fn prepare(node_count: u16, shard_count: u32, timing: PeerTiming) -> Cluster {
         let dir = tempfile::tempdir().expect("tempdir");
-        let ports = free_ports(2 * node_count as usize);
+        let held = hold_free_ports(2 * node_count as usize);
+        let ports: Vec<u16> = held.iter().map(HeldPort::port).collect();
         let nodes = (0..node_count)
             .map(|i| {
                 let id = i + 1;
@@ -1090,6 +1149,7 @@ impl Cluster {
             replication_factor: None,
             raft_timing: None,
             raft_log: None,
+            held: ports.iter().copied().zip(held).collect(),
         }
     }
 
@@ -1102,24 +1162,11 @@ impl Cluster {
         timing: PeerTiming,
     ) -> Cluster {
         let mut c = Cluster::prepare(node_count, shard_count, timing);
-        // The API and peer ports were released when picked: a new pick may
-        // get one of them back (a node then refuses its config: "address
-        // used twice"), so those are skipped.
-        let taken: std::collections::HashSet<u16> = c
-            .nodes
-            .iter()
-            .flat_map(|n| [n.api.port(), n.peer.port()])
-            .collect();
-        let mut ports = Vec::new();
-        while ports.len() < node_count as usize {
-            for p in free_ports(node_count as usize) {
-                if !taken.contains(&p) && !ports.contains(&p) && ports.len() < node_count as usize {
-                    ports.push(p);
-                }
-            }
-        }
-        for (n, p) in c.nodes.iter_mut().zip(ports) {
-            n.raft = Some(addr(p));
+        // The API and peer ports are still held, so no pick repeats them.
+        for (i, l) in hold_free_ports(node_count as usize).into_iter().enumerate() {
+            let port = l.port();
+            c.nodes[i].raft = Some(addr(port));
+            c.held.insert(port, l);
         }
         c.replication_factor = Some(factor);
         c
@@ -1136,6 +1183,8 @@ impl Cluster {
         timing: PeerTiming,
     ) -> Cluster {
         let mut c = Cluster::prepare(lab.nodes(), shard_count, timing);
+        // The nodes listen at the lab's addresses, not on loopback.
+        c.held.clear();
         for n in &mut c.nodes {
             let (api, peer, raft) = lab.addrs(n.id);
             n.api = api;
@@ -1456,7 +1505,22 @@ impl Cluster {
             n.data_dir.display().to_string(),
         ];
         n.config = config.to_path_buf();
+        let ports = [Some(n.api), Some(n.peer), n.raft];
+        for p in ports.into_iter().flatten() {
+            self.held.remove(&p.port());
+        }
+        let n = self.node_mut(id);
         n.proc = Some(Proc::spawn_in(&args, &n.log, n.netns.as_deref()));
+    }
+
+    /// A listener at `addr`, a port held for a node not started yet (for a
+    /// test that stands in for that node), or a new one bound there.
+    pub fn take_listener(&mut self, addr: SocketAddr) -> TcpListener {
+        match self.held.remove(&addr.port()) {
+            Some(h) => h.listen(),
+            None => TcpListener::bind(addr)
+                .unwrap_or_else(|e| panic!("bind {addr}: {e}; {}", who_holds(addr.port()))),
+        }
     }
 
     pub fn wait_ready(&mut self, id: u16) {
@@ -1469,9 +1533,16 @@ impl Cluster {
             }
             if let Some(p) = n.proc.as_mut() {
                 if let Some(s) = p.try_exit() {
+                    let ports = [Some(n.api), Some(n.peer), n.raft];
+                    let holders: Vec<String> = ports
+                        .into_iter()
+                        .flatten()
+                        .map(|a| who_holds(a.port()))
+                        .collect();
                     panic!(
-                        "node {id} exited during startup ({s}); its log:\n{}",
-                        p.log()
+                        "node {id} exited during startup ({s}); its log:\n{}\n{}",
+                        p.log(),
+                        holders.join("\n")
                     );
                 }
             }

@@ -1265,8 +1265,8 @@ fn fake_peer(
 fn garbage_from_the_owner_fails_closed() {
     let _d = deadline("garbage_from_the_owner_fails_closed", TEST_DEADLINE);
     let mut cl = Cluster::prepare(NODES, SHARDS, PeerTiming::default());
-    let listener =
-        std::net::TcpListener::bind(cl.node(3).peer).expect("bind node 3's peer address");
+    let peer3 = cl.node(3).peer;
+    let listener = cl.take_listener(peer3);
     let mode = std::sync::Arc::new(std::sync::Mutex::new(Garbage::NotJson));
     let stop = Stop::default();
     let fake = {

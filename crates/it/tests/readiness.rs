@@ -68,8 +68,8 @@ fn readiness_waits_for_one_probe_round_and_not_for_a_peer_that_never_answers() {
     let mut cl = Cluster::prepare(2, 2, timing);
     // Node 2 is a black hole: its peer port is bound (the kernel completes
     // connections) but nothing reads or answers.
-    let _black_hole =
-        std::net::TcpListener::bind(cl.node(2).peer).expect("bind node 2's peer address");
+    let peer2 = cl.node(2).peer;
+    let _black_hole = cl.take_listener(peer2);
     let cfg = cl.write_config("cluster.toml", &[]);
     let spawned = std::time::Instant::now();
     cl.spawn(1, &cfg);
