@@ -125,6 +125,9 @@ struct Inner {
     me: u64,
     secret: String,
     links: BTreeMap<u64, Link>,
+    /// The runtime the connections are made and run on (the caller's when
+    /// `None`): a socket is driven by the runtime it was made on.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 struct Link {
@@ -143,6 +146,19 @@ impl Links {
     /// Connections from node `me` to each of `peers` (id → Raft address),
     /// made when first needed and again after one breaks.
     pub fn new(me: u64, secret: String, peers: impl IntoIterator<Item = (u64, String)>) -> Links {
+        Links::on(me, secret, peers, None)
+    }
+
+    /// [`Links::new`], each connection made and run on `runtime` (the
+    /// groups' own, so that openraft's calls and their answers stay on
+    /// its threads, whoever made the connection first), or on the
+    /// caller's runtime when `None`.
+    pub fn on(
+        me: u64,
+        secret: String,
+        peers: impl IntoIterator<Item = (u64, String)>,
+        runtime: Option<tokio::runtime::Handle>,
+    ) -> Links {
         let links = peers
             .into_iter()
             .filter(|(id, _)| *id != me)
@@ -157,7 +173,12 @@ impl Links {
             })
             .collect();
         Links {
-            inner: Arc::new(Inner { me, secret, links }),
+            inner: Arc::new(Inner {
+                me,
+                secret,
+                links,
+                runtime,
+            }),
         }
     }
 }
@@ -221,10 +242,26 @@ impl Inner {
             }
         }
         let within = deadline.min(Instant::now() + CONNECT_WITHIN);
-        match tokio::time::timeout_at(within, self.connect(target, &link.addr)).await {
-            Ok(Ok(framed)) => {
+        let (me, secret, addr) = (self.me, self.secret.clone(), link.addr.clone());
+        let attempt = async move {
+            let framed =
+                tokio::time::timeout_at(within, connect(me, &secret, target, &addr)).await?;
+            Ok::<_, tokio::time::error::Elapsed>(framed.map(|framed| {
                 let (tx, rx) = mpsc::channel(IN_FLIGHT_MAX);
                 tokio::spawn(run_client(framed, rx, target));
+                tx
+            }))
+        };
+        let outcome = match &self.runtime {
+            Some(rt) => rt.spawn(attempt).await.unwrap_or_else(|e| {
+                Ok(Err(format!(
+                    "connecting to node {target}: the connecting task ended: {e}"
+                )))
+            }),
+            None => attempt.await,
+        };
+        match outcome {
+            Ok(Ok(tx)) => {
                 conn.failed = None;
                 conn.tx = Some(tx.clone());
                 Ok(tx)
@@ -233,7 +270,7 @@ impl Inner {
                 conn.failed = Some((Instant::now(), why.clone()));
                 Err(CallError::Unreachable(why))
             }
-            Err(_) => {
+            Err(_elapsed) => {
                 let why = format!(
                     "connecting to node {target} at {} took over {} ms",
                     link.addr,
@@ -244,35 +281,37 @@ impl Inner {
             }
         }
     }
+}
 
-    async fn connect(
-        &self,
-        target: u64,
-        addr: &str,
-    ) -> Result<Framed<TcpStream, LengthDelimitedCodec>, String> {
-        let tcp = TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("connecting to node {target} at {addr}: {e}"))?;
-        let _ = tcp.set_nodelay(true);
-        let mut framed = Framed::new(tcp, codec());
-        let hello = encode(&ToServer::Hello {
-            version: PROTOCOL_VERSION,
-            from: self.me,
-            secret: self.secret.clone(),
-        })?;
-        framed
-            .send(hello)
-            .await
-            .map_err(|e| format!("saying hello to node {target}: {e}"))?;
-        match framed.next().await {
-            Some(Ok(b)) => match decode::<ToClient>(&b)? {
-                ToClient::Welcome => Ok(framed),
-                ToClient::Refused(why) => Err(format!("node {target} refused this node: {why}")),
-                other => Err(format!("node {target} answered hello with {other:?}")),
-            },
-            Some(Err(e)) => Err(format!("node {target}'s answer to hello: {e}")),
-            None => Err(format!("node {target} closed the connection at hello")),
-        }
+/// A connection to node `target` at `addr`, its hello answered welcome.
+async fn connect(
+    me: u64,
+    secret: &str,
+    target: u64,
+    addr: &str,
+) -> Result<Framed<TcpStream, LengthDelimitedCodec>, String> {
+    let tcp = TcpStream::connect(addr)
+        .await
+        .map_err(|e| format!("connecting to node {target} at {addr}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    let mut framed = Framed::new(tcp, codec());
+    let hello = encode(&ToServer::Hello {
+        version: PROTOCOL_VERSION,
+        from: me,
+        secret: secret.to_string(),
+    })?;
+    framed
+        .send(hello)
+        .await
+        .map_err(|e| format!("saying hello to node {target}: {e}"))?;
+    match framed.next().await {
+        Some(Ok(b)) => match decode::<ToClient>(&b)? {
+            ToClient::Welcome => Ok(framed),
+            ToClient::Refused(why) => Err(format!("node {target} refused this node: {why}")),
+            other => Err(format!("node {target} answered hello with {other:?}")),
+        },
+        Some(Err(e)) => Err(format!("node {target}'s answer to hello: {e}")),
+        None => Err(format!("node {target} closed the connection at hello")),
     }
 }
 

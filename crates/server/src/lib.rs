@@ -89,6 +89,7 @@ impl App {
                 .unwrap_or_default();
             store_replication(cfg.node_id, r, secret)
         });
+        let replication = replication.transpose()?;
         let store = Arc::new(Store::open(
             &cfg.data_dir,
             cfg.shard_count,
@@ -178,7 +179,7 @@ fn store_replication(
     me: forkless_types::NodeId,
     r: &config::Replicated,
     secret: String,
-) -> forkless_store::Replication {
+) -> Result<forkless_store::Replication, forkless_store::StoreError> {
     let addrs: std::collections::BTreeMap<u64, String> = r
         .raft_addrs
         .iter()
@@ -186,7 +187,7 @@ fn store_replication(
         .collect();
     let placement = r.clone();
     let members = addrs.clone();
-    forkless_store::Replication {
+    Ok(forkless_store::Replication {
         me: u64::from(me.get()),
         members: Arc::new(move |shard| {
             placement
@@ -201,12 +202,13 @@ fn store_replication(
         }),
         timing: r.timing,
         log: r.log,
-        peers: Arc::new(forkless_raftnet::Links::new(
+        peers: Arc::new(forkless_raftnet::Links::on(
             u64::from(me.get()),
             secret,
             addrs,
+            Some(forkless_store::raft_runtime()?),
         )),
-    }
+    })
 }
 
 /// Keeps the directory's owner of each replicated shard this node holds a
@@ -373,7 +375,22 @@ pub async fn run(
             });
             join
         });
-        tokio::spawn(forkless_raftnet::serve_joining(
+        // On the groups' runtime, as the connections to peers are: a
+        // call goes from the socket to its group's openraft task, and its
+        // answer back, without waking this runtime's threads.
+        let raft_rt = forkless_store::raft_runtime()?;
+        let addr = listener
+            .local_addr()
+            .map_or_else(|_| "the Raft address".into(), |a| a.to_string());
+        let moved = listener.into_std().and_then(|l| {
+            let _on = raft_rt.enter();
+            tokio::net::TcpListener::from_std(l)
+        });
+        let listener = moved.map_err(|e| StartupError::Bind {
+            addr,
+            reason: format!("moving the listener to the groups' runtime: {e}"),
+        })?;
+        raft_rt.spawn(forkless_raftnet::serve_joining(
             listener,
             app.secret.clone(),
             groups,

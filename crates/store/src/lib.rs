@@ -89,7 +89,7 @@ pub use commit::CommitStats;
 pub use latency::LatencySnapshot;
 pub use openraft::BasicNode;
 pub use quiet::QuietAs;
-pub use raft_group::{Leadership, RaftStatus, RaftWatch};
+pub use raft_group::{runtime_handle as raft_runtime, Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
 pub use raft_net::{
     Beat, CallError, Peers, RaftLogLimits, RaftTiming, Replication, Rpc, RpcReply, SnapshotChunk,

@@ -702,6 +702,14 @@ fn runtime() -> Result<&'static tokio::runtime::Runtime, StoreError> {
         .map_err(|e| StoreError::Io(format!("starting the Raft runtime: {e}")))
 }
 
+/// A handle on the runtime every shard's group runs on, for the Raft
+/// transport: its connections and its server run there too, so that a
+/// call goes from openraft to the socket and from the socket to openraft
+/// without waking another runtime's threads.
+pub fn runtime_handle() -> Result<tokio::runtime::Handle, StoreError> {
+    Ok(runtime()?.handle().clone())
+}
+
 /// Runs `f` on the groups' runtime and waits for it, from any thread, for
 /// at most `within` (`None` once that has passed: `f` goes on, and its
 /// outcome is not known here).
