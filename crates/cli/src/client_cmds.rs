@@ -454,13 +454,16 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
         )?;
         let num = |n: Option<u64>| n.map_or_else(|| "-".into(), |n| n.to_string());
         for s in &m.shards {
-            let replicas = s
+            let mut replicas = s
                 .replicas
                 .iter()
                 .flatten()
                 .map(|n| n.to_string())
                 .collect::<Vec<_>>()
                 .join(",");
+            if s.replicas_from.as_deref() == Some("cluster_file") {
+                replicas.push('*');
+            }
             let r = s.raft.as_ref();
             let lag = r.and_then(|r| r.followers.iter().filter_map(|f| f.lag).max());
             writeln!(
@@ -479,6 +482,16 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 num(r.and_then(|r| r.committed)),
                 num(r.and_then(|r| r.applied)),
                 num(lag),
+            )?;
+        }
+        if m.shards
+            .iter()
+            .any(|s| s.replicas_from.as_deref() == Some("cluster_file"))
+        {
+            writeln!(
+                out,
+                "* as the cluster file places them: node {} holds no replica of the shard and has not heard from its leader",
+                m.node
             )?;
         }
         return Ok(());

@@ -34,6 +34,12 @@ pub struct ShardInfo {
     /// In a replicated cluster: the nodes holding a replica.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<Vec<u16>>,
+    /// Where the answering node has `replicas` from: `this replica` (its
+    /// own replica's membership), `leader N at term T` (what the leader
+    /// said), or `cluster_file` (the file's placement: it holds no replica
+    /// and has not heard from the leader).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas_from: Option<String>,
     /// In a replicated cluster: the leader the answering node knows of
     /// (none during an election), and its term.
     #[serde(default, skip_serializing_if = "Option::is_none")]

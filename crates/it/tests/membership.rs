@@ -168,6 +168,34 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     cl.spawn(1, &cfg);
     cl.wait_ready(1);
     let c1 = cl.client(1);
+    // Node 1's own replicas never heard of the move: its /api/cluster
+    // shows every shard's replicas as the shard's leader says them, and
+    // `forkless status` with it.
+    let shown = wait_until(
+        "node 1, removed, to show every shard's replicas as its leader says them",
+        Duration::from_secs(20),
+        || {
+            let v = c1
+                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                .ok()?
+                .json();
+            let shards = v["shards"].as_array()?.clone();
+            let right = shards.len() == SHARDS as usize
+                && shards.iter().all(|s| {
+                    let replicas: Vec<u64> = s["replicas"]
+                        .as_array()
+                        .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                        .unwrap_or_default();
+                    replicas.len() == 3
+                        && !replicas.contains(&1)
+                        && s["replicas_from"]
+                            .as_str()
+                            .is_some_and(|f| f.starts_with("leader "))
+                });
+            right.then_some(v)
+        },
+    );
+    eprintln!("node 1's view after the move: {shown}");
     // Executions of their own (the writers' are checked against what the
     // writers sent), one on every shard.
     let own: Vec<String> = (0..SHARDS)

@@ -1627,14 +1627,42 @@ async fn cluster(State(app): AppState) -> Response {
                     .iter()
                     .map(|n| n.get())
                     .collect::<Vec<_>>());
+                shard["replicas_from"] = json!("cluster_file");
+                let status = local.and_then(|st| st.raft_status());
+                // What the shard's leader said in answer to a probe, when
+                // this node's own replica (if any) leads no term and knows
+                // of no newer one:
+                // the voters a replacement gave the group, which the
+                // cluster file does not know, and which a replica the
+                // group left behind never heard.
+                let heard = app
+                    .replicas_heard
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&s)
+                    .filter(|h| {
+                        // At one term the leader's membership is at least
+                        // as new as a follower's (the follower has only
+                        // what the leader sent); a replica that leads has
+                        // its own.
+                        status
+                            .as_ref()
+                            .is_none_or(|g| g.term <= h.term && g.leader != Some(g.me))
+                    })
+                    .cloned();
+                if let Some(h) = &heard {
+                    shard["replicas"] = json!(h.voters);
+                    shard["replicas_from"] = json!(format!("leader {} at term {}", h.from, h.term));
+                }
                 // The group's own view where this node holds a replica,
                 // else what the directory learned (epoch 0: none yet).
-                match local.and_then(|st| st.raft_status()) {
+                match status {
                     Some(g) => {
                         // The group's own membership, which a replacement
                         // changes; the placement above is only its first.
-                        if !g.voters.is_empty() {
+                        if !g.voters.is_empty() && heard.is_none() {
                             shard["replicas"] = json!(g.voters);
+                            shard["replicas_from"] = json!("this replica");
                         }
                         shard["leader"] = json!(g.leader);
                         shard["term"] = json!(g.term);

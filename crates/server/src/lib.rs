@@ -60,6 +60,19 @@ pub struct App {
     pub long_polls: AtomicUsize,
     /// How this node's replicated shards reach their other replicas.
     pub replication: Option<forkless_store::Replication>,
+    /// Each replicated shard's voters as its leader last said in answer
+    /// to this node's probes, with that leader's term: what `/api/cluster`
+    /// shows of a shard this node holds no replica of (or a replica the
+    /// group has since left), instead of the cluster file's placement.
+    pub replicas_heard: std::sync::Mutex<std::collections::HashMap<u32, ReplicasHeard>>,
+}
+
+/// A shard's voters as its leader `from` said at `term`.
+#[derive(Debug, Clone)]
+pub struct ReplicasHeard {
+    pub from: u16,
+    pub term: u64,
+    pub voters: Vec<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -159,6 +172,7 @@ impl App {
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
             replication,
+            replicas_heard: Default::default(),
             dir,
             store,
             cfg,

@@ -37,7 +37,18 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
         .dir
         .claimed()
         .into_iter()
-        .map(|(s, e)| json!({"shard": s.get(), "epoch": e.get()}))
+        .map(|(s, e)| {
+            let mut o = json!({"shard": s.get(), "epoch": e.get()});
+            // A replicated shard this node leads at that term: its voters,
+            // so that a node holding no replica of it shows them.
+            let me = u64::from(app.cfg.node_id.get());
+            if let Some(g) = app.store.shard(s).and_then(|st| st.raft_status()) {
+                if g.leader == Some(me) && g.term == e.get() && !g.voters.is_empty() {
+                    o["voters"] = json!(g.voters);
+                }
+            }
+            o
+        })
         .collect();
     Json(json!({"node": app.cfg.node_id.get(), "map_version": app.dir.map_version(), "owned": shards})).into_response()
 }
@@ -52,6 +63,9 @@ struct PeerStatus {
 struct OwnedShard {
     shard: u32,
     epoch: u64,
+    /// The shard's voters, when the peer leads its group at `epoch`.
+    #[serde(default)]
+    voters: Option<Vec<u64>>,
 }
 
 pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
@@ -136,6 +150,20 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
             continue;
         }
         let epoch = Epoch(o.epoch);
+        if let Some(voters) = o.voters.as_ref().filter(|v| !v.is_empty()) {
+            let mut heard = app.replicas_heard.lock().unwrap_or_else(|e| e.into_inner());
+            let newer = heard.get(&o.shard).is_none_or(|h| h.term <= o.epoch);
+            if newer {
+                heard.insert(
+                    o.shard,
+                    crate::ReplicasHeard {
+                        from: node.get(),
+                        term: o.epoch,
+                        voters: voters.clone(),
+                    },
+                );
+            }
+        }
         match app.dir.observe(shard, node, epoch) {
             Observation::Moved => tracing::warn!(
                 shard = o.shard, owner = %node, epoch = o.epoch,
