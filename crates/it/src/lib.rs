@@ -436,7 +436,7 @@ pub fn who_holds(port: u16) -> String {
         .output()
     {
         Ok(o) => format!(
-            "sockets on port {port}:\n{}",
+            "sockets on port {port} (a socket bound and not listening, as another harness holds a port, is not listed):\n{}",
             String::from_utf8_lossy(&o.stdout)
         ),
         Err(e) => format!("(ss not run: {e})"),

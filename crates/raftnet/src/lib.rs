@@ -253,7 +253,10 @@ impl Inner {
             }))
         };
         let outcome = match &self.runtime {
-            Some(rt) => rt.spawn(attempt).await.unwrap_or_else(|e| {
+            // Aborted if this call is dropped (its caller gave up): a
+            // connect nobody waits for must not go on beside the next
+            // caller's, nor skip the pause after a failed one.
+            Some(rt) => AbortOnDrop(rt.spawn(attempt)).await.unwrap_or_else(|e| {
                 Ok(Err(format!(
                     "connecting to node {target}: the connecting task ended: {e}"
                 )))
@@ -280,6 +283,25 @@ impl Inner {
                 Err(CallError::Unreachable(why))
             }
         }
+    }
+}
+
+/// A spawned task, aborted when this is dropped before it finished.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> std::future::Future for AbortOnDrop<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -1630,30 +1630,34 @@ async fn cluster(State(app): AppState) -> Response {
                 shard["replicas_from"] = json!("cluster_file");
                 let status = local.and_then(|st| st.raft_status());
                 // What the shard's leader said in answer to a probe, when
-                // this node's own replica (if any) leads no term and knows
-                // of no newer one:
-                // the voters a replacement gave the group, which the
-                // cluster file does not know, and which a replica the
-                // group left behind never heard.
+                // this node holds no replica, or its replica's membership
+                // is from an earlier entry than the leader's: the voters a
+                // replacement gave the group, which the cluster file does
+                // not know, and which a replica the group left behind
+                // never heard.
                 let heard = app
                     .replicas_heard
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .get(&s)
                     .filter(|h| {
-                        // At one term the leader's membership is at least
-                        // as new as a follower's (the follower has only
-                        // what the leader sent); a replica that leads has
-                        // its own.
                         status
                             .as_ref()
-                            .is_none_or(|g| g.term <= h.term && g.leader != Some(g.me))
+                            .is_none_or(|g| h.membership_log > g.membership_log)
                     })
                     .cloned();
                 if let Some(h) = &heard {
                     shard["replicas"] = json!(h.voters);
                     shard["replicas_from"] = json!(format!("leader {} at term {}", h.from, h.term));
                 }
+                // A replica the group left behind knows an older leader
+                // than the one heard: shown with the heard one's.
+                let behind = |g: &forkless_store::RaftStatus| {
+                    heard
+                        .as_ref()
+                        .filter(|h| h.term > g.term)
+                        .map(|h| (h.from, h.term))
+                };
                 // The group's own view where this node holds a replica,
                 // else what the directory learned (epoch 0: none yet).
                 match status {
@@ -1664,8 +1668,16 @@ async fn cluster(State(app): AppState) -> Response {
                             shard["replicas"] = json!(g.voters);
                             shard["replicas_from"] = json!("this replica");
                         }
-                        shard["leader"] = json!(g.leader);
-                        shard["term"] = json!(g.term);
+                        match behind(&g) {
+                            Some((leader, term)) => {
+                                shard["leader"] = json!(leader);
+                                shard["term"] = json!(term);
+                            }
+                            None => {
+                                shard["leader"] = json!(g.leader);
+                                shard["term"] = json!(g.term);
+                            }
+                        }
                         shard["raft"] = json!({
                             "state": g.state,
                             "last_log_index": g.last_log_index,

@@ -67,12 +67,14 @@ pub struct App {
     pub replicas_heard: std::sync::Mutex<std::collections::HashMap<u32, ReplicasHeard>>,
 }
 
-/// A shard's voters as its leader `from` said at `term`.
+/// A shard's voters as its leader `from` said at `term`, and the log id
+/// (term, index) of the entry they are from.
 #[derive(Debug, Clone)]
 pub struct ReplicasHeard {
     pub from: u16,
     pub term: u64,
     pub voters: Vec<u64>,
+    pub membership_log: Option<(u64, u64)>,
 }
 
 #[derive(Debug, thiserror::Error)]

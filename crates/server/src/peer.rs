@@ -42,9 +42,11 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
             // A replicated shard this node leads at that term: its voters,
             // so that a node holding no replica of it shows them.
             let me = u64::from(app.cfg.node_id.get());
-            if let Some(g) = app.store.shard(s).and_then(|st| st.raft_status()) {
+            let replicated = app.store.shard(s).filter(|st| st.is_replicated());
+            if let Some(g) = replicated.and_then(|st| st.raft_status()) {
                 if g.leader == Some(me) && g.term == e.get() && !g.voters.is_empty() {
                     o["voters"] = json!(g.voters);
+                    o["membership_log"] = json!(g.membership_log);
                 }
             }
             o
@@ -63,9 +65,12 @@ struct PeerStatus {
 struct OwnedShard {
     shard: u32,
     epoch: u64,
-    /// The shard's voters, when the peer leads its group at `epoch`.
+    /// The shard's voters, when the peer leads its group at `epoch`, and
+    /// the log id (term, index) of the entry they are from.
     #[serde(default)]
     voters: Option<Vec<u64>>,
+    #[serde(default)]
+    membership_log: Option<(u64, u64)>,
 }
 
 pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
@@ -160,6 +165,7 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                         from: node.get(),
                         term: o.epoch,
                         voters: voters.clone(),
+                        membership_log: o.membership_log,
                     },
                 );
             }

@@ -1031,6 +1031,10 @@ pub struct RaftStatus {
     pub purged: Option<u64>,
     /// The voters of its membership.
     pub voters: Vec<u64>,
+    /// The log id (term, index) of the entry that membership is from
+    /// (`None`: the group's first, from no entry): of two views of one
+    /// group's membership, the one from the later entry is the newer.
+    pub membership_log: Option<(u64, u64)>,
     /// Its learners: replicas being caught up, which do not vote yet
     /// (`ShardStore::replace_replica`).
     pub learners: Vec<u64>,
@@ -1066,6 +1070,11 @@ impl RaftStatus {
             snapshot: m.snapshot.map(|l| l.index),
             purged: m.purged.map(|l| l.index),
             voters: m.membership_config.membership().voter_ids().collect(),
+            membership_log: m
+                .membership_config
+                .log_id()
+                .as_ref()
+                .map(|l| (l.leader_id.term, l.index)),
             learners: m.membership_config.membership().learner_ids().collect(),
             matched: m
                 .replication
