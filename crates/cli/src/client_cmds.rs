@@ -473,7 +473,9 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 owner_text(s.leader),
                 num(s.term),
                 replicas,
-                r.map_or("-".to_string(), |r| if r.quiet {
+                r.map_or("-".to_string(), |r| if r.left_group {
+                    "left the group".to_string()
+                } else if r.quiet {
                     format!("{} (quiet)", r.state)
                 } else {
                     r.state.clone()

@@ -67,6 +67,10 @@ pub struct RaftInfo {
     /// The group is idle with its timers off on this replica.
     #[serde(default)]
     pub quiet: bool,
+    /// Whether the group's newer membership, as its leader said it, no
+    /// longer counts this replica (its node was removed while away).
+    #[serde(default)]
+    pub left_group: bool,
 }
 
 /// A follower's progress, as its leader knows it.

@@ -191,11 +191,27 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
                         && s["replicas_from"]
                             .as_str()
                             .is_some_and(|f| f.starts_with("leader "))
+                        // Its own stale replicas (shards 0, 2, 3) are
+                        // marked as left behind.
+                        && (s["raft"].is_null() || s["raft"]["left_group"] == true)
                 });
             right.then_some(v)
         },
     );
     eprintln!("node 1's view after the move: {shown}");
+    let log = plain(&cl.node(1).proc().log());
+    assert!(
+        log.contains("whose group no longer counts it"),
+        "node 1 did not say that its replicas were left behind:\n{log}"
+    );
+    // A replica the group counts is never marked so.
+    let v = cl.client(3).get("/api/cluster").json();
+    for s in v["shards"].as_array().expect("shards") {
+        assert!(
+            s["raft"].is_null() || s["raft"]["left_group"] == false,
+            "node 3 marks a replica of its as left behind: {s}"
+        );
+    }
     // Executions of their own (the writers' are checked against what the
     // writers sent), one on every shard.
     let own: Vec<String> = (0..SHARDS)

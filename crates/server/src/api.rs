@@ -1694,6 +1694,9 @@ async fn cluster(State(app): AppState) -> Response {
                                 "matched": m,
                                 "lag": g.last_log_index.map(|l| l.saturating_sub(m.unwrap_or(0))),
                             })).collect::<Vec<_>>(),
+                            // The group's newer membership, as its leader
+                            // said it, no longer counts this replica.
+                            "left_group": heard.as_ref().is_some_and(|h| !h.counts(g.me)),
                         });
                     }
                     None => {

@@ -74,7 +74,15 @@ pub struct ReplicasHeard {
     pub from: u16,
     pub term: u64,
     pub voters: Vec<u64>,
+    pub learners: Vec<u64>,
     pub membership_log: Option<(u64, u64)>,
+}
+
+impl ReplicasHeard {
+    /// Whether node `me` is a voter or a learner of this membership.
+    pub fn counts(&self, me: u64) -> bool {
+        self.voters.contains(&me) || self.learners.contains(&me)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -46,6 +46,7 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
             if let Some(g) = replicated.and_then(|st| st.raft_status()) {
                 if g.leader == Some(me) && g.term == e.get() && !g.voters.is_empty() {
                     o["voters"] = json!(g.voters);
+                    o["learners"] = json!(g.learners);
                     o["membership_log"] = json!(g.membership_log);
                 }
             }
@@ -69,6 +70,8 @@ struct OwnedShard {
     /// the log id (term, index) of the entry they are from.
     #[serde(default)]
     voters: Option<Vec<u64>>,
+    #[serde(default)]
+    learners: Vec<u64>,
     #[serde(default)]
     membership_log: Option<(u64, u64)>,
 }
@@ -157,17 +160,33 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
         let epoch = Epoch(o.epoch);
         if let Some(voters) = o.voters.as_ref().filter(|v| !v.is_empty()) {
             let mut heard = app.replicas_heard.lock().unwrap_or_else(|e| e.into_inner());
-            let newer = heard.get(&o.shard).is_none_or(|h| h.term <= o.epoch);
-            if newer {
-                heard.insert(
-                    o.shard,
-                    crate::ReplicasHeard {
-                        from: node.get(),
-                        term: o.epoch,
-                        voters: voters.clone(),
-                        membership_log: o.membership_log,
-                    },
-                );
+            let before = heard.get(&o.shard).cloned();
+            if before.as_ref().is_none_or(|h| h.term <= o.epoch) {
+                let now = crate::ReplicasHeard {
+                    from: node.get(),
+                    term: o.epoch,
+                    voters: voters.clone(),
+                    learners: o.learners.clone(),
+                    membership_log: o.membership_log,
+                };
+                // A replica here that the group's newer membership no
+                // longer counts (this node was removed while it was
+                // away): said once per membership, the data stays.
+                let me = u64::from(app.cfg.node_id.get());
+                let changed = before.is_none_or(|b| b.membership_log != now.membership_log);
+                if changed && !now.counts(me) {
+                    let local = app.store.shard(shard).and_then(|st| st.raft_status());
+                    if local.is_some_and(|g| now.membership_log > g.membership_log) {
+                        tracing::warn!(
+                            shard = o.shard,
+                            leader = %node,
+                            term = o.epoch,
+                            voters = ?now.voters,
+                            "this node holds a replica of a shard whose group no longer counts it (it was removed while away): the replica follows no group; its data stays until it is deleted by hand"
+                        );
+                    }
+                }
+                heard.insert(o.shard, now);
             }
         }
         match app.dir.observe(shard, node, epoch) {
