@@ -1592,6 +1592,7 @@ async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Re
 async fn cluster(State(app): AppState) -> Response {
     let n = app.dir.shard_count();
     let restarts = app.store.restarts();
+    let heard_all = app.replicas_heard.lock().unwrap_or_else(|e| e.into_inner());
     let shards: Vec<_> = (0..n.get())
         .map(|s| {
             let a = app.dir.assignment(ShardId(s));
@@ -1635,29 +1636,11 @@ async fn cluster(State(app): AppState) -> Response {
                 // replacement gave the group, which the cluster file does
                 // not know, and which a replica the group left behind
                 // never heard.
-                let heard = app
-                    .replicas_heard
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get(&s)
-                    .filter(|h| {
-                        status
-                            .as_ref()
-                            .is_none_or(|g| h.membership_log > g.membership_log)
-                    })
-                    .cloned();
-                if let Some(h) = &heard {
+                let heard = heard_all.get(&s).filter(|h| h.newer_than(status.as_ref()));
+                if let Some(h) = heard {
                     shard["replicas"] = json!(h.voters);
                     shard["replicas_from"] = json!(format!("leader {} at term {}", h.from, h.term));
                 }
-                // A replica the group left behind knows an older leader
-                // than the one heard: shown with the heard one's.
-                let behind = |g: &forkless_store::RaftStatus| {
-                    heard
-                        .as_ref()
-                        .filter(|h| h.term > g.term)
-                        .map(|h| (h.from, h.term))
-                };
                 // The group's own view where this node holds a replica,
                 // else what the directory learned (epoch 0: none yet).
                 match status {
@@ -1668,16 +1651,14 @@ async fn cluster(State(app): AppState) -> Response {
                             shard["replicas"] = json!(g.voters);
                             shard["replicas_from"] = json!("this replica");
                         }
-                        match behind(&g) {
-                            Some((leader, term)) => {
-                                shard["leader"] = json!(leader);
-                                shard["term"] = json!(term);
-                            }
-                            None => {
-                                shard["leader"] = json!(g.leader);
-                                shard["term"] = json!(g.term);
-                            }
-                        }
+                        // A replica the group left behind knows an older
+                        // leader than the one heard: shown with the heard one.
+                        let (leader, term) = match heard.filter(|h| h.term > g.term) {
+                            Some(h) => (Some(u64::from(h.from)), h.term),
+                            None => (g.leader, g.term),
+                        };
+                        shard["leader"] = json!(leader);
+                        shard["term"] = json!(term);
                         shard["raft"] = json!({
                             "state": g.state,
                             "last_log_index": g.last_log_index,
@@ -1696,7 +1677,7 @@ async fn cluster(State(app): AppState) -> Response {
                             })).collect::<Vec<_>>(),
                             // The group's newer membership, as its leader
                             // said it, no longer counts this replica.
-                            "left_group": heard.as_ref().is_some_and(|h| !h.counts(g.me)),
+                            "left_group": heard.is_some_and(|h| !h.counts(g.me)),
                         });
                     }
                     None => {
@@ -1709,6 +1690,7 @@ async fn cluster(State(app): AppState) -> Response {
             shard
         })
         .collect();
+    drop(heard_all);
     let nodes: Vec<_> = app
         .dir
         .nodes()

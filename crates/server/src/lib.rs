@@ -83,6 +83,13 @@ impl ReplicasHeard {
     pub fn counts(&self, me: u64) -> bool {
         self.voters.contains(&me) || self.learners.contains(&me)
     }
+
+    /// Whether this membership is newer than what this node's own replica
+    /// of the shard knows (`local`; none: it holds no replica): it comes
+    /// from a later log entry.
+    pub fn newer_than(&self, local: Option<&forkless_store::RaftStatus>) -> bool {
+        local.is_none_or(|g| self.membership_log > g.membership_log)
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

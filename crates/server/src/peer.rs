@@ -33,6 +33,7 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
         )
             .into_response();
     }
+    let me = u64::from(app.cfg.node_id.get());
     let shards: Vec<_> = app
         .dir
         .claimed()
@@ -41,7 +42,6 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
             let mut o = json!({"shard": s.get(), "epoch": e.get()});
             // A replicated shard this node leads at that term: its voters,
             // so that a node holding no replica of it shows them.
-            let me = u64::from(app.cfg.node_id.get());
             let replicated = app.store.shard(s).filter(|st| st.is_replicated());
             if let Some(g) = replicated.and_then(|st| st.raft_status()) {
                 if g.leader == Some(me) && g.term == e.get() && !g.voters.is_empty() {
@@ -176,7 +176,7 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                 let changed = before.is_none_or(|b| b.membership_log != now.membership_log);
                 if changed && !now.counts(me) {
                     let local = app.store.shard(shard).and_then(|st| st.raft_status());
-                    if local.is_some_and(|g| now.membership_log > g.membership_log) {
+                    if local.is_some() && now.newer_than(local.as_ref()) {
                         tracing::warn!(
                             shard = o.shard,
                             leader = %node,

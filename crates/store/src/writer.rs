@@ -226,7 +226,7 @@ impl RaftWrite {
     /// group woken: its metrics may still show the quorum's last answer
     /// from before it went quiet, and a group proposed then was answered
     /// unknown at once by the writer's first look: the quiescence test of
-    /// `forkless-raftnet` failed so about one run in nine).
+    /// `forkless-raftnet` failed so in 2 of 8 runs).
     fn cut_off_since(&self, proposed: Option<std::time::Instant>) -> Option<String> {
         if !self.replicated {
             return None;
@@ -501,8 +501,7 @@ impl Writer {
                 if !self.in_flight.is_empty() && self.in_flight_term != term {
                     settled.extend(self.settle_all());
                 }
-                let depth = self.raft.as_ref().map_or(1, |r| r.depth.max(1));
-                while self.in_flight.len() >= depth && self.poisoned.is_none() {
+                while self.pipeline_full() && self.poisoned.is_none() {
                     settled.extend(self.settle_oldest(true).unwrap_or_default());
                 }
                 if self.poisoned.is_some() {
