@@ -13,7 +13,12 @@
 //! sends calls, each with an id of its own, and the server answers each
 //! as its group does, in any order: a call is handed to its group on a
 //! task of its own, so one slow group does not hold up another's
-//! heartbeats. What each side holds is bounded: calls in flight on a
+//! heartbeats. AppendEntries are the exception: a leader keeps several
+//! of them unanswered to a follower (`forkless_store::APPENDS_IN_FLIGHT`),
+//! so those of one group on one connection go in the order they came
+//! through the group's lane (`Lanes`), one openraft stream, each handed
+//! to the group without waiting for the answer to the one before.
+//! What each side holds is bounded: calls in flight on a
 //! connection ([`IN_FLIGHT_MAX`]), a frame's bytes ([`FRAME_BYTES_MAX`]),
 //! connections a server takes ([`CONNECTIONS_MAX`]), and the time a peer
 //! may take to say hello ([`HELLO_WITHIN`]).
@@ -26,16 +31,16 @@ pub mod balance;
 pub mod quiesce;
 
 use bytes::Bytes;
-use forkless_store::{CallError, Peers, Rpc, RpcReply, ShardStore};
+use forkless_store::{Answer, CallError, Peers, RaftAppend, Rpc, RpcReply, ShardStore};
 use futures_util::future::BoxFuture;
 use futures_util::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
@@ -184,16 +189,18 @@ impl Links {
 }
 
 impl Peers for Links {
-    fn call(
+    fn send(
         &self,
         target: u64,
         group: u32,
         rpc: Rpc,
         within: Duration,
-    ) -> BoxFuture<'static, Result<RpcReply, CallError>> {
+    ) -> BoxFuture<'static, Result<Answer, CallError>> {
         let inner = self.inner.clone();
         Box::pin(async move {
             let deadline = Instant::now() + within;
+            // In order: the link's lock is taken in turn, and the
+            // connection's task writes its calls as they were queued.
             let tx = inner.sender(target, deadline).await?;
             let (reply, answer) = oneshot::channel();
             tx.try_send((group, rpc, reply)).map_err(|e| {
@@ -206,13 +213,16 @@ impl Peers for Links {
                     }
                 })
             })?;
-            match tokio::time::timeout_at(deadline, answer).await {
-                Err(_) => Err(CallError::Timeout),
-                Ok(Err(_)) => Err(CallError::Unreachable(format!(
-                    "the connection to node {target} broke before its answer"
-                ))),
-                Ok(Ok(r)) => r,
-            }
+            let answer: Answer = Box::pin(async move {
+                match tokio::time::timeout_at(deadline, answer).await {
+                    Err(_) => Err(CallError::Timeout),
+                    Ok(Err(_)) => Err(CallError::Unreachable(format!(
+                        "the connection to node {target} broke before its answer"
+                    ))),
+                    Ok(Ok(r)) => r,
+                }
+            });
+            Ok(answer)
         })
     }
 }
@@ -584,6 +594,13 @@ async fn serve_connection(
         }
     });
     let permits = Arc::new(Semaphore::new(IN_FLIGHT_MAX));
+    let mut lanes = Lanes {
+        peer,
+        groups: groups.clone(),
+        joins: joins.clone(),
+        out: out.clone(),
+        lanes: HashMap::new(),
+    };
     let ended = loop {
         let frame = tokio::select! {
             f = stream.next() => f,
@@ -602,6 +619,16 @@ async fn serve_connection(
         // Stops reading while IN_FLIGHT_MAX calls are unanswered.
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break Ok(());
+        };
+        // AppendEntries go to their group in the order they came, each
+        // without waiting for the answer to the one before: the leader
+        // keeps several in flight (`forkless_store::APPENDS_IN_FLIGHT`).
+        let rpc = match rpc {
+            Rpc::AppendEntries(req) => {
+                lanes.take(group, id, req, permit);
+                continue;
+            }
+            rpc => rpc,
         };
         let (groups, joins, out) = (groups.clone(), joins.clone(), out.clone());
         tokio::spawn(async move {
@@ -633,9 +660,216 @@ async fn serve_connection(
             drop(permit);
         });
     };
+    drop(lanes);
     drop(out);
     let _ = writer.await;
     ended
+}
+
+/// An AppendEntries taken off a connection: its id, the call, and its
+/// place among the connection's calls in flight.
+type LaneCall = (u64, RaftAppend, OwnedSemaphorePermit);
+
+/// A connection's AppendEntries, one lane per group: each lane a task
+/// that hands its group the calls in the order they came, as one
+/// openraft stream (`ShardStore::append_stream`), and answers each once
+/// the group has. A lane is made for a group this node holds when its
+/// first call comes, and lasts as long as the connection: there are at
+/// most as many as the shards this node holds.
+struct Lanes {
+    peer: u64,
+    groups: Groups,
+    joins: Arc<Joins>,
+    out: mpsc::Sender<Bytes>,
+    lanes: HashMap<u32, mpsc::UnboundedSender<LaneCall>>,
+}
+
+impl Lanes {
+    fn take(&mut self, group: u32, id: u64, req: RaftAppend, permit: OwnedSemaphorePermit) {
+        let mut call = (id, req, permit);
+        if let Some(lane) = self.lanes.get(&group) {
+            match lane.send(call) {
+                Ok(()) => return,
+                // Its task ended (it panicked): made again below.
+                Err(mpsc::error::SendError(back)) => call = back,
+            }
+        }
+        let (id, req, permit) = call;
+        if self.groups.as_ref()(group).is_none() {
+            // No lane for a group this node does not hold: a peer naming
+            // groups cannot make this connection hold more.
+            let why = self
+                .joins
+                .refuse(self.peer, group, &Rpc::AppendEntries(req));
+            let out = self.out.clone();
+            tokio::spawn(answer(out, id, Err(why), permit));
+            return;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let lane = Lane {
+            peer: self.peer,
+            group,
+            groups: self.groups.clone(),
+            joins: self.joins.clone(),
+            out: self.out.clone(),
+            bound: None,
+            waiting: VecDeque::new(),
+        };
+        tokio::spawn(lane.run(rx));
+        // Unbounded: what it holds is bounded by the connection's permits.
+        let _ = tx.send((id, req, permit));
+        self.lanes.insert(group, tx);
+    }
+}
+
+/// Sends one call's answer, then gives back its place.
+async fn answer(
+    out: mpsc::Sender<Bytes>,
+    id: u64,
+    result: Result<RpcReply, String>,
+    permit: OwnedSemaphorePermit,
+) {
+    if let Ok(f) = encode(&ToClient::Answer { id, result }) {
+        let _ = out.send(f).await;
+    }
+    drop(permit);
+}
+
+/// One group's lane on one connection ([`Lanes`]).
+struct Lane {
+    peer: u64,
+    group: u32,
+    groups: Groups,
+    joins: Arc<Joins>,
+    out: mpsc::Sender<Bytes>,
+    /// The openraft stream the calls are fed to, and the shard it is of.
+    bound: Option<Bound>,
+    /// The calls fed to it and not yet answered, oldest first, and
+    /// whether each carries entries.
+    waiting: VecDeque<(u64, OwnedSemaphorePermit, bool)>,
+}
+
+struct Bound {
+    store: std::sync::Weak<ShardStore>,
+    input: mpsc::UnboundedSender<RaftAppend>,
+    answers:
+        futures_util::stream::BoxStream<'static, Result<forkless_store::RaftAppendAnswer, String>>,
+}
+
+impl Lane {
+    async fn run(mut self, mut calls: mpsc::UnboundedReceiver<LaneCall>) {
+        loop {
+            tokio::select! {
+                call = calls.recv() => match call {
+                    Some((id, req, permit)) => self.feed(id, req, permit).await,
+                    None => return,
+                },
+                a = next_answer(&mut self.bound) => self.answered(a).await,
+            }
+        }
+    }
+
+    async fn feed(&mut self, id: u64, req: RaftAppend, permit: OwnedSemaphorePermit) {
+        let Some(st) = self.groups.as_ref()(self.group) else {
+            self.unbind("this node no longer holds the shard").await;
+            let why = self
+                .joins
+                .refuse(self.peer, self.group, &Rpc::AppendEntries(req));
+            return answer(self.out.clone(), id, Err(why), permit).await;
+        };
+        if self
+            .bound
+            .as_ref()
+            .is_some_and(|b| !std::ptr::eq(b.store.as_ptr(), Arc::as_ptr(&st)))
+        {
+            self.unbind("the shard's group started again").await;
+        }
+        let entries = !req.entries.is_empty();
+        let behind_others = entries && self.waiting.iter().any(|w| w.2);
+        if let Err(why) = st.admit_append(&req, behind_others) {
+            // Answered before the calls ahead of it: the client matches
+            // answers by id, and one refused ends the leader's stream.
+            return answer(self.out.clone(), id, Err(why), permit).await;
+        }
+        if self.bound.is_none() {
+            let (input, rx) = mpsc::unbounded_channel();
+            let requests = futures_util::stream::unfold(rx, |mut rx| async move {
+                rx.recv().await.map(|r| (r, rx))
+            });
+            match st.append_stream(requests) {
+                Ok(answers) => {
+                    self.bound = Some(Bound {
+                        store: Arc::downgrade(&st),
+                        input,
+                        answers,
+                    })
+                }
+                Err(why) => return answer(self.out.clone(), id, Err(why), permit).await,
+            }
+        }
+        let fed = match &self.bound {
+            Some(b) => b.input.send(req).is_ok(),
+            None => false,
+        };
+        if fed {
+            self.waiting.push_back((id, permit, entries));
+        } else {
+            self.unbind("the shard's group stopped").await;
+            answer(
+                self.out.clone(),
+                id,
+                Err("the shard's group stopped".into()),
+                permit,
+            )
+            .await;
+        }
+    }
+
+    async fn answered(&mut self, a: Option<Result<forkless_store::RaftAppendAnswer, String>>) {
+        match a {
+            Some(Ok(r)) => {
+                if let Some((id, permit, _)) = self.waiting.pop_front() {
+                    answer(self.out.clone(), id, Ok(RpcReply::AppendEntries(r)), permit).await;
+                }
+                if let Some(st) = self.bound.as_ref().and_then(|b| b.store.upgrade()) {
+                    st.appended();
+                }
+            }
+            Some(Err(why)) => {
+                if let Some((id, permit, _)) = self.waiting.pop_front() {
+                    answer(self.out.clone(), id, Err(why.clone()), permit).await;
+                }
+                self.unbind(&why).await;
+            }
+            // After an answer that was not a success (or the group
+            // stopped): the calls fed after it are answered with an error (openraft's core may have
+            // taken them; the leader counts none without a success).
+            None => {
+                self.unbind("no answer: the group ended the stream (a call before it was refused, or the group stopped)")
+                    .await
+            }
+        }
+    }
+
+    /// Lets go of the openraft stream, and answers the calls it did not
+    /// with `why`.
+    async fn unbind(&mut self, why: &str) {
+        self.bound = None;
+        for (id, permit, _) in std::mem::take(&mut self.waiting) {
+            answer(self.out.clone(), id, Err(why.to_string()), permit).await;
+        }
+    }
+}
+
+/// The lane's next answer from its openraft stream; pending while it has
+/// none bound.
+async fn next_answer(
+    bound: &mut Option<Bound>,
+) -> Option<Result<forkless_store::RaftAppendAnswer, String>> {
+    match bound {
+        Some(b) => b.answers.next().await,
+        None => std::future::pending().await,
+    }
 }
 
 #[cfg(test)]

@@ -298,6 +298,47 @@ async fn writes_replicate_and_survive_the_leader() {
     after_the_leader_goes(&mut nodes, l, 21..=30).await;
 }
 
+/// A leader sends a follower its next AppendEntries before the answer to
+/// the last (`PeerClient::stream_append` in the store), and the follower
+/// takes them in order as they come. Each follower's appends take 30 ms,
+/// as on a slow disk, while writes come every 2 ms: with one call in
+/// flight at a time, as openraft's default client sends them, no follower
+/// would count a call taken behind another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_keeps_several_appends_in_flight_to_a_follower() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    for i in (0..3).filter(|i| *i != l) {
+        forkless_store::failpoints::slow_appends(&nodes[i].path, SHARD, Duration::from_millis(30));
+    }
+    let writes = (1..=200).map(|n| {
+        let node = &nodes[l];
+        async move {
+            tokio::time::sleep(Duration::from_millis(2 * n as u64)).await;
+            write(node, n).await
+        }
+    });
+    for r in futures_util::future::join_all(writes).await {
+        r.expect("a write on the leader");
+    }
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    let mut behind = 0;
+    for i in (0..3).filter(|i| *i != l) {
+        holds(&nodes, i, 1..=200, index).await;
+        let s = nodes[i].status().expect("status");
+        assert!(s.appends_taken > 0, "node {i} took no AppendEntries: {s:?}");
+        behind += s.appends_taken_behind_others;
+    }
+    assert!(
+        behind > 0,
+        "no follower took an AppendEntries while an earlier one was unanswered"
+    );
+}
+
 /// Stops leader `l`; the other two elect one that takes writes `ns` (its
 /// first may meet the election's end, and is retried for 10 s), and both
 /// hold every write from 1 to the last of `ns`.

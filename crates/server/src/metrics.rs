@@ -283,6 +283,18 @@ impl StoreCollector {
                 ConstGauge::new(pick(g)).encode(m.encode_family(&ShardLabel { shard: *shard })?)?;
             }
         }
+        type Count = fn(&forkless_store::RaftStatus) -> u64;
+        let counters: [(&str, &str, Count); 2] = [
+            ("raft_appends_taken", "AppendEntries carrying entries this replica took from the shard's leaders", |g| g.appends_taken),
+            ("raft_appends_taken_behind_others", "Of those, the ones taken while an earlier one of the same leader's stream was unanswered (the leader pipelines them)", |g| g.appends_taken_behind_others),
+        ];
+        for (name, help, pick) in counters {
+            let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for (shard, g) in &groups {
+                ConstCounter::new(pick(g))
+                    .encode(m.encode_family(&ShardLabel { shard: *shard })?)?;
+            }
+        }
         let mut lag = encoder.encode_descriptor(
             "raft_follower_lag_entries",
             "On the leader of a shard's group: entries of its log a follower is not yet known to hold",

@@ -80,6 +80,20 @@ pub mod failpoints {
             .unwrap_or_else(|e| e.into_inner())
             .push((store_dir.join(crate::NODE_LOG_DIR), shard.get()));
     }
+
+    /// Every append to the log of shard `shard`'s Raft group in the store
+    /// at `store_dir` first waits `delay`, as on a slow disk (until the
+    /// process ends).
+    pub fn slow_appends(
+        store_dir: &std::path::Path,
+        shard: forkless_types::ShardId,
+        delay: std::time::Duration,
+    ) {
+        crate::raft_log::SLOW_APPENDS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((store_dir.join(crate::NODE_LOG_DIR), shard.get(), delay));
+    }
 }
 mod waiters;
 mod write_slot;
@@ -92,8 +106,8 @@ pub use quiet::QuietAs;
 pub use raft_group::{runtime_handle as raft_runtime, Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
 pub use raft_net::{
-    Beat, CallError, Peers, RaftLogLimits, RaftTiming, Replication, Rpc, RpcReply, SnapshotChunk,
-    APPEND_BYTES_MAX,
+    Answer, Beat, CallError, Peers, RaftAppend, RaftAppendAnswer, RaftLogLimits, RaftTiming,
+    Replication, Rpc, RpcReply, SnapshotChunk, APPENDS_IN_FLIGHT, APPEND_BYTES_MAX,
 };
 pub use shard::{Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT};
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};

@@ -831,6 +831,7 @@ pub(crate) fn start_alone(
         vote_fresh: std::time::Duration::ZERO,
         replica: held,
         staging: tokio::sync::Mutex::new(None),
+        appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
         closing,
@@ -913,6 +914,7 @@ pub(crate) fn start_replicated(
         vote_fresh: std::time::Duration::from_millis(rep.timing.election_timeout_min_ms),
         replica: held,
         staging: tokio::sync::Mutex::new(None),
+        appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
         closing,
@@ -943,10 +945,21 @@ pub(crate) struct Group {
     fresh: Option<Arc<crate::fresh::Fresh>>,
     /// In a mutex only so that the shard is `Sync`; used once, at drop.
     released: Mutex<std::sync::mpsc::Receiver<()>>,
+    /// The AppendEntries with entries this replica took from its leaders.
+    pub(crate) appends: AppendCounts,
     /// Why the group stopped by itself, once it has (`watch_stop`).
     stopped: Arc<std::sync::OnceLock<String>>,
     /// Set as the group is shut down on purpose, which is no stop.
     closing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Counts of the AppendEntries carrying entries that a replica took.
+#[derive(Default)]
+pub(crate) struct AppendCounts {
+    pub(crate) taken: std::sync::atomic::AtomicU64,
+    /// Of those, the ones taken while an earlier one with entries of the
+    /// same leader's stream was not yet answered (pipelined).
+    pub(crate) behind_others: std::sync::atomic::AtomicU64,
 }
 
 /// Watches `raft` until its core stops, and records why if it stopped by
@@ -1049,6 +1062,11 @@ pub struct RaftStatus {
     /// up with its group yet (`crate::fresh`: it votes for no candidate
     /// with entries meanwhile).
     pub fresh: bool,
+    /// AppendEntries with entries this replica took from its leaders, and
+    /// of those the ones taken while an earlier one of the same leader's
+    /// stream was unanswered (the leader pipelines them).
+    pub appends_taken: u64,
+    pub appends_taken_behind_others: u64,
 }
 
 impl RaftStatus {
@@ -1103,6 +1121,8 @@ impl RaftStatus {
                 .unwrap_or_default(),
             quiet: false,
             fresh: false,
+            appends_taken: 0,
+            appends_taken_behind_others: 0,
         }
     }
 }
@@ -1155,18 +1175,14 @@ pub(crate) async fn handle(
     rpc: crate::raft_net::Rpc,
 ) -> Result<crate::raft_net::RpcReply, String> {
     if let crate::raft_net::Rpc::AppendEntries(r) = &rpc {
-        if let Err(why) = contiguous(r) {
-            tracing::warn!("refused an AppendEntries: {why}");
-            return Err(why);
-        }
+        admit_append(group, r, false)?;
+        let answer = handle_now(group, rpc).await;
+        group.fresh_caught_up();
+        return answer;
     }
     group.fresh_caught_up();
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
         match &rpc {
-            crate::raft_net::Rpc::AppendEntries(r) => f.admit(
-                r.vote.leader_id.voted_for,
-                Some(r.leader_commit.map_or(0, |l| l.index)),
-            )?,
             crate::raft_net::Rpc::Snapshot(c) => f.admit(c.vote.leader_id.voted_for, None)?,
             crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r) => {
                 if let Some(why) = f.refuses_vote(r.last_log_id.map(|l| l.index)) {
@@ -1179,6 +1195,67 @@ pub(crate) async fn handle(
     let answer = handle_now(group, rpc).await;
     group.fresh_caught_up();
     answer
+}
+
+/// The checks an AppendEntries passes before the group sees it, whether
+/// it comes alone ([`handle`]) or in its leader's stream of them
+/// ([`append_stream`]): its entries follow its `prev_log_id`, and a
+/// replica whose data directory is new takes it only from a leader that
+/// knows so (`crate::fresh`). Entries wake a quiet group, and are
+/// counted (`behind_others`: taken while an earlier call with entries of
+/// the same stream is unanswered).
+pub(crate) fn admit_append(
+    group: &Group,
+    r: &AppendEntriesRequest<GroupConfig>,
+    behind_others: bool,
+) -> Result<(), String> {
+    if let Err(why) = contiguous(r) {
+        tracing::warn!("refused an AppendEntries: {why}");
+        return Err(why);
+    }
+    group.fresh_caught_up();
+    if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
+        f.admit(
+            r.vote.leader_id.voted_for,
+            Some(r.leader_commit.map_or(0, |l| l.index)),
+        )?;
+    }
+    if !r.entries.is_empty() {
+        use std::sync::atomic::Ordering::Relaxed;
+        group.appends.taken.fetch_add(1, Relaxed);
+        if behind_others {
+            group.appends.behind_others.fetch_add(1, Relaxed);
+        }
+        group.quiet.wake(&group.raft);
+    }
+    Ok(())
+}
+
+/// The group's answers to a stream of AppendEntries from one leader, one
+/// for each, in order: each is handed to the group as it comes (after
+/// [`admit_append`]), without waiting for the answer to the one before,
+/// so a follower's log writes and syncs go on while the next calls are
+/// on their way. The stream ends after the first answer that is not a
+/// success (a conflict, a higher vote) or an error of the group (it
+/// stopped); the calls taken after that one are not answered.
+///
+/// It holds the group's Raft handle, not the shard: a shard replaced (its
+/// group restarted) is let go of whatever streams were open to it.
+pub(crate) fn append_stream<S>(
+    group: &Group,
+    input: S,
+) -> futures_util::stream::BoxStream<'static, Result<AppendEntriesResponse<GroupConfig>, String>>
+where
+    S: futures_util::Stream<Item = AppendEntriesRequest<GroupConfig>> + Send + 'static,
+{
+    group
+        .raft
+        .stream_append(input)
+        .map(|r| match r {
+            Ok(answer) => Ok(AppendEntriesResponse::from(answer)),
+            Err(fatal) => Err(fatal.to_string()),
+        })
+        .boxed()
 }
 
 /// Whether an AppendEntries' entries follow its `prev_log_id` without a
@@ -1249,10 +1326,7 @@ async fn handle_now(
 ) -> Result<crate::raft_net::RpcReply, String> {
     let raft = &group.raft;
     match &rpc {
-        // Entries: the leader is written again, and so is this group.
-        crate::raft_net::Rpc::AppendEntries(r) if !r.entries.is_empty() => {
-            group.quiet.wake(raft);
-        }
+        // (Entries wake the group in `admit_append`.)
         // An election the leader asked for (a leadership transfer): every
         // voter takes part, quiet or not.
         crate::raft_net::Rpc::TransferLeader(_) | crate::raft_net::Rpc::Snapshot(_) => {

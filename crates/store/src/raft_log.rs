@@ -536,6 +536,23 @@ fn read_entries<RB: RangeBounds<u64>>(
 pub(crate) static PANIC_AT_NEXT_APPEND: Mutex<Vec<(std::path::PathBuf, u32)>> =
     Mutex::new(Vec::new());
 
+/// The groups (by node log folder and group) whose every append first
+/// waits this long, as on a slow disk: a test arms one to see a leader
+/// send the group's replica more while an append is unanswered.
+#[cfg(any(test, feature = "failpoints"))]
+pub(crate) static SLOW_APPENDS: Mutex<Vec<(std::path::PathBuf, u32, std::time::Duration)>> =
+    Mutex::new(Vec::new());
+
+#[cfg(any(test, feature = "failpoints"))]
+fn slow_append(node: &NodeLog, group: u32) -> Option<std::time::Duration> {
+    let key = (node.dir(), group);
+    let armed = SLOW_APPENDS.lock().unwrap_or_else(|e| e.into_inner());
+    armed
+        .iter()
+        .find(|(dir, g, _)| (dir, *g) == (&key.0, key.1))
+        .map(|a| a.2)
+}
+
 #[cfg(any(test, feature = "failpoints"))]
 fn panic_if_armed(node: &NodeLog, group: u32) {
     let key = (node.dir(), group);
@@ -583,6 +600,10 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
     {
         #[cfg(any(test, feature = "failpoints"))]
         panic_if_armed(&self.node, self.group);
+        #[cfg(any(test, feature = "failpoints"))]
+        if let Some(d) = slow_append(&self.node, self.group) {
+            tokio::time::sleep(d).await;
+        }
         let mut pieces: Vec<Piece> = Vec::new();
         let mut buf = self.buffer();
         let mut placed = Vec::new();

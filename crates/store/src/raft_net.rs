@@ -159,9 +159,28 @@ pub enum CallError {
     Timeout,
 }
 
+/// A call on its way: its answer, once it comes.
+pub type Answer = BoxFuture<'static, Result<RpcReply, CallError>>;
+
+/// An AppendEntries call, and a follower's answer to one.
+pub type RaftAppend = AppendEntriesRequest<GroupConfig>;
+pub type RaftAppendAnswer = AppendEntriesResponse<GroupConfig>;
+
 /// Carries calls to other nodes: a connection per node pair, shared by
 /// every group (built outside the store, by the node's transport).
 pub trait Peers: Send + Sync + 'static {
+    /// Sends `rpc` for `group` to node `target`: done once the call is on
+    /// its way, behind every call sent before it to that node (calls to
+    /// one node reach it in the order they were sent). The answer it
+    /// returns waits at most `within`, from now, for the call's answer.
+    fn send(
+        &self,
+        target: u64,
+        group: u32,
+        rpc: Rpc,
+        within: Duration,
+    ) -> BoxFuture<'static, Result<Answer, CallError>>;
+
     /// Sends `rpc` for `group` to node `target` and waits at most
     /// `within` for its answer.
     fn call(
@@ -170,7 +189,10 @@ pub trait Peers: Send + Sync + 'static {
         group: u32,
         rpc: Rpc,
         within: Duration,
-    ) -> BoxFuture<'static, Result<RpcReply, CallError>>;
+    ) -> BoxFuture<'static, Result<RpcReply, CallError>> {
+        let sent = self.send(target, group, rpc, within);
+        Box::pin(async move { sent.await?.await })
+    }
 }
 
 /// How the shards of a replicated node reach their other replicas.
@@ -258,16 +280,159 @@ impl PeerClient {
             .peers
             .call(self.target, self.net.group, rpc, within)
             .await;
-        r.map_err(|e| match e {
+        r.map_err(|e| self.net.rpc_error(e, action, self.target, within))
+    }
+}
+
+impl PeerNetwork {
+    fn rpc_error(
+        &self,
+        e: CallError,
+        action: RPCTypes,
+        target: u64,
+        within: Duration,
+    ) -> RPCError<GroupConfig> {
+        match e {
             CallError::Unreachable(why) => RPCError::Unreachable(Unreachable::from_string(why)),
             CallError::Remote(why) => RPCError::Network(NetworkError::from_string(why)),
             CallError::Timeout => RPCError::Timeout(Timeout {
                 action,
-                id: self.net.me,
-                target: self.target,
+                id: self.me,
+                target,
                 timeout: within,
             }),
-        })
+        }
+    }
+}
+
+/// AppendEntries calls one group's leader keeps unanswered to one
+/// follower ([`PeerClient::stream_append`]); a call also waits while the
+/// entry bytes of those in flight are [`APPEND_BYTES_MAX`] or more.
+pub const APPENDS_IN_FLIGHT: usize = 8;
+
+/// One AppendEntries sent in a leader's stream, and what its answer
+/// acknowledges.
+struct SentAppend {
+    prev: Option<openraft::type_config::alias::LogIdOf<GroupConfig>>,
+    last: Option<openraft::type_config::alias::LogIdOf<GroupConfig>>,
+    /// Where the call was cut to fit [`APPEND_BYTES_MAX`], if it was.
+    cut: Option<openraft::type_config::alias::LogIdOf<GroupConfig>>,
+    bytes: usize,
+    answer: Result<RpcReply, CallError>,
+}
+
+/// The state of one leader's stream of AppendEntries to one follower.
+struct AppendPipe<S> {
+    net: PeerNetwork,
+    target: u64,
+    within: Duration,
+    input: S,
+    /// The calls sent and not yet answered, oldest first.
+    sent: futures_util::stream::FuturesOrdered<BoxFuture<'static, SentAppend>>,
+    bytes: usize,
+    /// No more calls are sent: openraft's input ended, a call was cut
+    /// (openraft continues from the partial success in a new stream), or
+    /// one could not be sent (`failed`, yielded after the answers before).
+    done: bool,
+    failed: Option<RPCError<GroupConfig>>,
+}
+
+type AppendItem = Result<openraft::raft::StreamAppendResult<GroupConfig>, RPCError<GroupConfig>>;
+
+impl<S> AppendPipe<S>
+where
+    S: futures_util::Stream<Item = AppendEntriesRequest<GroupConfig>> + Unpin,
+{
+    /// The next answer, in the order the calls were sent; `None` once the
+    /// stream is over.
+    async fn next(&mut self) -> Option<(AppendItem, bool)> {
+        use futures_util::StreamExt;
+        loop {
+            let room = !self.done
+                && self.sent.len() < APPENDS_IN_FLIGHT
+                && (self.sent.is_empty() || self.bytes < APPEND_BYTES_MAX);
+            if !room && self.sent.is_empty() {
+                return self.failed.take().map(|e| (Err(e), true));
+            }
+            tokio::select! {
+                biased;
+                Some(a) = self.sent.next(), if !self.sent.is_empty() => {
+                    self.bytes -= a.bytes;
+                    return Some(self.answered(a));
+                }
+                // Cancel-safe: the input is openraft's `unfold` stream,
+                // which keeps a request being made across polls.
+                req = self.input.next(), if room => match req {
+                    None => self.done = true,
+                    Some(req) => self.send(req).await,
+                },
+            }
+        }
+    }
+
+    async fn send(&mut self, mut req: AppendEntriesRequest<GroupConfig>) {
+        let prev = req.prev_log_id;
+        let last = req.entries.last().map(|e| e.log_id).or(prev);
+        let cut = within_budget(&mut req);
+        let bytes: usize = req.entries.iter().map(entry_bytes).sum();
+        let sent = self
+            .net
+            .peers
+            .send(
+                self.target,
+                self.net.group,
+                Rpc::AppendEntries(req),
+                self.within,
+            )
+            .await;
+        match sent {
+            Ok(answer) => {
+                self.bytes += bytes;
+                self.sent.push_back(Box::pin(async move {
+                    SentAppend {
+                        prev,
+                        last,
+                        cut,
+                        bytes,
+                        answer: answer.await,
+                    }
+                }));
+                // A cut call is answered as a partial success, from which
+                // openraft starts a new stream.
+                if cut.is_some() {
+                    self.done = true;
+                }
+            }
+            Err(e) => {
+                self.done = true;
+                self.failed =
+                    Some(
+                        self.net
+                            .rpc_error(e, RPCTypes::AppendEntries, self.target, self.within),
+                    );
+            }
+        }
+    }
+
+    /// An answer as openraft's stream takes it, and whether it ends the
+    /// stream (anything but a success does).
+    fn answered(&self, a: SentAppend) -> (AppendItem, bool) {
+        let reply = match a.answer {
+            Err(e) => {
+                let e = self
+                    .net
+                    .rpc_error(e, RPCTypes::AppendEntries, self.target, self.within);
+                return (Err(e), true);
+            }
+            Ok(RpcReply::AppendEntries(AppendEntriesResponse::Success)) if a.cut.is_some() => {
+                AppendEntriesResponse::PartialSuccess(a.cut)
+            }
+            Ok(RpcReply::AppendEntries(r)) => r,
+            Ok(other) => return (Err(unexpected(other, "append_entries")), true),
+        };
+        let r = reply.into_stream_result(a.prev, a.last);
+        let ends = r.is_err();
+        (Ok(r), ends)
     }
 }
 
@@ -316,6 +481,45 @@ fn within_budget(
 
 impl RaftNetworkV2<GroupConfig> for PeerClient {
     type SnapshotData = ShardSnapshot;
+
+    /// Pipelined: each AppendEntries openraft makes is sent at once, up to
+    /// [`APPENDS_IN_FLIGHT`] unanswered (the follower hands each to its
+    /// group as it comes, in order: `ShardStore::append_stream`), and the
+    /// answers are yielded in the order sent. One at a time (openraft's
+    /// default), a shard's rate to a follower was its entries per call
+    /// over a whole round trip (the call, the follower's sync, the
+    /// answer); pipelined, the follower syncs what came while it synced
+    /// the last. Every call has its own time (`option`'s), from when it
+    /// is sent. The stream ends after the first answer that is not a
+    /// success, and after a call cut to fit [`APPEND_BYTES_MAX`].
+    fn stream_append<'s, S>(
+        &'s mut self,
+        input: S,
+        option: RPCOption,
+    ) -> BoxFuture<'s, Result<futures_util::stream::BoxStream<'s, AppendItem>, RPCError<GroupConfig>>>
+    where
+        S: futures_util::Stream<Item = AppendEntriesRequest<GroupConfig>>
+            + OptionalSend
+            + Unpin
+            + 'static,
+    {
+        let pipe = AppendPipe {
+            net: self.net.clone(),
+            target: self.target,
+            within: option.hard_ttl(),
+            input,
+            sent: futures_util::stream::FuturesOrdered::new(),
+            bytes: 0,
+            done: false,
+            failed: None,
+        };
+        let strm = futures_util::stream::unfold(Some(pipe), |pipe| async move {
+            let mut pipe = pipe?;
+            let (item, ends) = pipe.next().await?;
+            Some((item, (!ends).then_some(pipe)))
+        });
+        Box::pin(async move { Ok(Box::pin(strm) as futures_util::stream::BoxStream<'s, _>) })
+    }
 
     async fn append_entries(
         &mut self,

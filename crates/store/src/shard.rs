@@ -945,6 +945,8 @@ impl ShardStore {
             let mut status = raft_group::RaftStatus::of(&g.raft.metrics().borrow_watched());
             status.quiet = g.replicated && g.quiet.is_quiet();
             status.fresh = g.is_fresh();
+            status.appends_taken = g.appends.taken.load(Ordering::Relaxed);
+            status.appends_taken_behind_others = g.appends.behind_others.load(Ordering::Relaxed);
             status
         })
     }
@@ -1274,11 +1276,61 @@ impl ShardStore {
     ) -> Result<crate::raft_net::RpcReply, String> {
         match &self.raft {
             Some(g) if g.replicated => raft_group::handle(g, rpc).await,
-            _ => Err(format!(
-                "shard {} is not a replicated Raft group on this node",
-                self.shard
-            )),
+            _ => Err(self.not_replicated()),
         }
+    }
+
+    /// Checks an AppendEntries from the shard's leader before it joins
+    /// [`ShardStore::append_stream`]: an error is the call's answer, and
+    /// the call is not handed to the group. `behind_others`: an earlier
+    /// call with entries of the same stream is not answered yet (counted
+    /// in [`RaftStatus`](raft_group::RaftStatus)).
+    pub fn admit_append(
+        &self,
+        rpc: &crate::raft_net::RaftAppend,
+        behind_others: bool,
+    ) -> Result<(), String> {
+        match &self.raft {
+            Some(g) if g.replicated => raft_group::admit_append(g, rpc, behind_others),
+            _ => Err(self.not_replicated()),
+        }
+    }
+
+    /// The group's answers to the AppendEntries of one leader's stream,
+    /// one for each in order, each call handed to the group without
+    /// waiting for the answer to the one before (each admitted first, by
+    /// [`ShardStore::admit_append`]). The stream ends after an answer
+    /// that is not a success, or once the group stops; it holds the
+    /// group's Raft handle, not this shard.
+    pub fn append_stream<S>(
+        &self,
+        input: S,
+    ) -> Result<
+        futures_util::stream::BoxStream<'static, Result<crate::raft_net::RaftAppendAnswer, String>>,
+        String,
+    >
+    where
+        S: futures_util::Stream<Item = crate::raft_net::RaftAppend> + Send + 'static,
+    {
+        match &self.raft {
+            Some(g) if g.replicated => Ok(raft_group::append_stream(g, input)),
+            _ => Err(self.not_replicated()),
+        }
+    }
+
+    /// After the group answered a call of the stream: a replica whose data
+    /// directory was new may have caught up by now.
+    pub fn appended(&self) {
+        if let Some(g) = self.raft.as_ref().filter(|g| g.replicated) {
+            g.fresh_caught_up();
+        }
+    }
+
+    fn not_replicated(&self) -> String {
+        format!(
+            "shard {} is not a replicated Raft group on this node",
+            self.shard
+        )
     }
 
     /// The shard's current epoch: writes must carry exactly this.
