@@ -339,6 +339,63 @@ async fn a_leader_keeps_several_appends_in_flight_to_a_follower() {
     );
 }
 
+/// A follower's group panics while its leader has several appends in
+/// flight to it (its appends slowed to 20 ms, a write every 2 ms): the
+/// follower's transport answers the calls its old group took with an
+/// error, hands the next ones to the restarted group, and the follower
+/// ends up holding every write. The leader and the other follower
+/// acknowledge every write meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_group_restarts_under_pipelined_appends_catches_up() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    let f = (0..3).find(|i| *i != l).expect("a follower");
+    forkless_store::failpoints::slow_appends(&nodes[f].path, SHARD, Duration::from_millis(20));
+    let follower_path = nodes[f].path.clone();
+    let writes = (1..=200).map(|n| {
+        let node = &nodes[l];
+        let path = follower_path.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(2 * n as u64)).await;
+            if n == 60 {
+                forkless_store::failpoints::panic_at_next_append(&path, SHARD);
+            }
+            write(node, n).await
+        }
+    });
+    for r in futures_util::future::join_all(writes).await {
+        r.expect("a write on the leader");
+    }
+    let store = nodes[f].store.clone().expect("up");
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let restarted = store.restarts().get(&SHARD).cloned();
+        if let Some(r) = restarted.clone().filter(|r| r.last_outcome.is_ok()) {
+            assert_eq!(r.count, 1, "{r:?}");
+            assert!(r.last_reason.contains("panic"), "{r:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "node {f}'s group was not restarted: {restarted:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    for i in 0..3 {
+        holds(&nodes, i, 1..=200, index).await;
+    }
+    let s = nodes[f].status().expect("status");
+    assert!(
+        s.appends_taken > 0,
+        "the restarted group took no AppendEntries: {s:?}"
+    );
+}
+
 /// Stops leader `l`; the other two elect one that takes writes `ns` (its
 /// first may meet the election's end, and is retried for 10 s), and both
 /// hold every write from 1 to the last of `ns`.
