@@ -306,7 +306,11 @@ pub struct Deadline {
     done: Option<mpsc::Sender<()>>,
 }
 
+/// A test's time bound, which starts once the binary under test is there:
+/// [`forkless_bin`] is found (built, on a first run, which can take longer
+/// than any test's bound) before the clock starts.
 pub fn deadline(name: &'static str, limit: Duration) -> Deadline {
+    forkless_bin();
     let (tx, rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {
         if let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(limit) {
