@@ -654,10 +654,7 @@ async fn serve_connection(
                     None => Err(joins.refuse(peer, group, &rpc)),
                 },
             };
-            if let Ok(f) = encode(&ToClient::Answer { id, result }) {
-                let _ = out.send(f).await;
-            }
-            drop(permit);
+            answer(out, id, result, permit).await;
         });
     };
     drop(lanes);
@@ -842,8 +839,9 @@ impl Lane {
                 self.unbind(&why).await;
             }
             // After an answer that was not a success (or the group
-            // stopped): the calls fed after it are answered with an error (openraft's core may have
-            // taken them; the leader counts none without a success).
+            // stopped): the calls fed after it are answered with an
+            // error (openraft's core may have taken them; the leader
+            // counts none without a success).
             None => {
                 self.unbind("no answer: the group ended the stream (a call before it was refused, or the group stopped)")
                     .await

@@ -367,21 +367,7 @@ async fn a_follower_whose_group_restarts_under_pipelined_appends_catches_up() {
     for r in futures_util::future::join_all(writes).await {
         r.expect("a write on the leader");
     }
-    let store = nodes[f].store.clone().expect("up");
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let restarted = store.restarts().get(&SHARD).cloned();
-        if let Some(r) = restarted.clone().filter(|r| r.last_outcome.is_ok()) {
-            assert_eq!(r.count, 1, "{r:?}");
-            assert!(r.last_reason.contains("panic"), "{r:?}");
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "node {f}'s group was not restarted: {restarted:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    restarted_once_after_a_panic(&nodes, f).await;
     let index = nodes[l]
         .status()
         .and_then(|s| s.last_log_index)
@@ -394,6 +380,29 @@ async fn a_follower_whose_group_restarts_under_pipelined_appends_catches_up() {
         s.appends_taken > 0,
         "the restarted group took no AppendEntries: {s:?}"
     );
+}
+
+/// Waits (at most 20 s) until node `i`'s store has restarted the shard's
+/// group, once, after a panic, and the group runs.
+async fn restarted_once_after_a_panic(nodes: &[Node], i: usize) {
+    let store = nodes[i].store.clone().expect("up");
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let restarted = store.restarts().get(&SHARD).cloned();
+        let up = store
+            .shard(SHARD)
+            .is_some_and(|st| st.group_stopped().is_none());
+        if let Some(r) = restarted.clone().filter(|r| r.last_outcome.is_ok() && up) {
+            assert_eq!(r.count, 1, "{r:?}");
+            assert!(r.last_reason.contains("panic"), "{r:?}");
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "node {i}'s group was not restarted: {restarted:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// Stops leader `l`; the other two elect one that takes writes `ns` (its
@@ -440,24 +449,7 @@ async fn a_leader_whose_group_panics_is_restarted_and_catches_up() {
     write(&nodes[l], 21)
         .await
         .expect_err("the group panicked with this write");
-    let store = nodes[l].store.clone().expect("up");
-    let until = Instant::now() + Duration::from_secs(20);
-    loop {
-        let restarted = store.restarts().get(&SHARD).cloned();
-        let up = store
-            .shard(SHARD)
-            .is_some_and(|st| st.group_stopped().is_none());
-        if let Some(r) = restarted.clone().filter(|r| r.last_outcome.is_ok() && up) {
-            assert_eq!(r.count, 1, "{r:?}");
-            assert!(r.last_reason.contains("panic"), "{r:?}");
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "node {l}'s group was not restarted: {restarted:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    restarted_once_after_a_panic(&nodes, l).await;
     // Whoever leads now (the restarted replica may win again) takes
     // writes; its first may meet the election's end, and is retried.
     let until = Instant::now() + Duration::from_secs(20);

@@ -545,12 +545,12 @@ pub(crate) static SLOW_APPENDS: Mutex<Vec<(std::path::PathBuf, u32, std::time::D
 
 #[cfg(any(test, feature = "failpoints"))]
 fn slow_append(node: &NodeLog, group: u32) -> Option<std::time::Duration> {
-    let key = (node.dir(), group);
+    let dir = node.dir();
     let armed = SLOW_APPENDS.lock().unwrap_or_else(|e| e.into_inner());
     armed
         .iter()
-        .find(|(dir, g, _)| (dir, *g) == (&key.0, key.1))
-        .map(|a| a.2)
+        .find(|(d, g, _)| *d == dir && *g == group)
+        .map(|(_, _, delay)| *delay)
 }
 
 #[cfg(any(test, feature = "failpoints"))]
