@@ -1579,7 +1579,8 @@ impl Cluster {
 
     /// The logs of every node, for a failure message.
     pub fn logs(&self) -> String {
-        self.nodes
+        let mut out: String = self
+            .nodes
             .iter()
             .map(|n| {
                 format!(
@@ -1588,7 +1589,73 @@ impl Cluster {
                     std::fs::read_to_string(&n.log).unwrap_or_default()
                 )
             })
-            .collect()
+            .collect();
+        // Last, where a cut output (a CI report shows its tail) keeps it.
+        out.push_str(&self.summary());
+        out
+    }
+
+    /// For each node: its last warnings and errors (the system's own, not
+    /// its libraries'), and, if it runs, each shard as its `GET
+    /// /api/cluster` shows it.
+    pub fn summary(&self) -> String {
+        let mut out = String::from("---- summary ----\n");
+        for n in &self.nodes {
+            let log = std::fs::read_to_string(&n.log).unwrap_or_default();
+            let log = strip_ansi(&log);
+            let own: Vec<&str> = log
+                .lines()
+                .filter(|l| {
+                    (l.contains(" WARN ") || l.contains(" ERROR ")) && l.contains(" forkless")
+                })
+                .collect();
+            out.push_str(&format!(
+                "node {} ({}), its last warnings and errors:\n",
+                n.id,
+                if n.proc.is_some() {
+                    "running"
+                } else {
+                    "not running"
+                }
+            ));
+            for l in &own[own.len().saturating_sub(12)..] {
+                out.push_str(&format!("  {}\n", l.chars().take(400).collect::<String>()));
+            }
+            if n.proc.is_none() {
+                continue;
+            }
+            match n
+                .client()
+                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(1))
+            {
+                Ok(r) => {
+                    for sh in r.json()["shards"].as_array().into_iter().flatten() {
+                        let raft = &sh["raft"];
+                        out.push_str(&format!(
+                            "  shard {}: replicas {} ({}) raft {} failed {} restarts {}\n",
+                            sh["shard"],
+                            sh["replicas"],
+                            sh["replicas_from"],
+                            if raft.is_null() {
+                                "none".to_string()
+                            } else {
+                                serde_json::json!({
+                                    "state": raft["state"], "leader": raft["leader"],
+                                    "term": raft["term"], "last_log_index": raft["last_log_index"],
+                                    "applied": raft["applied"], "fresh": raft["fresh"],
+                                    "voters": raft["voters"],
+                                })
+                                .to_string()
+                            },
+                            sh["failed"],
+                            sh["restarts"],
+                        ));
+                    }
+                }
+                Err(e) => out.push_str(&format!("  GET /api/cluster: {e}\n")),
+            }
+        }
+        out
     }
 
     /// Which node owns each shard, per `GET /api/cluster` on node `via`.
@@ -2306,4 +2373,23 @@ pub mod netlab {
             }
         }
     }
+}
+
+/// `text` without its terminal colours (escape sequences run to their
+/// final letter).
+pub fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }

@@ -19,25 +19,6 @@ use std::time::Duration;
 const NODES: u16 = 4;
 const SHARDS: u32 = 4;
 
-/// A node's log without its terminal colours.
-fn plain(log: &str) -> String {
-    let mut out = String::with_capacity(log.len());
-    let mut chars = log.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // An escape sequence runs to its final letter.
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// `forkless cluster remove-node 1` through node `via`: its report.
 fn remove_node_1(cl: &Cluster, via: u16) -> Value {
     let server = format!("http://{}", cl.node(via).api);
@@ -125,7 +106,7 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
         let (Some(shard), Some(to)) = (shard, to) else {
             panic!("a moved shard without its shard or node: {s}");
         };
-        let log = plain(&cl.node(to as u16).proc().log());
+        let log = strip_ansi(&cl.node(to as u16).proc().log());
         let line = format!("group={shard} ");
         assert!(
             log.lines()
@@ -199,7 +180,7 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
         },
     );
     eprintln!("node 1's view after the move: {shown}");
-    let log = plain(&cl.node(1).proc().log());
+    let log = strip_ansi(&cl.node(1).proc().log());
     assert!(
         log.contains("whose group no longer counts it"),
         "node 1 did not say that its replicas were left behind:\n{log}"
@@ -300,4 +281,78 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     }
     let counts = cl.stop_and_compare_replicas();
     assert!(counts.values().sum::<u64>() >= 500, "{counts:?}");
+}
+
+/// A shard that has no leader when a node's removal reaches it (its
+/// leader's node just died, a handover is under way) is asked again
+/// until it has one, within the removal's own bound: the removal does
+/// not end incomplete over an election. Five nodes, four shards: shard 0
+/// is on nodes 1, 2 and 3, and shard 3 on nodes 4, 5 and 1, so with
+/// nodes 1 and 2 dead shard 0 has no quorum and every other shard has a
+/// live node outside its replicas to move node 1's to.
+#[test]
+fn a_node_removal_waits_out_a_shard_without_a_leader() {
+    let _deadline = deadline(
+        "membership: a removal waits for a leader",
+        Duration::from_secs(180),
+    );
+    let mut cl = Cluster::prepare_replicated(5, SHARDS, 3, PeerTiming::default());
+    let ids: Vec<u16> = (1..=5).collect();
+    cl.start_nodes(&ids, &[]);
+    cl.wait_leaders_known(3, &[]);
+    // Every replica holds its leader's first entry before two die: a
+    // replica whose data directory is new votes for no candidate with
+    // entries until it caught up once (docs/replication.md, "A replica
+    // whose data directory is new"), so a shard whose leader died before
+    // that would wait for its dead nodes, not for an election.
+    cl.wait_replicas_level();
+    cl.kill9(1);
+    cl.kill9(2);
+    let server = format!("http://{}", cl.node(3).api);
+    let removal = std::thread::spawn(move || {
+        run_cli(
+            &["cluster", "remove-node", "1", "--server", &server],
+            Duration::from_secs(120),
+        )
+    });
+    // Node 3 has found shard 0 without a leader and asks again (a
+    // removal that gave up on it instead has ended: its report is
+    // checked below)...
+    wait_until(
+        "node 3 to ask shard 0 again for the move",
+        Duration::from_secs(30),
+        || {
+            (removal.is_finished()
+                || strip_ansi(&cl.node(3).proc().log())
+                    .lines()
+                    .any(|l| l.contains("asking again") && l.contains("shard=0")))
+            .then_some(())
+        },
+    );
+    // ...until node 2 is back and the shard elects.
+    let cfg = cl.node(2).config.clone();
+    cl.spawn(2, &cfg);
+    cl.wait_ready(2);
+    let (code, out, err) = removal.join().expect("the removal's thread");
+    assert_eq!(
+        code,
+        Some(0),
+        "remove-node failed: {out}\n{err}\n{}",
+        cl.logs()
+    );
+    let report: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    eprintln!("remove-node 1 with shard 0 leaderless at first: {report}");
+    assert_eq!(report["complete"], true, "{report}");
+    for s in report["shards"].as_array().expect("a shards list") {
+        let voters: Vec<u64> = s["voters"]
+            .as_array()
+            .expect("voters")
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        let shard = s["shard"].as_u64().expect("a shard");
+        assert_eq!(s["changed"], shard == 0 || shard == 3, "shard {shard}: {s}");
+        assert_eq!(voters.len(), 3, "shard {shard}: {s}");
+        assert!(!voters.contains(&1), "shard {shard}: {s}");
+    }
 }

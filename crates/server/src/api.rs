@@ -1505,6 +1505,59 @@ fn pick_target(
         .find(|n| usable(n))
 }
 
+/// How long a node's removal keeps asking a shard that answers 503 or
+/// 421 (a few elections' time: a shard whose leader's node just died, or
+/// whose leadership is being handed over, has a leader again within one).
+const REPLACE_RETRY_WITHIN: Duration = Duration::from_secs(20);
+/// The pause between those asks.
+const REPLACE_RETRY_EVERY: Duration = Duration::from_millis(250);
+
+/// One shard's step of a node's removal (`POST /api/shards/{s}/replace`),
+/// run on the shard's leader, one hop away at most: its status and body.
+async fn replace_through_leader(
+    app: &Arc<App>,
+    shard: ShardId,
+    node: forkless_types::NodeId,
+    to: Option<u16>,
+) -> (StatusCode, serde_json::Value) {
+    let body = Bytes::from(json!({ "from": node.get(), "to": to }).to_string());
+    let route = Route {
+        partition: None,
+        shard,
+        hops_taken: 0,
+        extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
+    };
+    let path = format!("/api/shards/{}/replace", shard.get());
+    let a = app.clone();
+    let answer = route_request(
+        app,
+        Method::POST,
+        &path,
+        body,
+        route,
+        move |_, st| async move {
+            replace_on_leader(
+                &a,
+                &st,
+                node,
+                to.and_then(|t| forkless_types::NodeId::new(u64::from(t))),
+            )
+            .await
+        },
+    )
+    .await;
+    let resp = match answer {
+        Routed::Local(r, _) | Routed::Answer(r) => r,
+    };
+    let status = resp.status();
+    let text = axum::body::to_bytes(resp.into_body(), 1 << 20)
+        .await
+        .unwrap_or_default();
+    let v = serde_json::from_slice(&text)
+        .unwrap_or_else(|_| json!({ "error": String::from_utf8_lossy(&text) }));
+    (status, v)
+}
+
 /// `POST /api/cluster/remove-node`: moves every replica node `node` holds
 /// to another node (`to`, or one each shard's leader picks), one shard
 /// at a time, each on its leader. The answer lists each shard, and
@@ -1537,41 +1590,24 @@ async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Re
     let mut shards = Vec::new();
     let mut complete = true;
     for s in 0..app.dir.shard_count().get() {
-        let body = Bytes::from(json!({ "from": node.get(), "to": to }).to_string());
-        let route = Route {
-            partition: None,
-            shard: ShardId(s),
-            hops_taken: 0,
-            extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
+        // A shard with no leader to take the step (it is electing one, a
+        // handover is under way, or its leader's node just died: a 503,
+        // or a 421 naming a leader this node sees dead) is asked again,
+        // until it answers otherwise or REPLACE_RETRY_WITHIN has passed.
+        // The step is idempotent (a replica already moved is not moved
+        // again; a learner left by a step cut short is the one picked),
+        // so asking again is safe whatever the first answer did.
+        let until = std::time::Instant::now() + REPLACE_RETRY_WITHIN;
+        let (status, mut v) = loop {
+            let (status, v) = replace_through_leader(&app, ShardId(s), node, to).await;
+            let leaderless = status == StatusCode::SERVICE_UNAVAILABLE
+                || status == StatusCode::MISDIRECTED_REQUEST;
+            if !leaderless || std::time::Instant::now() + REPLACE_RETRY_EVERY >= until {
+                break (status, v);
+            }
+            tracing::info!(shard = s, node = node.get(), status = status.as_u16(), answer = %v, "moving a replica: the shard has no leader to take the step; asking again");
+            tokio::time::sleep(REPLACE_RETRY_EVERY).await;
         };
-        let path = format!("/api/shards/{s}/replace");
-        let a = app.clone();
-        let answer = route_request(
-            &app,
-            Method::POST,
-            &path,
-            body,
-            route,
-            move |_, st| async move {
-                replace_on_leader(
-                    &a,
-                    &st,
-                    node,
-                    to.and_then(|t| forkless_types::NodeId::new(u64::from(t))),
-                )
-                .await
-            },
-        )
-        .await;
-        let resp = match answer {
-            Routed::Local(r, _) | Routed::Answer(r) => r,
-        };
-        let status = resp.status();
-        let text = axum::body::to_bytes(resp.into_body(), 1 << 20)
-            .await
-            .unwrap_or_default();
-        let mut v: serde_json::Value = serde_json::from_slice(&text)
-            .unwrap_or_else(|_| json!({ "error": String::from_utf8_lossy(&text) }));
         if !status.is_success() {
             complete = false;
             v = json!({ "shard": s, "status": status.as_u16(), "error": v });
