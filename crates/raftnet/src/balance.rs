@@ -54,12 +54,46 @@ pub const TRANSFER_LAG_MAX: u64 = 16;
 /// the shard an election's time of refused writes).
 pub const HEARD_WITHIN_BEATS: u32 = 3;
 
+/// What this node knows of its link to a shard's preferred replica.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    /// It answered this node's heartbeat within the window.
+    node_heard_lately: bool,
+    /// This node's connection to it broke, or could not be made, since.
+    down: bool,
+}
+
+/// Whether the shard's leadership, as its leader's status `s` shows it,
+/// can go to its preferred replica `want`: it answered lately, its group
+/// or this node's heartbeat (a replica that is down keeps its last
+/// matched index in the leader's view; a quiet group's followers answer
+/// nothing of their group's), this node's connection to it is not known
+/// to be down since (a node killed within the window resets it at once:
+/// a handover to it would leave the shard leaderless until the
+/// followers' election), and it is nearly level.
+fn takes_over(
+    s: &forkless_store::RaftStatus,
+    want: u64,
+    heard_within: Duration,
+    link: Link,
+) -> bool {
+    let last = s.last_log_index.unwrap_or(0);
+    let level = s.matched.iter().any(|(id, m)| {
+        *id == want && m.is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX)
+    });
+    let heard = s.heard_ms_ago.iter().any(|(id, ago)| {
+        *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
+    }) || link.node_heard_lately;
+    level && heard && !link.down
+}
+
 /// Hands each of `shards` this node leads to its preferred replica
 /// (`preferred`), until `stop` turns true.
 pub async fn run(
     shards: crate::Hosted,
     preferred: Arc<dyn Fn(ShardId) -> u64 + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
+    peers: Arc<dyn forkless_store::Peers>,
     heartbeat: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -86,17 +120,11 @@ pub async fn run(
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
                 continue;
             }
-            let last = s.last_log_index.unwrap_or(0);
-            // It answered lately, its group or this node's heartbeat (a
-            // replica that is down keeps its last matched index in the
-            // leader's view; a quiet group's followers answer nothing of
-            // their group's), and is nearly level.
-            let keeps_up = s.matched.iter().any(|(id, m)| {
-                *id == want && m.is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX)
-            }) && (s.heard_ms_ago.iter().any(|(id, ago)| {
-                *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
-            }) || heard.within(want, heard_within));
-            if !keeps_up {
+            let up = Link {
+                node_heard_lately: heard.within(want, heard_within),
+                down: peers.link_down(want),
+            };
+            if !takes_over(&s, want, heard_within, up) {
                 continue;
             }
             let failures = {
@@ -148,6 +176,65 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn leader_of(
+        last: u64,
+        want: u64,
+        matched: u64,
+        heard_ms_ago: u64,
+    ) -> forkless_store::RaftStatus {
+        forkless_store::RaftStatus {
+            me: 3,
+            leader: Some(3),
+            term: 4,
+            state: "leader",
+            last_log_index: Some(last),
+            committed: Some(last),
+            applied: Some(last),
+            snapshot: None,
+            purged: None,
+            voters: vec![want, 2, 3],
+            membership_log: None,
+            learners: vec![],
+            matched: vec![(want, Some(matched)), (2, Some(last))],
+            heard_ms_ago: vec![(want, Some(heard_ms_ago)), (2, Some(0))],
+            quiet: false,
+            fresh: false,
+            appends_taken: 0,
+            appends_taken_behind_others: 0,
+        }
+    }
+
+    #[test]
+    fn the_leadership_goes_only_to_a_level_replica_heard_lately_whose_link_is_up() {
+        let within = Duration::from_millis(150);
+        let up = Link {
+            node_heard_lately: false,
+            down: false,
+        };
+        assert!(takes_over(&leader_of(100, 1, 95, 40), 1, within, up));
+        // Too far behind.
+        assert!(!takes_over(&leader_of(100, 1, 80, 40), 1, within, up));
+        // Not heard within the window, by its group or by this node.
+        assert!(!takes_over(&leader_of(100, 1, 100, 400), 1, within, up));
+        let node_heard = Link {
+            node_heard_lately: true,
+            down: false,
+        };
+        assert!(takes_over(
+            &leader_of(100, 1, 100, 400),
+            1,
+            within,
+            node_heard
+        ));
+        // Heard 40 ms ago, but the connection to it broke since (its
+        // node was killed): not handed to it.
+        let broke = Link {
+            node_heard_lately: true,
+            down: true,
+        };
+        assert!(!takes_over(&leader_of(100, 1, 100, 40), 1, within, broke));
+    }
 
     #[test]
     fn the_wait_after_failed_handovers_doubles_up_to_its_max() {

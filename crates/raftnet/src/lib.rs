@@ -225,6 +225,23 @@ impl Peers for Links {
             Ok(answer)
         })
     }
+
+    fn link_down(&self, target: u64) -> bool {
+        let Some(link) = self.inner.links.get(&target) else {
+            return true;
+        };
+        // Held while a call takes the connection, or while one is made:
+        // not known.
+        let Ok(conn) = link.conn.try_lock() else {
+            return false;
+        };
+        match &conn.tx {
+            // Its task ends when the socket breaks (a peer killed resets
+            // it at once).
+            Some(tx) => tx.is_closed(),
+            None => conn.failed.is_some(),
+        }
+    }
 }
 
 impl Inner {
@@ -922,6 +939,50 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_link_is_down_once_its_connection_breaks_and_up_once_one_is_made() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        let served = tokio::spawn(serve(listener, "s".into(), groups.clone(), stop));
+        let links = Links::new(1, "s".into(), [(2, addr.to_string())]);
+        // Never connected: not known to be down.
+        assert!(!links.link_down(2));
+        // Not a peer: down.
+        assert!(links.link_down(5));
+        let call = || links.call(2, 7, Rpc::Vote(openraft_vote()), Duration::from_secs(2));
+        assert!(matches!(call().await, Err(CallError::Remote(_))));
+        assert!(!links.link_down(2));
+        // The peer goes away: its connections close, and its port too.
+        stop_tx.send(true).unwrap();
+        served.await.unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while !links.link_down(2) {
+            assert!(
+                Instant::now() < until,
+                "the link was not seen down within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // A connect that fails keeps it down.
+        assert!(matches!(call().await, Err(CallError::Unreachable(_))));
+        assert!(links.link_down(2));
+        // The peer back on its port: the next call connects, and it is up.
+        let listener = TcpListener::bind(addr).await.unwrap();
+        let (_stop_tx, stop) = watch::channel(false);
+        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !matches!(call().await, Err(CallError::Remote(_))) {
+            assert!(
+                Instant::now() < until,
+                "no connection to the peer back within 10 s"
+            );
+            tokio::time::sleep(RETRY_CONNECT_AFTER).await;
+        }
+        assert!(!links.link_down(2));
     }
 
     #[tokio::test]

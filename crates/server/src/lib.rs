@@ -468,6 +468,7 @@ pub async fn run(
                     shards,
                     preferred,
                     heard,
+                    rep.peers.clone(),
                     std::time::Duration::from_millis(rep.timing.heartbeat_ms),
                     stop_rx.clone(),
                 ));

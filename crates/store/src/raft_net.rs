@@ -181,6 +181,14 @@ pub trait Peers: Send + Sync + 'static {
         within: Duration,
     ) -> BoxFuture<'static, Result<Answer, CallError>>;
 
+    /// Whether this node's connection to `target` is known to be down:
+    /// it broke, or the last try to make one failed, and none was made
+    /// since. False when that is not known (no connection was ever made,
+    /// or one is being made now).
+    fn link_down(&self, _target: u64) -> bool {
+        false
+    }
+
     /// Sends `rpc` for `group` to node `target` and waits at most
     /// `within` for its answer.
     fn call(
