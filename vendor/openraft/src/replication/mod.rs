@@ -323,7 +323,10 @@ where
 
         let req_strm = Self::new_request_stream(stream_context);
 
-        let rpc_timeout = Duration::from_millis(self.replication_context.config.heartbeat_interval);
+        // forkless patch: an AppendEntries waits for the follower's sync too; cut at the
+        // heartbeat interval, no entry ever committed over a link whose round trip plus a sync
+        // exceeds it (see the heartbeat worker's timeout).
+        let rpc_timeout = Duration::from_millis(self.replication_context.config.election_timeout_min);
         let option = RPCOption::new(rpc_timeout);
 
         let resp_strm_res = network.stream_append(req_strm, option).await;

@@ -99,7 +99,11 @@ where
                 continue;
             };
 
-            let timeout = Duration::from_millis(self.config.heartbeat_interval);
+            // forkless patch: an answer that comes after the heartbeat interval is still an
+            // answer (the lease counts from when the heartbeat was sent); cut at the interval,
+            // every heartbeat over a link whose round trip exceeds it failed, and the leader lost
+            // its lease for good. The least time a follower waits before it stands instead.
+            let timeout = Duration::from_millis(self.config.election_timeout_min);
             let option = RPCOption::new(timeout);
 
             let payload = AppendEntriesRequest {
