@@ -11,6 +11,10 @@
 //! lacks at most [`TRANSFER_LAG_MAX`] entries, and one that did not take
 //! is tried again only after [`TRANSFER_BACKOFF`], doubling with each
 //! failure in a row up to [`TRANSFER_BACKOFF_MAX`].
+//!
+//! A leader that no quorum has answered for a while (it still sends, and
+//! hears nothing) hands its leadership away the same way
+//! ([`steps_down_to`]), whichever replica is preferred.
 
 use forkless_types::ShardId;
 use std::collections::HashMap;
@@ -87,17 +91,79 @@ fn takes_over(
     level && heard && !link.down
 }
 
+/// How long a leader may go without an answer from a quorum of its
+/// group's voters, in max election timeouts, before it hands its
+/// leadership away ([`steps_down_to`]).
+pub const STEP_DOWN_SILENT_TIMEOUTS: u32 = 2;
+
+/// The voter a leader that no quorum has answered for `silent_for` hands
+/// its leadership to, if it should. A voter counts as answering if its
+/// group (`s.heard_ms_ago`) or its node (`node_heard`: the node
+/// heartbeat, which goes on while a group is quiet, so a group just woken
+/// from quiet with old answers in its metrics is not taken for cut off)
+/// answered within `silent_for`. Such a leader's heartbeats and
+/// replication go on reaching its followers, which keeps them from
+/// standing (`crates/it/tests/link_faults.rs`: a leader that hears
+/// nothing held its shards for as long as the cut lasted; openraft's
+/// CheckQuorum, which stops only its heartbeats, still took 6.3 s, and
+/// gates a quiet leader's read-index round on waking). Its transfer
+/// reaches them as its replication does:
+/// every voter then drops its lease, and the one named stands at once
+/// if it holds the leader's last entry. Where nothing reaches them (a
+/// partition), the transfer is lost and changes nothing; openraft
+/// refuses the leader's writes from the transfer on, which a leader no
+/// quorum answers could not commit anyway. The voter named is the one
+/// that matched the most entries (ties: the lowest id).
+pub fn steps_down_to(
+    s: &forkless_store::RaftStatus,
+    silent_for: Duration,
+    node_heard: impl Fn(u64) -> bool,
+) -> Option<u64> {
+    if s.state != "leader" || s.leader != Some(s.me) || s.quiet || !s.voters.contains(&s.me) {
+        return None;
+    }
+    let others: Vec<u64> = s.voters.iter().copied().filter(|v| *v != s.me).collect();
+    if others.is_empty() {
+        return None;
+    }
+    let quorum = s.voters.len() / 2 + 1;
+    let answering = others
+        .iter()
+        .filter(|v| {
+            node_heard(**v)
+                || s.heard_ms_ago.iter().any(|(id, ago)| {
+                    id == *v && ago.is_some_and(|ms| u128::from(ms) <= silent_for.as_millis())
+                })
+        })
+        .count();
+    if answering + 1 >= quorum {
+        return None;
+    }
+    let matched = |v: u64| {
+        s.matched
+            .iter()
+            .find(|(id, _)| *id == v)
+            .and_then(|(_, m)| *m)
+    };
+    others
+        .into_iter()
+        .max_by(|a, b| matched(*a).cmp(&matched(*b)).then(b.cmp(a)))
+}
+
 /// Hands each of `shards` this node leads to its preferred replica
-/// (`preferred`), until `stop` turns true.
+/// (`preferred`), and hands away the leadership of a shard no quorum has
+/// answered for a while ([`steps_down_to`]), until `stop` turns true.
 pub async fn run(
     shards: crate::Hosted,
     preferred: Arc<dyn Fn(ShardId) -> u64 + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: Arc<dyn forkless_store::Peers>,
     heartbeat: Duration,
+    election_timeout_max: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
     let heard_within = heartbeat * HEARD_WITHIN_BEATS;
+    let silent_for = election_timeout_max * STEP_DOWN_SILENT_TIMEOUTS;
     // Each shard's last handover. One that took is forgotten (its watcher
     // sees the preferred replica lead within TAKES_WITHIN); one that did
     // not makes the next wait, longer after each failure in a row, so a
@@ -115,8 +181,9 @@ pub async fn run(
         }
         for st in &shards() {
             let Some(s) = st.raft_status() else { continue };
-            let want = preferred(st.id());
             let shard = st.id().get();
+            let cut_off = steps_down_to(&s, silent_for, |v| heard.within(v, silent_for));
+            let want = cut_off.unwrap_or_else(|| preferred(st.id()));
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
                 continue;
             }
@@ -124,7 +191,7 @@ pub async fn run(
                 node_heard_lately: heard.within(want, heard_within),
                 down: peers.link_down(want),
             };
-            if !takes_over(&s, want, heard_within, up) {
+            if cut_off.is_none() && !takes_over(&s, want, heard_within, up) {
                 continue;
             }
             let failures = {
@@ -144,13 +211,24 @@ pub async fn run(
                     }
                 }
             };
-            tracing::info!(
-                shard,
-                term = s.term,
-                to = want,
-                failed_before = failures - 1,
-                "handing the shard's leadership to its preferred replica"
-            );
+            if cut_off.is_some() {
+                tracing::warn!(
+                    shard,
+                    term = s.term,
+                    to = want,
+                    silent_ms = silent_for.as_millis() as u64,
+                    failed_before = failures - 1,
+                    "no quorum of the shard's replicas has answered this leader: handing its leadership away"
+                );
+            } else {
+                tracing::info!(
+                    shard,
+                    term = s.term,
+                    to = want,
+                    failed_before = failures - 1,
+                    "handing the shard's leadership to its preferred replica"
+                );
+            }
             if let Err(e) = st.transfer_leader(want).await {
                 tracing::warn!(shard, to = want, error = %e, "handing over the shard's leadership failed");
                 continue;
@@ -234,6 +312,54 @@ mod tests {
             down: true,
         };
         assert!(!takes_over(&leader_of(100, 1, 100, 40), 1, within, broke));
+    }
+
+    #[test]
+    fn a_leader_no_quorum_answers_hands_its_leadership_to_the_voter_that_matched_most() {
+        let silent = Duration::from_millis(800);
+        let nobody = |_| false;
+        // (voter 1 heard ms ago, voter 2 heard ms ago) -> handed to.
+        let check = |heard1: Option<u64>, heard2: Option<u64>, node: &dyn Fn(u64) -> bool| {
+            let mut s = leader_of(100, 1, 90, 0);
+            s.matched = vec![(1, Some(90)), (2, Some(95))];
+            s.heard_ms_ago = vec![(1, heard1), (2, heard2)];
+            steps_down_to(&s, silent, node)
+        };
+        // One follower answers: with the leader, a quorum of three.
+        assert_eq!(check(Some(100), Some(5000), &nobody), None);
+        assert_eq!(check(Some(5000), Some(800), &nobody), None);
+        // Neither answers: to voter 2, which matched more.
+        assert_eq!(check(Some(900), Some(5000), &nobody), Some(2));
+        assert_eq!(check(None, None, &nobody), Some(2));
+        // The group's answers are old, its node answers (a group just
+        // woken from quiet): not cut off.
+        assert_eq!(check(None, None, &|v| v == 1), None);
+        // Quiet, a follower, or alone: never.
+        let mut s = leader_of(100, 1, 90, 5000);
+        s.heard_ms_ago = vec![(1, None), (2, None)];
+        assert_eq!(steps_down_to(&s, silent, nobody), Some(2));
+        s.quiet = true;
+        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        s.quiet = false;
+        s.state = "follower";
+        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        s.state = "leader";
+        s.voters = vec![3];
+        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        // Five voters: two answering of four others is a quorum with the
+        // leader; one is not. Ties go to the lowest id.
+        let mut s = leader_of(100, 1, 100, 0);
+        s.voters = vec![1, 2, 3, 4, 5];
+        s.matched = vec![
+            (1, Some(100)),
+            (2, Some(100)),
+            (4, Some(100)),
+            (5, Some(100)),
+        ];
+        s.heard_ms_ago = vec![(1, Some(0)), (2, Some(0)), (4, None), (5, None)];
+        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        s.heard_ms_ago = vec![(1, Some(0)), (2, None), (4, None), (5, None)];
+        assert_eq!(steps_down_to(&s, silent, nobody), Some(1));
     }
 
     #[test]

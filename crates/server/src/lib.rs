@@ -470,6 +470,7 @@ pub async fn run(
                     heard,
                     rep.peers.clone(),
                     std::time::Duration::from_millis(rep.timing.heartbeat_ms),
+                    std::time::Duration::from_millis(rep.timing.election_timeout_max_ms),
                     stop_rx.clone(),
                 ));
             }
