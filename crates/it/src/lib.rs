@@ -23,6 +23,8 @@ use std::time::{Duration, Instant};
 
 pub use serde_json::json;
 
+pub mod faultproxy;
+
 /// How long a test may run before the deadline guard aborts it.
 pub const TEST_DEADLINE: Duration = Duration::from_secs(90);
 
@@ -1105,6 +1107,11 @@ pub struct Cluster {
     /// (bound, not listening), by port: a node's are let go just before it starts
     /// (see [`Cluster::spawn`]), so nothing else can take them meanwhile.
     held: std::collections::HashMap<u16, HeldPort>,
+    /// The fault-injecting proxies every Raft link goes through, for a
+    /// cluster made by [`Cluster::prepare_behind_proxies`]: each node's
+    /// cluster file then names, as each peer's `raft_addr`, its proxy to
+    /// that peer.
+    pub faults: Option<Arc<faultproxy::Faults>>,
 }
 
 impl Cluster {
@@ -1154,6 +1161,7 @@ impl Cluster {
             raft_timing: None,
             raft_log: None,
             held: ports.iter().copied().zip(held).collect(),
+            faults: None,
         }
     }
 
@@ -1173,6 +1181,42 @@ impl Cluster {
             c.held.insert(port, l);
         }
         c.replication_factor = Some(factor);
+        c
+    }
+
+    /// [`Cluster::prepare_replicated`] with every Raft link behind a
+    /// fault-injecting proxy ([`faultproxy::Faults`], in `self.faults`):
+    /// each node dials each peer through a proxy of its own, so that the
+    /// test can cut, delay or slow each direction between two nodes apart.
+    pub fn prepare_behind_proxies(
+        node_count: u16,
+        shard_count: u32,
+        factor: u32,
+        timing: PeerTiming,
+    ) -> Cluster {
+        let mut c = Cluster::prepare_replicated(node_count, shard_count, factor, timing);
+        let pairs: Vec<(u16, u16)> = (1..=node_count)
+            .flat_map(|a| {
+                (1..=node_count)
+                    .filter(move |b| *b != a)
+                    .map(move |b| (a, b))
+            })
+            .collect();
+        let listeners = pairs
+            .iter()
+            .copied()
+            .zip(
+                hold_free_ports(pairs.len())
+                    .into_iter()
+                    .map(HeldPort::listen),
+            )
+            .collect();
+        let targets: Vec<(u16, SocketAddr)> = c
+            .nodes
+            .iter()
+            .map(|n| (n.id, n.raft.expect("a replicated node's Raft address")))
+            .collect();
+        c.faults = Some(Arc::new(faultproxy::Faults::start(&targets, listeners)));
         c
     }
 
@@ -1355,7 +1399,13 @@ impl Cluster {
         let c = self;
         let cfg = c.write_config("cluster-v1.toml", shards);
         for &id in ids {
-            c.spawn(id, &cfg);
+            if c.faults.is_some() {
+                // Behind proxies, each node's file names its own proxies.
+                let own = c.write_config_seen_by(&format!("cluster-v1-node-{id}.toml"), shards, id);
+                c.spawn(id, &own);
+            } else {
+                c.spawn(id, &cfg);
+            }
         }
         for &id in ids {
             c.wait_ready(id);
@@ -1415,6 +1465,27 @@ impl Cluster {
 
     /// Writes a config file into the cluster dir and returns its path.
     pub fn write_config(&self, name: &str, shards: &[(u32, u16, u64)]) -> PathBuf {
+        self.write_config_as(name, shards, None)
+    }
+
+    /// [`Cluster::write_config`] for node `viewer` of a cluster behind
+    /// proxies: each peer's `raft_addr` is the proxy `viewer` dials it
+    /// through (its own is where it listens).
+    pub fn write_config_seen_by(
+        &self,
+        name: &str,
+        shards: &[(u32, u16, u64)],
+        viewer: u16,
+    ) -> PathBuf {
+        self.write_config_as(name, shards, Some(viewer))
+    }
+
+    fn write_config_as(
+        &self,
+        name: &str,
+        shards: &[(u32, u16, u64)],
+        viewer: Option<u16>,
+    ) -> PathBuf {
         let t = &self.timing;
         let mut s = format!(
             "shard_count = {}\nsecret = \"{}\"\n\n[peer]\nforward_connect_timeout_ms = {}\nforward_timeout_ms = {}\nprobe_interval_ms = {}\nprobe_timeout_ms = {}\n",
@@ -1444,7 +1515,11 @@ impl Cluster {
                 "\n[[nodes]]\nid = {}\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
                 n.id, n.api, n.peer
             ));
-            if let Some(r) = n.raft {
+            let proxied = match (&self.faults, viewer) {
+                (Some(f), Some(v)) if v != n.id => Some(f.addr(v, n.id)),
+                _ => None,
+            };
+            if let Some(r) = proxied.or(n.raft) {
                 s.push_str(&format!("raft_addr = \"{r}\"\n"));
             }
         }
