@@ -226,6 +226,9 @@ struct Route {
     hops_taken: u8,
     /// Extra time a forward may take (long-polls).
     extra_wait: Duration,
+    /// A read that may be answered by any replica of the shard this node
+    /// holds, as it stands (`consistency=stale`).
+    stale_ok: bool,
 }
 
 /// The route headers' values for one answer: who owns the request's shard
@@ -237,6 +240,8 @@ pub(crate) struct RouteHeaders {
     epoch: Option<u64>,
     map_version: u64,
     hops: u64,
+    /// Set on a stale read answered here: the replica's applied index.
+    stale_applied: Option<u64>,
 }
 
 impl RouteHeaders {
@@ -256,6 +261,7 @@ impl RouteHeaders {
             epoch: epoch.map(|e| e.get()),
             map_version: app.dir.map_version(),
             hops: route.hops_taken.into(),
+            stale_applied: None,
         }
     }
 
@@ -265,6 +271,10 @@ impl RouteHeaders {
         h.reserve(7);
         for (name, v) in self.pairs() {
             h.insert(name, number_header(v));
+        }
+        if let Some(applied) = self.stale_applied {
+            h.insert(route_header::READ, HeaderValue::from_static("stale"));
+            h.insert(route_header::APPLIED_INDEX, number_header(applied));
         }
     }
 
@@ -414,6 +424,21 @@ where
     let (owner, decision) = decision(app, route.shard, route.hops_taken);
     let partition = route.partition.map(|p| p.get());
     let shard = route.shard.get();
+    if route.stale_ok && method == Method::GET {
+        if let Some((st, applied)) = stale_replica(app, route.shard) {
+            app.metrics.outcome(outcome::STALE_LOCALLY);
+            let mut headers = RouteHeaders::new(app, &route, &owner);
+            headers.stale_applied = Some(applied);
+            return match local(st.epoch(), st).await {
+                Ok(v) => Routed::Local(v, headers),
+                Err(e) => {
+                    let mut resp = e.into_response();
+                    headers.apply(&mut resp);
+                    Routed::Answer(resp)
+                }
+            };
+        }
+    }
     let mut resp = match decision {
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
@@ -532,6 +557,35 @@ where
     Routed::Answer(resp)
 }
 
+/// This node's replica of a replicated `shard` and its applied index, if
+/// it may answer a stale read: it holds one, and it is not a new replica
+/// still catching up (whose state may be empty, not merely behind). Its
+/// group may know no leader: a stale read is served on the minority side
+/// of a partition too.
+fn stale_replica(app: &App, shard: ShardId) -> Option<(Arc<ShardStore>, u64)> {
+    let st = app.store.shard(shard).filter(|st| st.is_replicated())?;
+    let s = st.raft_status()?;
+    if s.fresh {
+        return None;
+    }
+    Some((st, s.applied.unwrap_or(0)))
+}
+
+/// The `consistency` query parameter of a read: `linearizable` (the
+/// default: the shard's leader answers, after confirming with a quorum
+/// that it still leads) or `stale` (any replica answers as it stands);
+/// true for stale.
+fn stale_read(q: &HashMap<String, String>) -> Result<bool, ApiError> {
+    match q.get("consistency").map(String::as_str) {
+        None | Some("linearizable") => Ok(false),
+        Some("stale") => Ok(true),
+        Some(other) => Err(ApiError::invalid(
+            "consistency",
+            format!("must be linearizable or stale, got {other:?}"),
+        )),
+    }
+}
+
 fn id_route(id: ExecutionId, app: &App, hops_taken: u8) -> Route {
     let n = app.dir.shard_count();
     Route {
@@ -539,6 +593,7 @@ fn id_route(id: ExecutionId, app: &App, hops_taken: u8) -> Route {
         shard: id.shard(n),
         hops_taken,
         extra_wait: Duration::ZERO,
+        stale_ok: false,
     }
 }
 
@@ -626,6 +681,7 @@ async fn start_inner(
                 shard: p.shard(n),
                 hops_taken: hops,
                 extra_wait: Duration::ZERO,
+                stale_ok: false,
             };
             (route, None)
         }
@@ -641,6 +697,7 @@ async fn start_inner(
                 shard,
                 hops_taken: hops,
                 extra_wait: Duration::ZERO,
+                stale_ok: false,
             };
             (route, placed)
         }
@@ -726,13 +783,15 @@ fn started_payload(b: &wire::StartBody) -> Vec<u8> {
 async fn get_execution(
     State(app): AppState,
     id: Result<Path<String>, PathRejection>,
+    Query(q): Query<HashMap<String, String>>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let hops = hops_taken(&app, &headers)?;
     let id = path_execution_id(id)?;
-    let route = id_route(id, &app, hops);
+    let mut route = id_route(id, &app, hops);
+    route.stale_ok = stale_read(&q)?;
     let app2 = app.clone();
     Ok(dispatch(
         &app,
@@ -1144,6 +1203,13 @@ async fn read_events(
     let p = read_params(&app, &q)?;
     let mut route = id_route(id, &app, hops);
     route.extra_wait = p.wait;
+    route.stale_ok = stale_read(&q)?;
+    if route.stale_ok && !p.wait.is_zero() {
+        return Err(ApiError::invalid(
+            "consistency",
+            "a long-poll (wait_ms) is served by the shard's leader: leave out consistency=stale, or wait_ms",
+        ));
+    }
     let app2 = app.clone();
     Ok(dispatch(
         &app,
@@ -1255,6 +1321,7 @@ impl Drop for LongPollSlot {
 async fn by_key(
     State(app): AppState,
     key: Result<Path<String>, PathRejection>,
+    Query(q): Query<HashMap<String, String>>,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -1269,6 +1336,7 @@ async fn by_key(
         shard: p.shard(n),
         hops_taken: hops,
         extra_wait: Duration::ZERO,
+        stale_ok: stale_read(&q)?,
     };
     let app2 = app.clone();
     Ok(
@@ -1397,6 +1465,7 @@ async fn replace_replica(
         shard,
         hops_taken: hops,
         extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
+        stale_ok: false,
     };
     let app2 = app.clone();
     dispatch(&app, method, &uri, bytes, route, move |_, st| async move {
@@ -1526,6 +1595,7 @@ async fn replace_through_leader(
         shard,
         hops_taken: 0,
         extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
+        stale_ok: false,
     };
     let path = format!("/api/shards/{}/replace", shard.get());
     let a = app.clone();

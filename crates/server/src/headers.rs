@@ -17,6 +17,12 @@ pub(crate) mod route_header {
     pub const EPOCH: HeaderName = HeaderName::from_static("x-forkless-epoch");
     pub const MAP_VERSION: HeaderName = HeaderName::from_static("x-forkless-map-version");
     pub const HOPS: HeaderName = HeaderName::from_static(crate::HOPS_HEADER);
+    /// `stale` on a read answered by a replica as it stood
+    /// (`consistency=stale`), not confirmed with the shard's group.
+    pub const READ: HeaderName = HeaderName::from_static("x-forkless-read");
+    /// The last Raft entry the replica that answered a stale read had
+    /// applied.
+    pub const APPLIED_INDEX: HeaderName = HeaderName::from_static("x-forkless-applied-index");
 }
 
 /// A hop header's value as a count, if it is one (the connection loop's

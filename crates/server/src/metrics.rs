@@ -39,8 +39,12 @@ pub mod outcome {
     pub const NOT_OWNER: &str = "not_owner";
     pub const FAIL_CLOSED: &str = "fail_closed";
     pub const REFUSED_HOP_HEADER: &str = "refused_hop_header";
-    pub const ALL: [&str; 6] = [
+    /// A read that asked for `consistency=stale`, answered by this node's
+    /// replica as it stands (leader or not, with no read-index round).
+    pub const STALE_LOCALLY: &str = "stale_read_locally";
+    pub const ALL: [&str; 7] = [
         LOCAL,
+        STALE_LOCALLY,
         FORWARDED_OK,
         FORWARD_FAILED,
         NOT_OWNER,
