@@ -1051,3 +1051,86 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
         }
     }
 }
+
+/// This process's CPU time so far (user plus system), from
+/// `/proc/self/stat`, in clock ticks.
+fn cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The fields after the command's closing parenthesis, from the state
+    // on: utime and stime are the 14th and 15th of the line, the 12th and
+    // 13th after it.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let field = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    field(11) + field(12)
+}
+
+/// How a linearizable read's confirmation costs by read index (a round of
+/// heartbeats answered by a quorum) against the leader's lease (no round
+/// trip): `readers` tasks on the leader, each confirming and then reading
+/// an execution, for `FORKLESS_READ_SECONDS` (3) per point; 1 and 16
+/// readers, both ways, alternated over three rounds; reads/s, p50 and p99
+/// of one read, and the process's CPU per read (the three replicas are
+/// this process). Run with `cargo test --release -p forkless-raftnet
+/// --test three_replicas read_confirm -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run by hand, in release"]
+async fn read_confirm_by_read_index_and_by_lease() {
+    use forkless_store::ReadConfirm;
+    let secs: u64 = std::env::var("FORKLESS_READ_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    write(&nodes[l], 1).await.expect("a write on the leader");
+    let st = nodes[l]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    let ticks_per_s = 100.0; // USER_HZ on Linux
+    for round in 0..3 {
+        let mut ways = [ReadConfirm::ReadIndex, ReadConfirm::Lease];
+        if round % 2 == 1 {
+            ways.reverse();
+        }
+        for readers in [1usize, 16] {
+            for how in ways {
+                let until = Instant::now() + Duration::from_secs(secs);
+                let cpu = cpu_ticks();
+                let tasks: Vec<_> = (0..readers)
+                    .map(|_| {
+                        let st = st.clone();
+                        tokio::spawn(async move {
+                            let mut took = Vec::new();
+                            while Instant::now() < until {
+                                let t = Instant::now();
+                                st.linearize_by(how).await.expect("confirmed");
+                                st.execution(id(1)).expect("read").expect("there");
+                                took.push(t.elapsed().as_micros() as u64);
+                            }
+                            took
+                        })
+                    })
+                    .collect();
+                let mut took = Vec::new();
+                for t in tasks {
+                    took.extend(t.await.expect("reader"));
+                }
+                let cpu_s = (cpu_ticks() - cpu) as f64 / ticks_per_s;
+                took.sort_unstable();
+                let at = |q: f64| took[((took.len() - 1) as f64 * q) as usize];
+                eprintln!(
+                    "round {round} readers {readers:>2} {how:?}: {:>8.0} reads/s, p50 {} us, p99 {} us, CPU {:.1} us per read",
+                    took.len() as f64 / secs as f64,
+                    at(0.5),
+                    at(0.99),
+                    cpu_s * 1e6 / took.len() as f64
+                );
+            }
+        }
+    }
+}

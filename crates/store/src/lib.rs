@@ -109,7 +109,9 @@ pub use raft_net::{
     Answer, Beat, CallError, Peers, RaftAppend, RaftAppendAnswer, RaftLogLimits, RaftTiming,
     Replication, Rpc, RpcReply, SnapshotChunk, APPENDS_IN_FLIGHT, APPEND_BYTES_MAX,
 };
-pub use shard::{Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT};
+pub use shard::{
+    ReadConfirm, Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT,
+};
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;
 

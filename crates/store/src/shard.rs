@@ -37,6 +37,20 @@ pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
 /// this node's leadership ([`ShardStore::linearize`]).
 pub const READ_CONFIRM_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How a leader confirms, before a read, that it still leads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadConfirm {
+    /// A round of heartbeats answered by a quorum (openraft's read
+    /// index): no trust in clocks, a round trip per read (reads waiting
+    /// at once share one).
+    ReadIndex,
+    /// The leader's lease, still running since a quorum last answered
+    /// (openraft's lease read): no round trip, but it rests on the nodes'
+    /// clocks running at about the same rate, and it lapses on a quiet
+    /// group.
+    Lease,
+}
+
 /// [`StoreConfig::raft_groups_in_flight`]'s default.
 pub const RAFT_GROUPS_IN_FLIGHT: usize = 8;
 
@@ -1244,6 +1258,17 @@ impl ShardStore {
     /// retry at the leader) when this node does not lead, or no quorum
     /// answers within [`READ_CONFIRM_WITHIN`].
     pub async fn linearize(&self) -> Result<(), StoreError> {
+        self.linearize_by(ReadConfirm::ReadIndex).await
+    }
+
+    /// [`ShardStore::linearize`] by the given means: what the served
+    /// reads use ([`ReadConfirm::ReadIndex`]) and what it was measured
+    /// against (`BENCHMARKS.md`, "Reads: read index against a lease").
+    pub async fn linearize_by(&self, how: ReadConfirm) -> Result<(), StoreError> {
+        let policy = match how {
+            ReadConfirm::ReadIndex => openraft::ReadPolicy::ReadIndex,
+            ReadConfirm::Lease => openraft::ReadPolicy::LeaseRead,
+        };
         let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
             return Ok(());
         };
@@ -1253,7 +1278,7 @@ impl ShardStore {
         };
         match tokio::time::timeout(
             READ_CONFIRM_WITHIN,
-            g.raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
+            g.raft.ensure_linearizable(policy),
         )
         .await
         {
