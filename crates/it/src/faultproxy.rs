@@ -182,21 +182,20 @@ impl Faults {
     /// Cuts every direction into node `n`: it still sends, and hears
     /// nothing.
     pub fn cut_into(&self, n: u16) {
-        for ((_, to), d) in &self.directions {
-            if *to == n {
-                d.set(LinkFault {
-                    cut: true,
-                    ..d.get()
-                });
-            }
-        }
+        self.cut_where(|_, to| to == n);
     }
 
     /// Cuts every direction out of node `n`: it hears, and nothing it
     /// sends arrives.
     pub fn cut_out_of(&self, n: u16) {
-        for ((from, _), d) in &self.directions {
-            if *from == n {
+        self.cut_where(|from, _| from == n);
+    }
+
+    /// Cuts every direction (from, to) that `which` picks, keeping the
+    /// rest of its fault.
+    fn cut_where(&self, which: impl Fn(u16, u16) -> bool) {
+        for ((from, to), d) in &self.directions {
+            if which(*from, *to) {
                 d.set(LinkFault {
                     cut: true,
                     ..d.get()

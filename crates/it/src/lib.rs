@@ -1911,6 +1911,75 @@ pub mod workload {
         pub fn take(&self) -> Vec<Batch> {
             std::mem::take(&mut *self.log.lock().unwrap())
         }
+
+        /// Stops the writers, waits for each (a writer that saw an answer
+        /// break the API's promises fails the test), and takes the log.
+        pub fn finish(
+            &self,
+            writers: Vec<std::thread::JoinHandle<Result<(), String>>>,
+        ) -> Vec<Batch> {
+            self.stop.set();
+            for w in writers {
+                w.join()
+                    .expect("writer thread")
+                    .expect("the API kept its promises");
+            }
+            self.take()
+        }
+    }
+
+    /// The seed of a randomized fault schedule: `FORKLESS_FAULT_SEED` (to
+    /// replay one), else the clock; odd, as [`Rng`] needs. Printed by the
+    /// caller.
+    pub fn fault_seed() -> u64 {
+        std::env::var("FORKLESS_FAULT_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_nanos() as u64)
+                    .unwrap_or(1)
+            })
+            | 1
+    }
+
+    /// xorshift64*: enough to draw a fault schedule from a seed.
+    pub struct Rng(pub u64);
+
+    impl Rng {
+        pub fn draw(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        /// A number below `n`.
+        pub fn below(&mut self, n: u64) -> u64 {
+            self.draw() % n
+        }
+    }
+
+    /// Starts `count` executions through `c`, the i-th steered to shard
+    /// `i % shards` (routing key `prefix-i...`, idempotency key `start-i`,
+    /// so that a start retried while its shard is between leaders lands
+    /// once); their ids.
+    pub fn start_spread(c: &Client, prefix: &str, count: u32, shards: u32) -> Vec<String> {
+        (0..count)
+            .map(|i| {
+                let key = crate::key_on_shard(&format!("{prefix}-{i}"), i % shards, shards);
+                let body = json!({"workflow": "w", "routing_key": key, "idempotency_key": format!("start-{i}")});
+                let r = crate::settled(Duration::from_secs(20), || c.post("/api/executions", &body));
+                assert!(
+                    r.status == 201 || r.status == 200,
+                    "start {body}: {} {}",
+                    r.status,
+                    r.text()
+                );
+                r.json()["execution_id"].as_str().expect("id").to_string()
+            })
+            .collect()
     }
 
     /// Appends batches of 1 to 3 events to `execs` in turn, through

@@ -15,7 +15,9 @@
 //! The schedule comes from a seed, printed first; `FORKLESS_FAULT_SEED=N`
 //! replays one.
 
-use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Outcome, Shared};
+use forkless_it::workload::{
+    fault_seed, histogram, settle_unknowns, start_spread, verify, writer, Outcome, Rng, Shared,
+};
 use forkless_it::*;
 use std::time::{Duration, Instant};
 
@@ -23,21 +25,6 @@ const NODES: u16 = 5;
 const SHARDS: u32 = 4;
 const FACTOR: u32 = 3;
 const ROUNDS: usize = 6;
-
-/// xorshift64*: enough to draw a schedule from a seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 #[derive(Debug, Clone)]
 enum Fault {
@@ -53,16 +40,7 @@ enum Fault {
 #[test]
 fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
     let _deadline = deadline("faults: five nodes", Duration::from_secs(400));
-    let seed = std::env::var("FORKLESS_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        })
-        | 1;
+    let seed = fault_seed();
     eprintln!("fault schedule seed {seed} (replay with FORKLESS_FAULT_SEED={seed})");
     let mut rng = Rng(seed);
     let lab = netlab::NetLab::new(NODES);
@@ -74,23 +52,10 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         cl.wait_leaders_known(*id, &[]);
     }
     let c = cl.client(1);
-    let execs: Vec<String> = (0..8)
-        .map(|i| {
-            let key = key_on_shard(&format!("faults-{i}"), i % SHARDS, SHARDS);
-            // Leaders are being handed to their preferred replicas just
-            // after start: a start is retried (same idempotency key) while
-            // its shard is between leaders.
-            let body = json!({"workflow": "w", "routing_key": key, "idempotency_key": format!("start-{i}")});
-            let r = settled(Duration::from_secs(20), || c.post("/api/executions", &body));
-            assert!(
-                r.status == 201 || r.status == 200,
-                "start {body}: {} {}",
-                r.status,
-                r.text()
-            );
-            r.json()["execution_id"].as_str().expect("id").to_string()
-        })
-        .collect();
+    // Leaders are being handed to their preferred replicas just after
+    // start: a start is retried (same idempotency key) while its shard is
+    // between leaders.
+    let execs = start_spread(&c, "faults", 8, SHARDS);
     // One writer through each node: some always through a faulted one.
     let shared = Shared::default();
     let writers: Vec<_> = ids
@@ -223,13 +188,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         windows.push((fault, struck, healed));
         grew(50, &format!("50 acknowledged writes after round {round}"));
     }
-    shared.stop.set();
-    for w in writers {
-        w.join()
-            .expect("writer thread")
-            .expect("the API kept its promises");
-    }
-    let batches = shared.take();
+    let batches = shared.finish(writers);
     let during: usize = batches
         .iter()
         .filter(|b| {

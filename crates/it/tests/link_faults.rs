@@ -21,7 +21,9 @@
 //! same idempotency keys, and every replica holds the same events on disk.
 
 use forkless_it::faultproxy::LinkFault;
-use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Outcome, Shared};
+use forkless_it::workload::{
+    fault_seed, histogram, settle_unknowns, start_spread, verify, writer, Outcome, Rng, Shared,
+};
 use forkless_it::*;
 use std::time::{Duration, Instant};
 
@@ -52,18 +54,6 @@ enum Fault {
     Resets,
 }
 
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
-}
-
 /// Acknowledged batches per shard answered since `since`.
 fn acks_since(shared: &Shared, since: Instant) -> Vec<usize> {
     let mut per = vec![0; SHARDS as usize];
@@ -78,16 +68,7 @@ fn acks_since(shared: &Shared, since: Instant) -> Vec<usize> {
 #[test]
 fn one_way_cuts_delay_loss_and_resets_lose_nothing_and_every_shard_serves() {
     let _deadline = deadline("link faults: three nodes", Duration::from_secs(300));
-    let seed = std::env::var("FORKLESS_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(1)
-        })
-        | 1;
+    let seed = fault_seed();
     eprintln!("link fault seed {seed} (replay with FORKLESS_FAULT_SEED={seed})");
     let mut rng = Rng(seed);
     let mut cl = Cluster::prepare_behind_proxies(NODES, SHARDS, 3, PeerTiming::default());
@@ -97,20 +78,7 @@ fn one_way_cuts_delay_loss_and_resets_lose_nothing_and_every_shard_serves() {
         cl.wait_leaders_known(*id, &[]);
     }
     let c = cl.client(1);
-    let execs: Vec<String> = (0..6)
-        .map(|i| {
-            let key = key_on_shard(&format!("links-{i}"), i % SHARDS, SHARDS);
-            let body = json!({"workflow": "w", "routing_key": key, "idempotency_key": format!("start-{i}")});
-            let r = settled(Duration::from_secs(20), || c.post("/api/executions", &body));
-            assert!(
-                r.status == 201 || r.status == 200,
-                "start {body}: {} {}",
-                r.status,
-                r.text()
-            );
-            r.json()["execution_id"].as_str().expect("id").to_string()
-        })
-        .collect();
+    let execs = start_spread(&c, "links", 6, SHARDS);
     let shared = Shared::default();
     let writers: Vec<_> = ids
         .iter()
@@ -255,13 +223,7 @@ fn one_way_cuts_delay_loss_and_resets_lose_nothing_and_every_shard_serves() {
         served(&format!("after round {round} ({fault:?})"), &cl, 20, 0);
     }
     eprintln!("chunks held back as lost: {}", faults.lost());
-    shared.stop.set();
-    for w in writers {
-        w.join()
-            .expect("writer thread")
-            .expect("the API kept its promises");
-    }
-    let mut batches = shared.take();
+    let mut batches = shared.finish(writers);
     let during: usize = batches
         .iter()
         .filter(|b| {

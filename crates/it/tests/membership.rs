@@ -230,13 +230,7 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
             .collect();
         assert_eq!(markers, vec![format!("{e}-via-removed-node-1")]);
     }
-    shared.stop.set();
-    for w in writers {
-        w.join()
-            .expect("writer thread")
-            .expect("the API kept its promises");
-    }
-    let mut batches = shared.take();
+    let mut batches = shared.finish(writers);
     eprintln!("answers: {:?}", histogram(&batches));
     settle_unknowns(&cl.client(3), &mut batches);
     // The removed node's replicas follow no group: it is stopped before

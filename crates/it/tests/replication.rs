@@ -136,13 +136,7 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
         healed + 100,
         "100 acknowledged writes after the node is back",
     );
-    shared.stop.set();
-    for w in writers {
-        w.join()
-            .expect("writer thread")
-            .expect("the API kept its promises");
-    }
-    let batches = shared.take();
+    let batches = shared.finish(writers);
     if fault == Fault::Cut {
         // Whatever it was asked while cut off (a write or read in flight at
         // the cut may still finish within moments of it), nothing was
