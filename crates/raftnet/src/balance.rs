@@ -107,9 +107,9 @@ pub const STEP_DOWN_SILENT_TIMEOUTS: u32 = 2;
 /// nothing held its shards for as long as the cut lasted; openraft's
 /// CheckQuorum, which stops only its heartbeats, still took 6.3 s, and
 /// gates a quiet leader's read-index round on waking). Its transfer
-/// reaches them as its replication does:
-/// every voter then drops its lease, and the one named stands at once
-/// if it holds the leader's last entry. Where nothing reaches them (a
+/// reaches them as its replication does: every voter then drops its
+/// lease, and the one named stands at once if it holds the leader's
+/// last entry. Where nothing reaches them (a
 /// partition), the transfer is lost and changes nothing; openraft
 /// refuses the leader's writes from the transfer on, which a leader no
 /// quorum answers could not commit anyway. The voter named is the one
