@@ -113,13 +113,22 @@ pub const STEP_DOWN_SILENT_TIMEOUTS: u32 = 2;
 /// partition), the transfer is lost and changes nothing; openraft
 /// refuses the leader's writes from the transfer on, which a leader no
 /// quorum answers could not commit anyway. The voter named is the one
-/// that matched the most entries (ties: the lowest id).
+/// that matched the most entries (ties: the lowest id). A leader that
+/// has led its term for less than `silent_for` (`led_for`) is never cut
+/// off: it has had no time to hear from anyone (a new leader's followers
+/// have no answers in its metrics yet).
 pub fn steps_down_to(
     s: &forkless_store::RaftStatus,
+    led_for: Duration,
     silent_for: Duration,
     node_heard: impl Fn(u64) -> bool,
 ) -> Option<u64> {
-    if s.state != "leader" || s.leader != Some(s.me) || s.quiet || !s.voters.contains(&s.me) {
+    if s.state != "leader"
+        || s.leader != Some(s.me)
+        || s.quiet
+        || !s.voters.contains(&s.me)
+        || led_for < silent_for
+    {
         return None;
     }
     let others: Vec<u64> = s.voters.iter().copied().filter(|v| *v != s.me).collect();
@@ -171,6 +180,9 @@ pub async fn run(
     // does not cost its shard an election's time of refused writes every
     // few seconds.
     let tried: Arc<Mutex<HashMap<u32, Try>>> = Arc::default();
+    // Each shard this node leads: the term, and when this loop first saw
+    // it lead in that term.
+    let mut leading: HashMap<u32, (u64, Instant)> = HashMap::new();
 
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -182,7 +194,17 @@ pub async fn run(
         for st in &shards() {
             let Some(s) = st.raft_status() else { continue };
             let shard = st.id().get();
-            let cut_off = steps_down_to(&s, silent_for, |v| heard.within(v, silent_for));
+            let led_for = if s.state == "leader" && s.leader == Some(s.me) {
+                let since = leading.entry(shard).or_insert((s.term, Instant::now()));
+                if since.0 != s.term {
+                    *since = (s.term, Instant::now());
+                }
+                since.1.elapsed()
+            } else {
+                leading.remove(&shard);
+                Duration::ZERO
+            };
+            let cut_off = steps_down_to(&s, led_for, silent_for, |v| heard.within(v, silent_for));
             let want = cut_off.unwrap_or_else(|| preferred(st.id()));
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
                 continue;
@@ -317,13 +339,14 @@ mod tests {
     #[test]
     fn a_leader_no_quorum_answers_hands_its_leadership_to_the_voter_that_matched_most() {
         let silent = Duration::from_millis(800);
+        let led = Duration::from_secs(5);
         let nobody = |_| false;
         // (voter 1 heard ms ago, voter 2 heard ms ago) -> handed to.
         let check = |heard1: Option<u64>, heard2: Option<u64>, node: &dyn Fn(u64) -> bool| {
             let mut s = leader_of(100, 1, 90, 0);
             s.matched = vec![(1, Some(90)), (2, Some(95))];
             s.heard_ms_ago = vec![(1, heard1), (2, heard2)];
-            steps_down_to(&s, silent, node)
+            steps_down_to(&s, led, silent, node)
         };
         // One follower answers: with the leader, a quorum of three.
         assert_eq!(check(Some(100), Some(5000), &nobody), None);
@@ -331,21 +354,30 @@ mod tests {
         // Neither answers: to voter 2, which matched more.
         assert_eq!(check(Some(900), Some(5000), &nobody), Some(2));
         assert_eq!(check(None, None, &nobody), Some(2));
+        // A leader new in its term has heard from nobody yet: not cut off
+        // until it has led for the silence's length.
+        let mut s = leader_of(100, 1, 90, 0);
+        s.heard_ms_ago = vec![(1, None), (2, None)];
+        assert_eq!(
+            steps_down_to(&s, Duration::from_millis(10), silent, nobody),
+            None
+        );
+        assert_eq!(steps_down_to(&s, silent, silent, nobody), Some(2));
         // The group's answers are old, its node answers (a group just
         // woken from quiet): not cut off.
         assert_eq!(check(None, None, &|v| v == 1), None);
         // Quiet, a follower, or alone: never.
         let mut s = leader_of(100, 1, 90, 5000);
         s.heard_ms_ago = vec![(1, None), (2, None)];
-        assert_eq!(steps_down_to(&s, silent, nobody), Some(2));
+        assert_eq!(steps_down_to(&s, led, silent, nobody), Some(2));
         s.quiet = true;
-        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
         s.quiet = false;
         s.state = "follower";
-        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
         s.state = "leader";
         s.voters = vec![3];
-        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
         // Five voters: two answering of four others is a quorum with the
         // leader; one is not. Ties go to the lowest id.
         let mut s = leader_of(100, 1, 100, 0);
@@ -357,9 +389,9 @@ mod tests {
             (5, Some(100)),
         ];
         s.heard_ms_ago = vec![(1, Some(0)), (2, Some(0)), (4, None), (5, None)];
-        assert_eq!(steps_down_to(&s, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
         s.heard_ms_ago = vec![(1, Some(0)), (2, None), (4, None), (5, None)];
-        assert_eq!(steps_down_to(&s, silent, nobody), Some(1));
+        assert_eq!(steps_down_to(&s, led, silent, nobody), Some(1));
     }
 
     #[test]
