@@ -1928,6 +1928,35 @@ pub mod workload {
         }
     }
 
+    /// Counts the batches answered while a fault was on (`windows`: when
+    /// each struck and was healed), prints it with the answers' histogram,
+    /// and fails the test if fewer than `at_least` met a fault.
+    #[track_caller]
+    pub fn assert_faulted(
+        batches: &[Batch],
+        windows: &[(std::time::Instant, std::time::Instant)],
+        at_least: usize,
+        seed: u64,
+    ) {
+        let during = batches
+            .iter()
+            .filter(|b| {
+                windows
+                    .iter()
+                    .any(|(s, h)| (*s..*h).contains(&b.answered_at))
+            })
+            .count();
+        eprintln!(
+            "{} operations, {during} of them answered while a fault was on; answers {:?}",
+            batches.len(),
+            histogram(batches)
+        );
+        assert!(
+            during >= at_least,
+            "only {during} operations met a fault (seed {seed})"
+        );
+    }
+
     /// The seed of a randomized fault schedule: `FORKLESS_FAULT_SEED` (to
     /// replay one), else the clock; odd, as [`Rng`] needs. Printed by the
     /// caller.

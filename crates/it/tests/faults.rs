@@ -16,7 +16,7 @@
 //! replays one.
 
 use forkless_it::workload::{
-    fault_seed, histogram, settle_unknowns, start_spread, verify, writer, Outcome, Rng, Shared,
+    assert_faulted, fault_seed, settle_unknowns, start_spread, verify, writer, Outcome, Rng, Shared,
 };
 use forkless_it::*;
 use std::time::{Duration, Instant};
@@ -189,23 +189,8 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         grew(50, &format!("50 acknowledged writes after round {round}"));
     }
     let batches = shared.finish(writers);
-    let during: usize = batches
-        .iter()
-        .filter(|b| {
-            windows
-                .iter()
-                .any(|(_, s, h)| (*s..*h).contains(&b.answered_at))
-        })
-        .count();
-    eprintln!(
-        "{} operations, {during} of them answered while a fault was on; answers {:?}",
-        batches.len(),
-        histogram(&batches)
-    );
-    assert!(
-        during >= 1000,
-        "only {during} operations met a fault (seed {seed})"
-    );
+    let spans: Vec<_> = windows.iter().map(|(_, s, h)| (*s, *h)).collect();
+    assert_faulted(&batches, &spans, 1000, seed);
     // A node cut off alone holds one replica of three: it can acknowledge
     // nothing (a write in flight at the cut may finish just after it).
     for (fault, struck, healed) in &windows {

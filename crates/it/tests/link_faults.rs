@@ -22,7 +22,7 @@
 
 use forkless_it::faultproxy::LinkFault;
 use forkless_it::workload::{
-    fault_seed, histogram, settle_unknowns, start_spread, verify, writer, Outcome, Rng, Shared,
+    assert_faulted, fault_seed, settle_unknowns, start_spread, verify, writer, Outcome, Rng, Shared,
 };
 use forkless_it::*;
 use std::time::{Duration, Instant};
@@ -224,23 +224,8 @@ fn one_way_cuts_delay_loss_and_resets_lose_nothing_and_every_shard_serves() {
     }
     eprintln!("chunks held back as lost: {}", faults.lost());
     let mut batches = shared.finish(writers);
-    let during: usize = batches
-        .iter()
-        .filter(|b| {
-            windows
-                .iter()
-                .any(|(_, s, h)| (*s..*h).contains(&b.answered_at))
-        })
-        .count();
-    eprintln!(
-        "{} operations, {during} of them answered while a fault was on; answers {:?}",
-        batches.len(),
-        histogram(&batches)
-    );
-    assert!(
-        during >= 1000,
-        "only {during} operations met a fault (seed {seed})"
-    );
+    let spans: Vec<_> = windows.iter().map(|(_, s, h)| (*s, *h)).collect();
+    assert_faulted(&batches, &spans, 1000, seed);
     settle_unknowns(&cl.client(1), &mut batches);
     cl.wait_replicas_level();
     for n in &ids {
