@@ -1253,12 +1253,19 @@ impl Cluster {
         timing: PeerTiming,
     ) -> Cluster {
         let mut c = Cluster::prepare_replicated(node_count, shard_count, factor, timing);
-        let ids: Vec<u16> = (1..=node_count).collect();
-        c.start_nodes(&ids, &[]);
-        for id in ids {
-            c.wait_leaders_known(id, &[]);
-        }
+        c.start_all_replicated();
         c
+    }
+
+    /// Starts every node of a prepared replicated cluster and waits until
+    /// each is ready and knows every shard's leader; the node ids.
+    pub fn start_all_replicated(&mut self) -> Vec<u16> {
+        let ids: Vec<u16> = self.nodes.iter().map(|n| n.id).collect();
+        self.start_nodes(&ids, &[]);
+        for id in &ids {
+            self.wait_leaders_known(*id, &[]);
+        }
+        ids
     }
 
     /// Waits (up to 20 s) until every running node holding a replica of a

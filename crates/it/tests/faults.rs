@@ -46,11 +46,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
     let lab = netlab::NetLab::new(NODES);
     let mut cl = Cluster::prepare_in_lab(&lab, SHARDS, FACTOR, PeerTiming::default());
     cl.raft_log = Some((100, 20));
-    let ids: Vec<u16> = (1..=NODES).collect();
-    cl.start_nodes(&ids, &[]);
-    for id in &ids {
-        cl.wait_leaders_known(*id, &[]);
-    }
+    let ids = cl.start_all_replicated();
     let c = cl.client(1);
     // Leaders are being handed to their preferred replicas just after
     // start: a start is retried (same idempotency key) while its shard is

@@ -72,11 +72,7 @@ fn one_way_cuts_delay_loss_and_resets_lose_nothing_and_every_shard_serves() {
     eprintln!("link fault seed {seed} (replay with FORKLESS_FAULT_SEED={seed})");
     let mut rng = Rng(seed);
     let mut cl = Cluster::prepare_behind_proxies(NODES, SHARDS, 3, PeerTiming::default());
-    let ids: Vec<u16> = (1..=NODES).collect();
-    cl.start_nodes(&ids, &[]);
-    for id in &ids {
-        cl.wait_leaders_known(*id, &[]);
-    }
+    let ids = cl.start_all_replicated();
     let c = cl.client(1);
     let execs = start_spread(&c, "links", 6, SHARDS);
     let shared = Shared::default();
