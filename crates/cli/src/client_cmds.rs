@@ -69,6 +69,21 @@ pub enum ClusterVerb {
     /// JSON object, each shard listed); exit 1 if a shard could not be
     /// moved (run it again to go on).
     RemoveNode(RemoveNodeArgs),
+    /// Print every shard's replicas as the cluster's Raft groups were made
+    /// with, as `[[placement]]` entries to add to the cluster file before
+    /// a node is added to it (the spread of an unpinned file moves when
+    /// the node list changes, and a node refuses to start on a file that
+    /// moves a shard).
+    Placement(PlacementArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PlacementArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// Print the server's JSON instead of the cluster file's entries.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -330,6 +345,20 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
                     a.node
                 )
                 .into());
+            }
+        }
+        Verb::Cluster(ClusterVerb::Placement(a)) => {
+            let answer = client(&a.server)?.placement().await?;
+            if a.json {
+                print(&answer)?;
+            } else {
+                let placed: forkless_server::placement::Placement =
+                    serde_json::from_value(answer).context("the server's placement answer")?;
+                print!(
+                    "# Every shard's replicas, as this cluster's Raft groups were made with.\n\
+                     # Add these entries to every node's cluster file before adding a node to it.\n\n{}",
+                    placed.to_toml()
+                );
             }
         }
         Verb::Status(a) => {

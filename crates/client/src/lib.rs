@@ -620,6 +620,20 @@ impl Client {
     /// where each shard's leader picks), by Raft membership changes, one
     /// shard at a time: the server's report, each shard listed, with
     /// `complete` false if one could not be moved (asking again goes on).
+    /// A replicated cluster's placement of every shard's replicas, as its
+    /// groups were made with (`GET /api/cluster/placement`).
+    pub async fn placement(&self) -> Result<serde_json::Value, Error> {
+        self.json(Call {
+            method: Method::GET,
+            path: "/api/cluster/placement".into(),
+            body: None,
+            steer: Steer::Any,
+            idempotent: true,
+            extra_timeout: Duration::ZERO,
+        })
+        .await
+    }
+
     pub async fn remove_node(
         &self,
         node: u16,

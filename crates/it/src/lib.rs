@@ -1107,6 +1107,9 @@ pub struct Cluster {
     /// (bound, not listening), by port: a node's are let go just before it starts
     /// (see [`Cluster::spawn`]), so nothing else can take them meanwhile.
     held: std::collections::HashMap<u16, HeldPort>,
+    /// Text appended to every cluster file written (`[[placement]]`
+    /// entries, say).
+    pub file_tail: String,
     /// The fault-injecting proxies every Raft link goes through, for a
     /// cluster made by [`Cluster::prepare_behind_proxies`]: each node's
     /// cluster file then names, as each peer's `raft_addr`, its proxy to
@@ -1161,6 +1164,7 @@ impl Cluster {
             raft_timing: None,
             raft_log: None,
             held: ports.iter().copied().zip(held).collect(),
+            file_tail: String::new(),
             faults: None,
         }
     }
@@ -1535,6 +1539,10 @@ impl Cluster {
                 "\n[[shards]]\nshard = {shard}\nowner = {owner}\nepoch = {epoch}\n"
             ));
         }
+        if !self.file_tail.is_empty() {
+            s.push('\n');
+            s.push_str(&self.file_tail);
+        }
         let p = self.dir.path().join(name);
         std::fs::write(&p, s).expect("write config");
         p
@@ -1646,6 +1654,57 @@ impl Cluster {
     pub fn kill9(&mut self, id: u16) {
         if let Some(mut p) = self.node_mut(id).proc.take() {
             p.kill9();
+        }
+    }
+
+    /// A node the cluster's files have not listed yet (the next id, its
+    /// ports held, a Raft address when the cluster is replicated), not
+    /// started: the files written from now on list it.
+    pub fn add_node(&mut self) -> u16 {
+        let id = self.nodes.iter().map(|n| n.id).max().unwrap_or(0) + 1;
+        let replicated = self.replication_factor.is_some();
+        let held = hold_free_ports(if replicated { 3 } else { 2 });
+        let ports: Vec<u16> = held.iter().map(HeldPort::port).collect();
+        self.held.extend(ports.iter().copied().zip(held));
+        self.nodes.push(ClusterNode {
+            id,
+            api: addr(ports[0]),
+            peer: addr(ports[1]),
+            raft: replicated.then(|| addr(ports[2])),
+            netns: None,
+            data_dir: self.dir.path().join(format!("node-{id}")),
+            log: self.dir.path().join(format!("node-{id}.log")),
+            proc: None,
+            config: PathBuf::new(),
+        });
+        id
+    }
+
+    /// Starts node `id` (stopping it first if it runs) on `config`,
+    /// expecting it to refuse to start: how it exited (within `within`)
+    /// and its log. Panics if it becomes ready instead.
+    pub fn start_expecting_refusal(
+        &mut self,
+        id: u16,
+        config: &Path,
+        within: Duration,
+    ) -> (std::process::ExitStatus, String) {
+        self.kill9(id);
+        self.spawn(id, config);
+        let client = self.client(id);
+        let n = self.node_mut(id);
+        let mut p = n.proc.take().expect("just spawned");
+        let status = p.wait_exit(within);
+        let log = p.log();
+        match status {
+            Some(s) => (s, log),
+            None => {
+                let ready = client.ready();
+                p.kill9();
+                panic!(
+                    "node {id} did not exit within {within:?} (ready: {ready}); its log:\n{log}"
+                );
+            }
         }
     }
 

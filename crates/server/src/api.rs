@@ -117,6 +117,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/executions/{id}/cancel", post(cancel))
         .route("/api/keys/{*key}", get(by_key))
         .route("/api/cluster", get(cluster))
+        .route("/api/cluster/placement", get(cluster_placement))
         .route("/api/cluster/remove-node", post(remove_node))
         .route("/api/shards/{shard}/replace", post(replace_replica))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
@@ -1693,6 +1694,24 @@ async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Re
         StatusCode::OK,
         &json!({ "node": node.get(), "complete": complete, "shards": shards }),
     )
+}
+
+/// Every shard's replicas as this replicated cluster's groups were made
+/// with (`crate::placement`; what this node's start checked the file
+/// against): what a node without a record of its own compares its file
+/// with, and what `forkless cluster placement` prints to pin.
+async fn cluster_placement(State(app): AppState) -> Response {
+    match app.cfg.cluster.as_ref().and_then(|c| c.replication.as_ref()) {
+        Some(r) => Json(crate::placement::Placement::of(r, app.cfg.shard_count)).into_response(),
+        None => (
+            StatusCode::NOT_FOUND,
+            Json(json!({
+                "error": "not_found",
+                "message": "placement: this node is not in a replicated cluster (replication_factor 1): its shards have owners, not replicas",
+            })),
+        )
+            .into_response(),
+    }
 }
 
 async fn cluster(State(app): AppState) -> Response {

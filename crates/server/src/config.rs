@@ -247,6 +247,20 @@ pub struct FileConfig {
     /// A replicated cluster's Raft timers.
     #[serde(default)]
     pub raft: Option<RaftTimingFile>,
+    /// A replicated cluster's pinned placement: the replicas of each shard
+    /// listed here, the deterministic spread for the others.
+    #[serde(default)]
+    pub placement: Vec<FilePlacement>,
+}
+
+/// `[[placement]]`: the nodes that hold a replica of one shard (the
+/// group's first membership; pinned so that adding a node to the file
+/// does not move it).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilePlacement {
+    pub shard: u64,
+    pub replicas: Vec<u64>,
 }
 
 /// `[raft]`: a replicated group's timers, in milliseconds, and how much
@@ -383,14 +397,22 @@ pub struct Replicated {
     pub log: forkless_store::RaftLogLimits,
     /// Every node's Raft address.
     pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
+    /// The shards whose replicas the file pins (`[[placement]]`).
+    pub pinned: std::collections::BTreeMap<ShardId, Vec<NodeId>>,
 }
 
 impl Replicated {
-    /// The nodes holding a replica of `shard`: `factor` nodes in id order,
-    /// starting at the (shard mod nodes)-th, so that each node holds as
-    /// many replicas as any other (within one) and the first replicas of
-    /// consecutive shards fall on different nodes.
+    /// The nodes holding a replica of `shard`: as the file pins them, else
+    /// `factor` nodes in id order, starting at the (shard mod nodes)-th,
+    /// so that each node holds as many replicas as any other (within one)
+    /// and the first replicas of consecutive shards fall on different
+    /// nodes. The spread depends on the node list: a node added to the
+    /// file moves it, which is why a running cluster pins its placement
+    /// before a node is added (`crate::placement`).
     pub fn replicas(&self, shard: ShardId) -> Vec<NodeId> {
+        if let Some(pinned) = self.pinned.get(&shard) {
+            return pinned.clone();
+        }
         let ids: Vec<NodeId> = self.raft_addrs.keys().copied().collect();
         let n = ids.len();
         (0..self.factor.min(n))
@@ -575,11 +597,15 @@ pub fn validate_cluster(
                 timing,
                 log,
                 raft_addrs,
+                pinned: pinned_placement(&file.placement, f as usize, n, &ids)?,
             })
         }
     };
     if replication.is_none() && file.raft.is_some() {
         return bad("raft: the [raft] timers are for a replicated cluster; set replication_factor to 2 or more, or leave [raft] out".into());
+    }
+    if replication.is_none() && !file.placement.is_empty() {
+        return bad("placement: [[placement]] pins a replicated cluster's replicas; set replication_factor to 2 or more, or leave it out (a static cluster names owners in [[shards]])".into());
     }
     let assignments = if let Some(r) = &replication {
         // No owner until a leader is elected: the first replica stands in
@@ -661,6 +687,54 @@ pub fn validate_cluster(
         secret,
         replication,
     })
+}
+
+/// Validates `[[placement]]`: each entry a shard of the cluster, listed
+/// once, on `factor` distinct listed nodes.
+fn pinned_placement(
+    entries: &[FilePlacement],
+    factor: usize,
+    shards: usize,
+    nodes: &BTreeSet<NodeId>,
+) -> Result<std::collections::BTreeMap<ShardId, Vec<NodeId>>, ConfigError> {
+    let bad = |m: String| Err(ConfigError::Invalid(m));
+    let mut pinned = std::collections::BTreeMap::new();
+    for (i, p) in entries.iter().enumerate() {
+        if p.shard >= shards as u64 {
+            return bad(format!(
+                "placement[{i}].shard {} is outside shard_count {shards} (shards are 0 to {})",
+                p.shard,
+                shards - 1
+            ));
+        }
+        let shard = ShardId(p.shard as u32);
+        if p.replicas.len() != factor {
+            return bad(format!(
+                "placement[{i}].replicas names {} node(s) for shard {}: replication_factor is {factor}",
+                p.replicas.len(),
+                p.shard
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        let mut ids = Vec::with_capacity(factor);
+        for &r in &p.replicas {
+            let Some(id) = NodeId::new(r).filter(|id| nodes.contains(id)) else {
+                return bad(format!(
+                    "placement[{i}].replicas: node {r} is not a listed node"
+                ));
+            };
+            if !seen.insert(id) {
+                return bad(format!(
+                    "placement[{i}].replicas names node {r} twice: each replica needs a node of its own"
+                ));
+            }
+            ids.push(id);
+        }
+        if pinned.insert(shard, ids).is_some() {
+            return bad(format!("placement[{i}]: shard {} is pinned twice", p.shard));
+        }
+    }
+    Ok(pinned)
 }
 
 /// The cluster secret travels as a header value: leading or trailing
@@ -1059,6 +1133,48 @@ peer_addr = "127.0.0.1:7172"
             replicated("replication_factor = 3")
         );
         check(&with_shards, Some(1), Some("leave [[shards]] out"));
+    }
+
+    #[test]
+    fn a_pinned_placement_keeps_its_shards_where_it_says_and_is_validated() {
+        let pin = |p: &str| format!("{}{p}", replicated("replication_factor = 2"));
+        let c = check(
+            &pin("[[placement]]\nshard = 1\nreplicas = [3, 1]\n"),
+            Some(1),
+            None,
+        )
+        .expect("valid");
+        let r = c.cluster.and_then(|c| c.replication).expect("replicated");
+        let ids = |s: u32| {
+            r.replicas(ShardId(s))
+                .iter()
+                .map(|n| n.get())
+                .collect::<Vec<_>>()
+        };
+        // Shard 1 as pinned, the others spread.
+        assert_eq!(
+            (ids(0), ids(1), ids(2)),
+            (vec![1, 2], vec![3, 1], vec![3, 1])
+        );
+        for (p, why) in [
+            ("[[placement]]\nshard = 4\nreplicas = [1, 2]\n", "placement[0].shard 4 is outside shard_count 4"),
+            ("[[placement]]\nshard = 0\nreplicas = [1, 2, 3]\n", "placement[0].replicas names 3 node(s) for shard 0: replication_factor is 2"),
+            ("[[placement]]\nshard = 0\nreplicas = [1, 9]\n", "placement[0].replicas: node 9 is not a listed node"),
+            ("[[placement]]\nshard = 0\nreplicas = [2, 2]\n", "placement[0].replicas names node 2 twice"),
+            ("[[placement]]\nshard = 0\nreplicas = [1, 2]\n[[placement]]\nshard = 0\nreplicas = [2, 3]\n", "placement[1]: shard 0 is pinned twice"),
+            ("[[placement]]\nshard = 0\nreplicas = [1, 2]\nowner = 1\n", "unknown field `owner`"),
+        ] {
+            check(&pin(p), Some(1), Some(why));
+        }
+        let static_cluster = format!(
+            "{}[[placement]]\nshard = 0\nreplicas = [1]\n",
+            replicated("replication_factor = 1")
+        );
+        check(
+            &static_cluster,
+            Some(1),
+            Some("[[placement]] pins a replicated cluster's replicas"),
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod forward;
 mod headers;
 pub mod metrics;
 pub mod peer;
+pub mod placement;
 pub mod wire;
 
 use config::ServerConfig;
@@ -111,6 +112,10 @@ impl App {
         let dir = Arc::new(cfg.directory()?);
         let in_progress = Arc::new(AtomicUsize::new(0));
         let replicated = cfg.cluster.as_ref().and_then(|c| c.replication.clone());
+        if let (Some(r), Some(c)) = (&replicated, &cfg.cluster) {
+            // Before any group is opened (and a new one initialized).
+            check_placement(&cfg, c, r).await?;
+        }
         let replication = replicated.as_ref().map(|r| {
             let secret = cfg
                 .cluster
@@ -202,6 +207,75 @@ impl App {
         }
         Ok(app)
     }
+}
+
+/// Refuses to start when the cluster file places a shard elsewhere than
+/// this cluster made its group with (`placement`): as this node recorded
+/// at its first start, or, when it has no record (a new node, a lost
+/// disk), as any peer that answers recorded. Records the file's placement
+/// when it has none and no peer's differs.
+async fn check_placement(
+    cfg: &ServerConfig,
+    cluster: &config::ClusterConfig,
+    r: &config::Replicated,
+) -> Result<(), StartupError> {
+    let refuse = |m: String| Err(StartupError::Config(config::ConfigError::Invalid(m)));
+    let file = placement::Placement::of(r, cfg.shard_count);
+    let here = format!(
+        "this node's record ({})",
+        placement::path(&cfg.data_dir).display()
+    );
+    if let Some(recorded) = placement::read(&cfg.data_dir).map_err(config::ConfigError::Invalid)? {
+        let moved = file.moved_from(&recorded);
+        if !moved.is_empty() {
+            return refuse(placement::refusal(&moved, &here));
+        }
+        return Ok(());
+    }
+    // No record: what the peers that answer recorded. A peer that does not
+    // answer (down, or starting with this node in a new cluster) says
+    // nothing.
+    let forwarder = Arc::new(forward::Forwarder::new(
+        cfg.peer.forward_connect_timeout(),
+        &cluster.secret,
+    ));
+    let within = std::time::Duration::from_millis(cfg.peer.probe_timeout_ms.max(100));
+    let mut asks = tokio::task::JoinSet::new();
+    for n in cluster.nodes.iter().filter(|n| n.id != cfg.node_id) {
+        let (forwarder, n) = (forwarder.clone(), n.clone());
+        asks.spawn(async move {
+            let answer = forwarder
+                .probe(&n.peer_addr, "/api/cluster/placement", within)
+                .await;
+            (n, answer)
+        });
+    }
+    let mut answered = 0;
+    while let Some(done) = asks.join_next().await {
+        let Ok((n, Ok(body))) = done else { continue };
+        let Ok(theirs) = serde_json::from_slice::<placement::Placement>(&body) else {
+            tracing::warn!(
+                peer = n.id.get(),
+                "a peer's placement answer is not one: not compared"
+            );
+            continue;
+        };
+        answered += 1;
+        let moved = file.moved_from(&theirs);
+        if !moved.is_empty() {
+            return refuse(placement::refusal(
+                &moved,
+                &format!("node {} (at {})", n.id, n.peer_addr),
+            ));
+        }
+    }
+    placement::record(&cfg.data_dir, &file).map_err(config::ConfigError::Invalid)?;
+    tracing::info!(
+        peers_compared = answered,
+        path = %placement::path(&cfg.data_dir).display(),
+        "recorded the cluster file's placement of every shard's replicas: later starts keep to it"
+    );
+    Ok(())
 }
 
 /// How this node's shards reach their other replicas: the Raft transport

@@ -507,7 +507,7 @@ impl Store {
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                write_durably(
+                write_file_durably(
                     &layout,
                     format!("format = 1\nshard_count = {}\n", shard_count.get()).as_bytes(),
                 )?;
@@ -843,7 +843,9 @@ pub(crate) fn parse_layout(text: &str) -> Option<u32> {
         .and_then(|(_, v)| v.trim().parse().ok())
 }
 
-fn write_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+/// Writes `bytes` to `path` durably: to a file beside it, synced, renamed
+/// into place, and the directory synced.
+pub fn write_file_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
     use std::io::Write;
     let tmp = path.with_extension("tmp");
     let io = |e: std::io::Error| StoreError::Io(format!("{}: {e}", path.display()));
