@@ -14,7 +14,8 @@
 //! - pinned as `forkless cluster placement` prints it, every node
 //!   restarts on the new file one by one and node 5 starts holding no
 //!   replica; node 1 is killed and `forkless cluster remove-node 1 --to
-//!   5` moves its replicas to node 5, under a steady write load. Then
+//!   5` moves its replicas to node 5, under a steady write load, and node
+//!   5 comes to lead the shards node 1 was the preferred leader of. Then
 //!   writes go through node 5, every acknowledged write is at its seq,
 //!   and every replica of a shard holds the same events.
 
@@ -163,6 +164,20 @@ fn a_node_added_to_the_file_joins_once_the_placement_is_pinned() {
         assert!(!voters.contains(&1), "{s}");
         assert_eq!(voters.contains(&5), s["changed"] == true, "{s}");
     }
+    // Node 1 was the preferred leader of shards 0 and 4 (the first their
+    // placement names): node 5, which took its place, comes to lead them,
+    // and every other node its own two.
+    let leaders = wait_until(
+        "node 5 to lead the shards node 1 was preferred for",
+        Duration::from_secs(30),
+        || {
+            let owners = cl.owners(2);
+            let led = |n: u16| owners.iter().filter(|(o, _)| *o == n).count();
+            (owners[0].0 == five && owners[4].0 == five && (2..=4).all(|n| led(n) == 2))
+                .then_some(owners)
+        },
+    );
+    eprintln!("leaders after the move: {leaders:?}");
     let after = shared.acks();
     acked_at_least(after + 100, "100 acknowledged writes after the move");
 

@@ -12,6 +12,10 @@
 //! is tried again only after [`TRANSFER_BACKOFF`], doubling with each
 //! failure in a row up to [`TRANSFER_BACKOFF_MAX`].
 //!
+//! A shard moved off a node (`forkless cluster remove-node`) prefers the
+//! replica that took that node's place ([`preferred_replica`]): a node
+//! that replaces another takes over the shards it was preferred for.
+//!
 //! A leader that no quorum has answered for a while (it still sends, and
 //! hears nothing) hands its leadership away the same way
 //! ([`steps_down_to`]), whichever replica is preferred.
@@ -91,6 +95,37 @@ fn takes_over(
     level && heard && !link.down
 }
 
+/// The replica a shard's leadership goes to, given the replicas its
+/// placement names (`placed`, the first preferred) and its group's
+/// voters now: the first placed replica while it is a voter (or before
+/// the voters are known). Once a move took it out, a voter the placement
+/// does not name took its place: that one, so that a node's replacement
+/// leads the shards it led and leaders stay spread; with several such
+/// (more than one move), the one at the shard's id modulo their count,
+/// in id order. With none (the group shrank), the first placed replica
+/// still a voter, else the lowest voter.
+pub fn preferred_replica(shard: ShardId, placed: &[u64], voters: &[u64]) -> u64 {
+    let first = placed.first().copied().unwrap_or(0);
+    if voters.is_empty() || voters.contains(&first) {
+        return first;
+    }
+    let mut newcomers: Vec<u64> = voters
+        .iter()
+        .copied()
+        .filter(|v| !placed.contains(v))
+        .collect();
+    newcomers.sort_unstable();
+    if !newcomers.is_empty() {
+        return newcomers[shard.get() as usize % newcomers.len()];
+    }
+    placed
+        .iter()
+        .copied()
+        .find(|p| voters.contains(p))
+        .or_else(|| voters.iter().copied().min())
+        .unwrap_or(first)
+}
+
 /// How long a leader may go without an answer from a quorum of its
 /// group's voters, in max election timeouts, before it hands its
 /// leadership away ([`steps_down_to`]).
@@ -160,11 +195,11 @@ pub fn steps_down_to(
 }
 
 /// Hands each of `shards` this node leads to its preferred replica
-/// (`preferred`), and hands away the leadership of a shard no quorum has
+/// ([`preferred_replica`] of the replicas `placed` names), and hands away the leadership of a shard no quorum has
 /// answered for a while ([`steps_down_to`]), until `stop` turns true.
 pub async fn run(
     shards: crate::Hosted,
-    preferred: Arc<dyn Fn(ShardId) -> u64 + Send + Sync>,
+    placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: Arc<dyn forkless_store::Peers>,
     heartbeat: Duration,
@@ -205,7 +240,8 @@ pub async fn run(
                 Duration::ZERO
             };
             let cut_off = steps_down_to(&s, led_for, silent_for, |v| heard.within(v, silent_for));
-            let want = cut_off.unwrap_or_else(|| preferred(st.id()));
+            let want =
+                cut_off.unwrap_or_else(|| preferred_replica(st.id(), &placed(st.id()), &s.voters));
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
                 continue;
             }
@@ -392,6 +428,29 @@ mod tests {
         assert_eq!(steps_down_to(&s, led, silent, nobody), None);
         s.heard_ms_ago = vec![(1, Some(0)), (2, None), (4, None), (5, None)];
         assert_eq!(steps_down_to(&s, led, silent, nobody), Some(1));
+    }
+
+    #[test]
+    fn a_moved_shard_prefers_the_replica_that_took_the_preferred_ones_place() {
+        let p = |shard: u32, placed: &[u64], voters: &[u64]| {
+            preferred_replica(ShardId(shard), placed, voters)
+        };
+        // Not moved, or the voters not known: the first placed.
+        assert_eq!(p(0, &[1, 2, 3], &[1, 2, 3]), 1);
+        assert_eq!(p(0, &[1, 2, 3], &[]), 1);
+        // Another replica moved: still the first placed.
+        assert_eq!(p(0, &[1, 2, 3], &[1, 3, 5]), 1);
+        // The first moved to node 5: node 5, whatever the shard.
+        assert_eq!(p(0, &[1, 2, 3], &[2, 3, 5]), 5);
+        assert_eq!(p(7, &[1, 2, 3], &[5, 2, 3]), 5);
+        // Two moved (to 5 and 6): one of them, by the shard's id.
+        assert_eq!(p(0, &[1, 2, 3], &[3, 6, 5]), 5);
+        assert_eq!(p(1, &[1, 2, 3], &[3, 6, 5]), 6);
+        // The group shrank to placed replicas only: the first still a
+        // voter; none placed at all: the lowest voter.
+        assert_eq!(p(0, &[1, 2, 3], &[3, 2]), 2);
+        assert_eq!(p(0, &[1, 2, 3], &[]), 1);
+        assert_eq!(p(0, &[], &[9, 8]), 8);
     }
 
     #[test]

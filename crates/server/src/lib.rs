@@ -531,16 +531,18 @@ pub async fn run(
             ));
             if let Some(placement) = app.cfg.cluster.as_ref().and_then(|c| c.replication.clone()) {
                 // A shard's preferred leader is the first replica its
-                // placement names: spread evenly over the nodes.
-                let preferred = Arc::new(move |shard| {
+                // placement names (spread evenly over the nodes), or the
+                // replica that took its place (`balance::preferred_replica`).
+                let placed = Arc::new(move |shard| {
                     placement
                         .replicas(shard)
-                        .first()
-                        .map_or(0, |n| u64::from(n.get()))
+                        .iter()
+                        .map(|n| u64::from(n.get()))
+                        .collect()
                 });
                 tokio::spawn(forkless_raftnet::balance::run(
                     shards,
-                    preferred,
+                    placed,
                     heard,
                     rep.peers.clone(),
                     std::time::Duration::from_millis(rep.timing.heartbeat_ms),
