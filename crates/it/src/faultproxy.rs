@@ -1,15 +1,19 @@
-//! A fault-injecting TCP proxy for the Raft links between test nodes:
+//! A fault-injecting TCP proxy for the links between test nodes (their
+//! Raft transport, and their HTTP peer links: probes and forwarded
+//! requests):
 //! one-way cuts, delay with jitter, loss and connection resets, which this
 //! kernel cannot make with `tc netem` and which network namespaces make
 //! only both ways at once.
 //!
-//! Every ordered pair of nodes (a, b) gets a proxy: node a's cluster file
-//! names it as node b's `raft_addr`, so every connection a makes to b goes
-//! through it (the bytes a sends on it are the a → b direction, b's
-//! answers the b → a direction). The faults are set per direction
-//! ([`Faults::link`]), and each direction is shared by the two proxies that
-//! carry it: a → b is the request side of a's connection to b and the
-//! answer side of b's connection to a.
+//! Every ordered pair of nodes (a, b) gets a proxy for each of b's ports
+//! (its Raft address, its peer address): node a's cluster file names them
+//! as node b's `raft_addr` and `peer_addr`, so every connection a makes to
+//! b goes through one (the bytes a sends on it are the a → b direction,
+//! b's answers the b → a direction). The faults are set per direction
+//! ([`Faults::link`]), and each direction is shared by every proxy that
+//! carries it, as a network link is: a → b is the request side of a's
+//! connections to b and the answer side of b's connections to a, Raft
+//! and HTTP alike.
 //!
 //! The faults are TCP's, not a datagram network's, since a stream cannot
 //! lose a byte and go on:
@@ -104,18 +108,21 @@ struct Proxy {
 /// Every proxy of a cluster, and the faults of every direction.
 pub struct Faults {
     directions: BTreeMap<(u16, u16), Arc<Direction>>,
-    proxies: BTreeMap<(u16, u16), Proxy>,
+    /// By (from, to, port): `port` indexes the addresses each node was
+    /// given to [`Faults::start`].
+    proxies: BTreeMap<(u16, u16, usize), Proxy>,
     stop: Arc<AtomicBool>,
     /// Chunks held back for loss so far (all directions).
     lost: Arc<AtomicU64>,
 }
 
 impl Faults {
-    /// Starts a proxy for every ordered pair of `nodes` (id, Raft address),
-    /// each listening on its listener of `listeners` (by pair).
+    /// Starts a proxy for every ordered pair of `nodes` (id, the addresses
+    /// of its ports: Raft, then peer) and every port of the second, each
+    /// listening on its listener of `listeners` (by from, to, port).
     pub fn start(
-        nodes: &[(u16, SocketAddr)],
-        mut listeners: BTreeMap<(u16, u16), TcpListener>,
+        nodes: &[(u16, Vec<SocketAddr>)],
+        mut listeners: BTreeMap<(u16, u16, usize), TcpListener>,
     ) -> Faults {
         let stop = Arc::new(AtomicBool::new(false));
         let lost = Arc::new(AtomicU64::new(0));
@@ -129,24 +136,26 @@ impl Faults {
         }
         let mut proxies = BTreeMap::new();
         for (from, _) in nodes {
-            for (to, target) in nodes {
+            for (to, targets) in nodes {
                 if from == to {
                     continue;
                 }
-                let listener = listeners
-                    .remove(&(*from, *to))
-                    .unwrap_or_else(|| panic!("no listener for the proxy {from} -> {to}"));
-                let listen = listener.local_addr().expect("a proxy listener's address");
-                let open = Arc::new(Mutex::new(Open::default()));
-                let up = directions[&(*from, *to)].clone();
-                let down = directions[&(*to, *from)].clone();
-                let (target, o, s, l) = (*target, open.clone(), stop.clone(), lost.clone());
-                let seed = (u64::from(*from) << 16) ^ u64::from(*to);
-                std::thread::Builder::new()
-                    .name(format!("proxy-{from}-{to}"))
-                    .spawn(move || accept_loop(listener, target, up, down, o, s, l, seed))
-                    .expect("spawn a proxy's accept thread");
-                proxies.insert((*from, *to), Proxy { listen, open });
+                for (port, target) in targets.iter().enumerate() {
+                    let listener = listeners.remove(&(*from, *to, port)).unwrap_or_else(|| {
+                        panic!("no listener for the proxy {from} -> {to}, port {port}")
+                    });
+                    let listen = listener.local_addr().expect("a proxy listener's address");
+                    let open = Arc::new(Mutex::new(Open::default()));
+                    let up = directions[&(*from, *to)].clone();
+                    let down = directions[&(*to, *from)].clone();
+                    let (target, o, s, l) = (*target, open.clone(), stop.clone(), lost.clone());
+                    let seed = (u64::from(*from) << 16) ^ (u64::from(*to) << 4) ^ port as u64;
+                    std::thread::Builder::new()
+                        .name(format!("proxy-{from}-{to}-{port}"))
+                        .spawn(move || accept_loop(listener, target, up, down, o, s, l, seed))
+                        .expect("spawn a proxy's accept thread");
+                    proxies.insert((*from, *to, port), Proxy { listen, open });
+                }
             }
         }
         Faults {
@@ -157,9 +166,21 @@ impl Faults {
         }
     }
 
-    /// The address node `from` dials to reach node `to`.
+    /// The address node `from` dials to reach node `to`'s first port
+    /// (its Raft address).
     pub fn addr(&self, from: u16, to: u16) -> SocketAddr {
-        self.proxies[&(from, to)].listen
+        self.port_addr(from, to, 0)
+    }
+
+    /// The address node `from` dials to reach node `to`'s port `port`, if
+    /// it is behind a proxy.
+    pub fn port_addr(&self, from: u16, to: u16, port: usize) -> SocketAddr {
+        self.proxies[&(from, to, port)].listen
+    }
+
+    /// Whether node `to`'s port `port` is behind proxies.
+    pub fn proxies_port(&self, port: usize) -> bool {
+        self.proxies.keys().any(|(_, _, p)| *p == port)
     }
 
     /// Sets what the direction `from` → `to` does.
@@ -209,16 +230,16 @@ impl Faults {
         self.all(LinkFault::default());
     }
 
-    /// Closes every connection between `a` and `b`, both ways.
+    /// Closes every connection between `a` and `b`, both ways, on every
+    /// port.
     pub fn reset(&self, a: u16, b: u16) {
-        for pair in [(a, b), (b, a)] {
-            let conns = std::mem::take(
-                &mut self.proxies[&pair]
-                    .open
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .conns,
-            );
+        let between = self
+            .proxies
+            .iter()
+            .filter(|((from, to, _), _)| (*from, *to) == (a, b) || (*from, *to) == (b, a));
+        for (_, proxy) in between {
+            let conns =
+                std::mem::take(&mut proxy.open.lock().unwrap_or_else(|p| p.into_inner()).conns);
             for (_, (x, y, closed)) in conns {
                 closed.store(true, Ordering::Release);
                 let _ = x.shutdown(Shutdown::Both);
@@ -229,12 +250,13 @@ impl Faults {
 
     /// Closes every connection of every pair.
     pub fn reset_all(&self) {
-        let pairs: Vec<(u16, u16)> = self
+        let mut pairs: Vec<(u16, u16)> = self
             .proxies
             .keys()
-            .copied()
+            .map(|(a, b, _)| (*a, *b))
             .filter(|(a, b)| a < b)
             .collect();
+        pairs.dedup();
         for (a, b) in pairs {
             self.reset(a, b);
         }
@@ -428,9 +450,9 @@ mod tests {
 
     fn faults_to(target: SocketAddr) -> Faults {
         let mut ls = BTreeMap::new();
-        ls.insert((1, 2), TcpListener::bind("127.0.0.1:0").unwrap());
-        ls.insert((2, 1), TcpListener::bind("127.0.0.1:0").unwrap());
-        Faults::start(&[(1, target), (2, target)], ls)
+        ls.insert((1, 2, 0), TcpListener::bind("127.0.0.1:0").unwrap());
+        ls.insert((2, 1, 0), TcpListener::bind("127.0.0.1:0").unwrap());
+        Faults::start(&[(1, vec![target]), (2, vec![target])], ls)
     }
 
     fn round_trip(s: &mut TcpStream, bytes: &[u8]) -> Vec<u8> {

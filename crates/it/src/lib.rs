@@ -1188,10 +1188,12 @@ impl Cluster {
         c
     }
 
-    /// [`Cluster::prepare_replicated`] with every Raft link behind a
-    /// fault-injecting proxy ([`faultproxy::Faults`], in `self.faults`):
-    /// each node dials each peer through a proxy of its own, so that the
-    /// test can cut, delay or slow each direction between two nodes apart.
+    /// [`Cluster::prepare_replicated`] with every link between two nodes
+    /// behind a fault-injecting proxy ([`faultproxy::Faults`], in
+    /// `self.faults`): each node dials each peer's Raft address and peer
+    /// address (probes, forwarded requests) through proxies of its own, so
+    /// that the test can cut, delay or slow each direction between two
+    /// nodes apart. Clients still reach every node directly.
     pub fn prepare_behind_proxies(
         node_count: u16,
         shard_count: u32,
@@ -1199,26 +1201,30 @@ impl Cluster {
         timing: PeerTiming,
     ) -> Cluster {
         let mut c = Cluster::prepare_replicated(node_count, shard_count, factor, timing);
-        let pairs: Vec<(u16, u16)> = (1..=node_count)
+        // Port 0 is a node's Raft address, port 1 its peer address.
+        let links: Vec<(u16, u16, usize)> = (1..=node_count)
             .flat_map(|a| {
                 (1..=node_count)
                     .filter(move |b| *b != a)
-                    .map(move |b| (a, b))
+                    .flat_map(move |b| [(a, b, 0), (a, b, 1)])
             })
             .collect();
-        let listeners = pairs
+        let listeners = links
             .iter()
             .copied()
             .zip(
-                hold_free_ports(pairs.len())
+                hold_free_ports(links.len())
                     .into_iter()
                     .map(HeldPort::listen),
             )
             .collect();
-        let targets: Vec<(u16, SocketAddr)> = c
+        let targets: Vec<(u16, Vec<SocketAddr>)> = c
             .nodes
             .iter()
-            .map(|n| (n.id, n.raft.expect("a replicated node's Raft address")))
+            .map(|n| {
+                let raft = n.raft.expect("a replicated node's Raft address");
+                (n.id, vec![raft, n.peer])
+            })
             .collect();
         c.faults = Some(Arc::new(faultproxy::Faults::start(&targets, listeners)));
         c
@@ -1522,15 +1528,21 @@ impl Cluster {
             ));
         }
         for n in &self.nodes {
-            s.push_str(&format!(
-                "\n[[nodes]]\nid = {}\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
-                n.id, n.api, n.peer
-            ));
-            let proxied = match (&self.faults, viewer) {
-                (Some(f), Some(v)) if v != n.id => Some(f.addr(v, n.id)),
+            // Behind proxies, the viewer dials each peer's ports through
+            // its proxies to that peer (its own are where it listens).
+            let proxy = |port: usize| match (&self.faults, viewer) {
+                (Some(f), Some(v)) if v != n.id && f.proxies_port(port) => {
+                    Some(f.port_addr(v, n.id, port))
+                }
                 _ => None,
             };
-            if let Some(r) = proxied.or(n.raft) {
+            s.push_str(&format!(
+                "\n[[nodes]]\nid = {}\napi_addr = \"{}\"\npeer_addr = \"{}\"\n",
+                n.id,
+                n.api,
+                proxy(1).unwrap_or(n.peer)
+            ));
+            if let Some(r) = proxy(0).or(n.raft) {
                 s.push_str(&format!("raft_addr = \"{r}\"\n"));
             }
         }

@@ -1,7 +1,9 @@
 //! Faults of the links between nodes that network namespaces cannot make,
-//! from the fault-injecting proxy every Raft link goes through
+//! from the fault-injecting proxies every link between two nodes goes
+//! through, Raft and HTTP (probes, forwarded requests) alike
 //! (`forkless_it::faultproxy`): three nodes, two shards replicated on all
-//! three, a writer through every node, and rounds of
+//! three, a writer through every node (a write for a shard another node
+//! leads is forwarded to it, through the faults), and rounds of
 //! - a leader that hears nothing (every link into it cut, its own still
 //!   sending: the case a plain Raft leader survives as a leader that can
 //!   commit nothing, its heartbeats keeping the followers from electing),

@@ -226,9 +226,8 @@ async fn check_placement(
         placement::path(&cfg.data_dir).display()
     );
     if let Some(recorded) = placement::read(&cfg.data_dir).map_err(config::ConfigError::Invalid)? {
-        let moved = file.moved_from(&recorded);
-        if !moved.is_empty() {
-            return refuse(placement::refusal(&moved, &here));
+        if let Some(why) = placement::refused(&file, &recorded, &here) {
+            return refuse(why);
         }
         return Ok(());
     }
@@ -261,12 +260,9 @@ async fn check_placement(
             continue;
         };
         answered += 1;
-        let moved = file.moved_from(&theirs);
-        if !moved.is_empty() {
-            return refuse(placement::refusal(
-                &moved,
-                &format!("node {} (at {})", n.id, n.peer_addr),
-            ));
+        let source = format!("node {} (at {})", n.id, n.peer_addr);
+        if let Some(why) = placement::refused(&file, &theirs, &source) {
+            return refuse(why);
         }
     }
     placement::record(&cfg.data_dir, &file).map_err(config::ConfigError::Invalid)?;

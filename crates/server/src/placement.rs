@@ -114,6 +114,21 @@ pub fn record(data_dir: &Path, placement: &Placement) -> Result<(), String> {
     forkless_store::write_file_durably(&path(data_dir), &bytes).map_err(|e| e.to_string())
 }
 
+/// Why a start on `file` is refused, if it is: another shard count than
+/// `recorded`'s (a resize), or shards moved off the placement as `source`
+/// has it.
+pub fn refused(file: &Placement, recorded: &Placement, source: &str) -> Option<String> {
+    if file.shard_count != recorded.shard_count {
+        return Some(format!(
+            "placement: the cluster file has {} shard(s), and this cluster's Raft groups were made with {}, as {source} \
+             has them: changing shard_count is a resize, not a restart",
+            file.shard_count, recorded.shard_count
+        ));
+    }
+    let moved = file.moved_from(recorded);
+    (!moved.is_empty()).then(|| refusal(&moved, source))
+}
+
 /// Why a start is refused: the file moves `moved` (the first few named)
 /// off the placement as `source` has it.
 pub fn refusal(moved: &[Moved], source: &str) -> String {
@@ -174,10 +189,18 @@ mod tests {
                 },
             ]
         );
-        // Another shard count moves them all.
+        // Another shard count moves them all, and is named as a resize.
         let one: &[u64] = &[1, 2, 3];
         let eight = p(&[one; 8]);
         assert_eq!(eight.moved_from(&recorded).len(), 8);
+        let resize = refused(&eight, &recorded, "node 2").unwrap_or_default();
+        assert!(
+            resize.contains("has 8 shard(s)")
+                && resize.contains("made with 4")
+                && resize.contains("a resize"),
+            "{resize}"
+        );
+        assert_eq!(refused(&recorded, &recorded, "node 2"), None);
         let why = refusal(&spread.moved_from(&recorded), "this node");
         assert!(
             why.contains("moves 2 shard(s)") && why.contains("shard 2 on [3, 4, 5], not [3, 4, 1]"),
