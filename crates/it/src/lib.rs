@@ -1990,6 +1990,13 @@ pub mod workload {
             std::mem::take(&mut *self.log.lock().unwrap())
         }
 
+        /// Waits (up to 60 s) until `n` writes in all were acknowledged.
+        pub fn wait_acks(&self, n: usize, what: &str) {
+            crate::wait_until(what, Duration::from_secs(60), || {
+                (self.acks() >= n).then_some(())
+            })
+        }
+
         /// Stops the writers, waits for each (a writer that saw an answer
         /// break the API's promises fails the test), and takes the log.
         pub fn finish(
@@ -2085,6 +2092,31 @@ pub mod workload {
                     r.text()
                 );
                 r.json()["execution_id"].as_str().expect("id").to_string()
+            })
+            .collect()
+    }
+
+    /// `count` [`writer`]s (tagged `t0`, `t1`, ...): writer t appends to
+    /// `each` of `execs` from the (t * `stride`)-th on (wrapping), through
+    /// `via` turned by t, so that the writers start on different nodes.
+    pub fn spawn_writers(
+        via: &[Client],
+        execs: &[String],
+        count: usize,
+        each: usize,
+        stride: usize,
+        shared: &Shared,
+    ) -> Vec<std::thread::JoinHandle<Result<(), String>>> {
+        (0..count)
+            .map(|t| {
+                let mine: Vec<String> = (0..each)
+                    .map(|k| execs[(t * stride + k) % execs.len()].clone())
+                    .collect();
+                let mut via = via.to_vec();
+                let n = via.len();
+                via.rotate_left(t % n);
+                let shared = shared.clone();
+                std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
             })
             .collect()
     }

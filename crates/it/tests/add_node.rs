@@ -19,7 +19,9 @@
 //!   writes go through node 5, every acknowledged write is at its seq,
 //!   and every replica of a shard holds the same events.
 
-use forkless_it::workload::{histogram, settle_unknowns, start_spread, verify, writer, Shared};
+use forkless_it::workload::{
+    histogram, settle_unknowns, spawn_writers, start_spread, verify, Shared,
+};
 use forkless_it::*;
 use serde_json::Value;
 use std::time::Duration;
@@ -39,22 +41,8 @@ fn a_node_added_to_the_file_joins_once_the_placement_is_pinned() {
     let shared = Shared::default();
     // Through nodes 2 to 4 (node 1 dies for good), and node 5 once it runs.
     let via: Vec<Client> = [2, 3, 4].iter().map(|n| cl.client(*n)).collect();
-    let writers: Vec<_> = (0..4)
-        .map(|t| {
-            let mine: Vec<String> = (0..4)
-                .map(|k| execs[(t * 4 + k) % execs.len()].clone())
-                .collect();
-            let mut via = via.clone();
-            via.rotate_left(t % 3);
-            let shared = shared.clone();
-            std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
-        })
-        .collect();
-    let acked_at_least = |n: usize, what: &str| {
-        wait_until(what, Duration::from_secs(60), || {
-            (shared.acks() >= n).then_some(())
-        })
-    };
+    let writers = spawn_writers(&via, &execs, 4, 4, 4, &shared);
+    let acked_at_least = |n: usize, what: &str| shared.wait_acks(n, what);
     acked_at_least(200, "200 acknowledged writes before node 5 is added");
 
     // Node 5 in the file, the placement left to the spread.

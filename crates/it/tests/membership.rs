@@ -11,7 +11,9 @@
 //! on every shard (the one moved to it too), every acknowledged write is
 //! at its seq, and every replica of a shard holds the same events.
 
-use forkless_it::workload::{histogram, settle_unknowns, start_spread, verify, writer, Shared};
+use forkless_it::workload::{
+    histogram, settle_unknowns, spawn_writers, start_spread, verify, Shared,
+};
 use forkless_it::*;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -57,22 +59,8 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     let execs = start_spread(&c, "member", 2 * SHARDS, SHARDS);
     let shared = Shared::default();
     let via: Vec<Client> = [2, 3, 4].iter().map(|n| cl.client(*n)).collect();
-    let writers: Vec<_> = (0..4)
-        .map(|t| {
-            let mine: Vec<String> = (0..4)
-                .map(|k| execs[(t * 2 + k) % execs.len()].clone())
-                .collect();
-            let mut via = via.clone();
-            via.rotate_left(t % 3);
-            let shared = shared.clone();
-            std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
-        })
-        .collect();
-    let acked_at_least = |n: usize, what: &str| {
-        wait_until(what, Duration::from_secs(60), || {
-            (shared.acks() >= n).then_some(())
-        })
-    };
+    let writers = spawn_writers(&via, &execs, 4, 4, 2, &shared);
+    let acked_at_least = |n: usize, what: &str| shared.wait_acks(n, what);
     acked_at_least(200, "200 acknowledged writes before node 1 dies");
 
     cl.kill9(1);

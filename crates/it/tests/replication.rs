@@ -6,7 +6,9 @@
 //! nothing refused or never sent is there, and every replica holds the
 //! same events (checked offline on each node's data directory).
 
-use forkless_it::workload::{histogram, settle_unknowns, verify, writer, Outcome, Shared};
+use forkless_it::workload::{
+    histogram, settle_unknowns, spawn_writers, verify, writer, Outcome, Shared,
+};
 use forkless_it::*;
 use std::time::{Duration, Instant};
 
@@ -72,18 +74,7 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
         .collect();
     let shared = Shared::default();
     let via: Vec<Client> = others.iter().map(|n| cl.client(*n)).collect();
-    let mut writers: Vec<_> = (0..4)
-        .map(|t| {
-            let mine: Vec<String> = (0..3)
-                .map(|k| execs[(t + k) % execs.len()].clone())
-                .collect();
-            let mut via = via.clone();
-            let n = via.len();
-            via.rotate_left(t % n);
-            let shared = shared.clone();
-            std::thread::spawn(move || writer(via, mine, format!("t{t}"), shared, false))
-        })
-        .collect();
+    let mut writers = spawn_writers(&via, &execs, 4, 3, 1, &shared);
     if fault != Fault::Kill {
         let (mine, shared) = (execs.clone(), shared.clone());
         let through = vec![cl.client(victim)];
