@@ -1031,6 +1031,11 @@ peer_addr = "127.0.0.1:7172"
 "#;
 
     /// Three nodes with Raft addresses, `extra` before the nodes.
+    /// Shard `s`'s replicas as node ids.
+    fn replica_ids(r: &Replicated, s: u32) -> Vec<u16> {
+        r.replicas(ShardId(s)).iter().map(|n| n.get()).collect()
+    }
+
     fn replicated(extra: &str) -> String {
         let mut t = format!("secret = \"0123456789abcdef\"\nshard_count = 4\n{extra}\n");
         for id in 1..=3 {
@@ -1049,12 +1054,7 @@ peer_addr = "127.0.0.1:7172"
             .as_ref()
             .and_then(|c| c.replication.clone())
             .expect("replicated");
-        let ids = |s: u32| {
-            r.replicas(ShardId(s))
-                .iter()
-                .map(|n| n.get())
-                .collect::<Vec<_>>()
-        };
+        let ids = |s: u32| replica_ids(&r, s);
         assert_eq!(
             (ids(0), ids(1), ids(2), ids(3)),
             (vec![1, 2, 3], vec![2, 3, 1], vec![3, 1, 2], vec![1, 2, 3])
@@ -1145,12 +1145,7 @@ peer_addr = "127.0.0.1:7172"
         )
         .expect("valid");
         let r = c.cluster.and_then(|c| c.replication).expect("replicated");
-        let ids = |s: u32| {
-            r.replicas(ShardId(s))
-                .iter()
-                .map(|n| n.get())
-                .collect::<Vec<_>>()
-        };
+        let ids = |s: u32| replica_ids(&r, s);
         // Shard 1 as pinned, the others spread.
         assert_eq!(
             (ids(0), ids(1), ids(2)),
