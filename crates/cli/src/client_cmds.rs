@@ -75,6 +75,21 @@ pub enum ClusterVerb {
     /// the node list changes, and a node refuses to start on a file that
     /// moves a shard).
     Placement(PlacementArgs),
+    /// Have each node named by --server (comma-separated: every running
+    /// node, once the node was added to every node's file) read its
+    /// cluster file again and take the nodes it gained, with no restart:
+    /// probed, routed to and replicated to from then on. Anything else the
+    /// file changed that a running node cannot take (a node's address, a
+    /// shard's placement, the shard count, the secret, a node dropped) is
+    /// refused, naming the field, and nothing changes. Prints one JSON
+    /// object per node; exit 1 if any node refused or did not answer.
+    Reload(ReloadArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ReloadArgs {
+    #[command(flatten)]
+    server: ServerArg,
 }
 
 #[derive(clap::Args, Debug)]
@@ -247,6 +262,12 @@ impl From<anyhow::Error> for Failed {
 }
 
 fn client(s: &ServerArg) -> Result<Client, Failed> {
+    Ok(Client::with_config(client_config(s))?)
+}
+
+/// A client configuration for a person waiting: safe retries, given up
+/// within seconds.
+fn client_config(s: &ServerArg) -> Config {
     let mut cfg = s.config();
     // A person is waiting: retry what is safe, but give up within seconds.
     cfg.retry = RetryPolicy {
@@ -254,7 +275,7 @@ fn client(s: &ServerArg) -> Result<Client, Failed> {
         max_elapsed: Duration::from_secs(5),
         ..RetryPolicy::default()
     };
-    Ok(Client::with_config(cfg)?)
+    cfg
 }
 
 fn parse_id(raw: &str) -> anyhow::Result<ExecutionId> {
@@ -343,6 +364,36 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
                 return Err(anyhow::anyhow!(
                     "not every shard's replica on node {} could be moved (see the report's shards); run it again to go on",
                     a.node
+                )
+                .into());
+            }
+        }
+        Verb::Cluster(ClusterVerb::Reload(a)) => {
+            let mut failed = Vec::new();
+            for server in a.server.config().servers {
+                let mut cfg = client_config(&ServerArg {
+                    server: server.clone(),
+                });
+                // This node, not whichever the map would pick.
+                cfg.routing = forkless_client::Routing::Fixed;
+                let answer = match Client::with_config(cfg) {
+                    Ok(c) => c.reload_cluster().await.map_err(|e| e.to_json()),
+                    Err(e) => Err(e.to_json()),
+                };
+                let line = match answer {
+                    Ok(v) => serde_json::json!({"server": server, "reloaded": v}),
+                    Err(e) => {
+                        failed.push(server.clone());
+                        serde_json::json!({"server": server, "error": e})
+                    }
+                };
+                print(&line)?;
+            }
+            if !failed.is_empty() {
+                return Err(anyhow::anyhow!(
+                    "{} of the nodes did not reload: {} (see above)",
+                    failed.len(),
+                    failed.join(", ")
                 )
                 .into());
             }

@@ -190,15 +190,33 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
     let stop = rt.block_on(async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let mut exited = std::collections::BTreeSet::new();
         loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => return None,
                 _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => return None,
                 _ = tick.tick() => {
                     for (id, c) in &mut nodes.0 {
-                        if let Ok(Some(status)) = c.try_wait() {
-                            return Some(format!("node {id} exited ({status})"));
+                        if exited.contains(id) {
+                            continue;
                         }
+                        let Ok(Some(status)) = c.try_wait() else { continue };
+                        let why = format!("node {id} exited ({status})");
+                        // A replicated cluster is meant to outlive a node
+                        // (kill one to watch its shards elect new leaders):
+                        // the others keep running.
+                        if factor == 1 {
+                            return Some(why);
+                        }
+                        exited.insert(*id);
+                        println!(
+                            "{why}; the others keep serving. Start it again with: forkless serve --config {} --node {id} --data-dir {}",
+                            config.display(),
+                            a.data_dir.join(format!("node-{id}")).display()
+                        );
+                    }
+                    if exited.len() == nodes.0.len() {
+                        return Some("every node exited".to_string());
                     }
                 }
             }

@@ -109,14 +109,23 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         read_page_bytes_max: a.read_page_bytes_max,
         long_polls_max: a.long_polls_max,
     };
-    let cfg = config::resolve(file, a.node, overrides)?;
+    let cfg = config::resolve(file, a.node, overrides.clone())?;
+    // `forkless cluster reload` and SIGHUP read the same file again, with
+    // the same flags.
+    let reload: Option<forkless_server::reload::Reload> = a.config.clone().map(|path| {
+        let node = a.node;
+        let read: forkless_server::reload::Reload = std::sync::Arc::new(move || {
+            config::resolve(Some(config::read_file(&path)?), node, overrides.clone())
+        });
+        read
+    });
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = a.worker_threads {
         anyhow::ensure!(n >= 1, "--worker-threads must be at least 1");
         rt.worker_threads(n);
     }
     let rt = rt.enable_all().build().context("starting the runtime")?;
-    rt.block_on(forkless_server::run(cfg, shutdown_signal()))?;
+    rt.block_on(forkless_server::run(cfg, reload, shutdown_signal()))?;
     Ok(())
 }
 

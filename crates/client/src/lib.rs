@@ -634,6 +634,22 @@ impl Client {
         .await
     }
 
+    /// Asks the node this client sends to (the first server, with
+    /// [`Routing::Fixed`]) to read its cluster file again and take the
+    /// nodes it gained.
+    pub async fn reload_cluster(&self) -> Result<serde_json::Value, Error> {
+        self.json(Call {
+            method: Method::POST,
+            path: "/api/cluster/reload".into(),
+            body: None,
+            steer: Steer::Any,
+            // Reading the same file twice adds nothing the second time.
+            idempotent: true,
+            extra_timeout: Duration::ZERO,
+        })
+        .await
+    }
+
     pub async fn remove_node(
         &self,
         node: u16,

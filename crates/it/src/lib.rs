@@ -268,6 +268,11 @@ impl Proc {
         signal(self.pid(), libc::SIGCONT);
     }
 
+    /// SIGHUP: a node reads its cluster file again.
+    pub fn sighup(&self) {
+        signal(self.pid(), libc::SIGHUP);
+    }
+
     /// SIGKILL and reap.
     pub fn kill9(&mut self) {
         if !self.reaped {

@@ -129,7 +129,8 @@ pub struct Links {
 struct Inner {
     me: u64,
     secret: String,
-    links: BTreeMap<u64, Link>,
+    /// Grows when a node is added at run time ([`Links::add_peer`]).
+    links: std::sync::RwLock<BTreeMap<u64, Arc<Link>>>,
     /// The runtime the connections are made and run on (the caller's when
     /// `None`): a socket is driven by the runtime it was made on.
     runtime: Option<tokio::runtime::Handle>,
@@ -170,10 +171,10 @@ impl Links {
             .map(|(id, addr)| {
                 (
                     id,
-                    Link {
+                    Arc::new(Link {
                         addr,
                         conn: tokio::sync::Mutex::new(Conn::default()),
-                    },
+                    }),
                 )
             })
             .collect();
@@ -181,10 +182,41 @@ impl Links {
             inner: Arc::new(Inner {
                 me,
                 secret,
-                links,
+                links: std::sync::RwLock::new(links),
                 runtime,
             }),
         }
+    }
+
+    /// Adds a peer the cluster file gained while this node ran (`forkless
+    /// cluster reload`). A peer already known keeps its address (an
+    /// address changes only with a restart); returns whether it was added.
+    pub fn add_peer(&self, id: u64, addr: String) -> bool {
+        if id == self.inner.me {
+            return false;
+        }
+        let mut links = self.inner.links.write().unwrap_or_else(|e| e.into_inner());
+        match links.entry(id) {
+            std::collections::btree_map::Entry::Occupied(_) => false,
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(Arc::new(Link {
+                    addr,
+                    conn: tokio::sync::Mutex::new(Conn::default()),
+                }));
+                true
+            }
+        }
+    }
+
+    /// The peers this node has links to, in id order.
+    pub fn peer_ids(&self) -> Vec<u64> {
+        self.inner
+            .links
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .copied()
+            .collect()
     }
 }
 
@@ -227,7 +259,7 @@ impl Peers for Links {
     }
 
     fn link_down(&self, target: u64) -> bool {
-        let Some(link) = self.inner.links.get(&target) else {
+        let Some(link) = self.inner.link(target) else {
             return true;
         };
         // Held while a call takes the connection, or while one is made:
@@ -245,13 +277,21 @@ impl Peers for Links {
 }
 
 impl Inner {
+    fn link(&self, target: u64) -> Option<Arc<Link>> {
+        self.links
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&target)
+            .cloned()
+    }
+
     /// The connection to `target`, made now if there is none.
     async fn sender(
         &self,
         target: u64,
         deadline: Instant,
     ) -> Result<mpsc::Sender<Outgoing>, CallError> {
-        let link = self.links.get(&target).ok_or_else(|| {
+        let link = self.link(target).ok_or_else(|| {
             CallError::Unreachable(format!("node {target} is not a peer of this node"))
         })?;
         let mut conn = tokio::time::timeout_at(deadline, link.conn.lock())
@@ -914,6 +954,16 @@ mod tests {
         // Within the retry pause, at once, with the same reason.
         match links.call(2, 0, rpc(), Duration::from_secs(1)).await {
             Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:1"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // A peer added at run time is called at its address; one known
+        // keeps its address, and this node is never its own peer.
+        assert!(links.add_peer(3, "127.0.0.1:2".into()));
+        assert!(!links.add_peer(3, "127.0.0.1:3".into()));
+        assert!(!links.add_peer(1, "127.0.0.1:4".into()));
+        assert_eq!(links.peer_ids(), vec![2, 3]);
+        match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
+            Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:2"), "{why}"),
             other => panic!("{other:?}"),
         }
     }

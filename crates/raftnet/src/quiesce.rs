@@ -62,13 +62,17 @@ impl PeersHeard {
     }
 }
 
+/// The peers a node's heartbeat goes to, asked every interval (a node
+/// added at run time is beaten from then on).
+pub type PeerIds = Arc<dyn Fn() -> Vec<u64> + Send + Sync>;
+
 /// Sends this node's heartbeat to `peers` every heartbeat interval, and
 /// wakes the quiet followers among `shards` whose leader went silent,
 /// until `stop` turns true. With `timing.quiesce` off it does nothing
 /// (the groups keep their own timers).
 pub async fn run(
     peers: Arc<dyn Peers>,
-    peer_ids: Vec<u64>,
+    peer_ids: PeerIds,
     shards: crate::Hosted,
     timing: RaftTiming,
     heard: Arc<PeersHeard>,
@@ -101,7 +105,7 @@ pub async fn run(
                 members.push(st.members());
             }
         }
-        for &peer in &peer_ids {
+        for peer in peer_ids() {
             let yours = quiet
                 .iter()
                 .zip(&members)

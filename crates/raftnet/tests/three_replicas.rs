@@ -93,10 +93,10 @@ impl Node {
             .expect("up")
             .shard(SHARD)
             .expect("shard");
-        let others = (1..=3).filter(|p| *p != self.id).collect();
+        let me = self.id;
         tokio::spawn(forkless_raftnet::quiesce::run(
             self.peers.clone(),
-            others,
+            Arc::new(move || (1..=3).filter(|p| *p != me).collect()),
             Arc::new(move || vec![st.clone()]),
             forkless_store::RaftTiming::default(),
             Arc::default(),

@@ -123,7 +123,8 @@ impl PeerState {
 /// Which peers are believed alive. Written by the prober, read by routing.
 #[derive(Debug)]
 pub struct Liveness {
-    state: BTreeMap<NodeId, AtomicU8>,
+    /// Grows when a node is added at run time ([`StaticDirectory::add_node`]).
+    state: RwLock<BTreeMap<NodeId, AtomicU8>>,
 }
 
 impl Liveness {
@@ -132,11 +133,22 @@ impl Liveness {
     /// dead one fails closed anyway.
     pub fn new(nodes: impl IntoIterator<Item = NodeId>) -> Liveness {
         Liveness {
-            state: nodes
-                .into_iter()
-                .map(|n| (n, AtomicU8::new(NEVER_ANSWERED)))
-                .collect(),
+            state: RwLock::new(
+                nodes
+                    .into_iter()
+                    .map(|n| (n, AtomicU8::new(NEVER_ANSWERED)))
+                    .collect(),
+            ),
         }
+    }
+
+    /// Starts following `node` (never answered), if it is not followed yet.
+    fn add(&self, node: NodeId) {
+        self.state
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(node)
+            .or_insert_with(|| AtomicU8::new(NEVER_ANSWERED));
     }
 
     /// Records one probe's outcome: answered (`alive`) or not. A peer that
@@ -148,7 +160,8 @@ impl Liveness {
 
     /// Like [`Liveness::set`], returning the states before and after.
     pub fn record(&self, node: NodeId, answered: bool) -> (PeerState, PeerState) {
-        let Some(a) = self.state.get(&node) else {
+        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
+        let Some(a) = state.get(&node) else {
             return (PeerState::Down, PeerState::Down);
         };
         let before = if answered {
@@ -169,6 +182,8 @@ impl Liveness {
 
     pub fn state(&self, node: NodeId) -> PeerState {
         self.state
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .get(&node)
             .map(|a| PeerState::from_u8(a.load(Ordering::Acquire)))
             .unwrap_or(PeerState::Down)
@@ -186,7 +201,8 @@ impl Liveness {
 pub struct StaticDirectory {
     local: NodeId,
     shard_count: ShardCount,
-    nodes: BTreeMap<NodeId, NodeInfo>,
+    /// Grows when a node is added at run time ([`StaticDirectory::add_node`]).
+    nodes: RwLock<BTreeMap<NodeId, NodeInfo>>,
     assignments: RwLock<Vec<ShardAssignment>>,
     liveness: Liveness,
     /// Shards two nodes claim at the same epoch: they fail closed.
@@ -250,7 +266,7 @@ impl StaticDirectory {
         Ok(StaticDirectory {
             local,
             shard_count,
-            nodes,
+            nodes: RwLock::new(nodes),
             assignments: RwLock::new(assignments),
             liveness,
             derived,
@@ -300,12 +316,37 @@ impl StaticDirectory {
         &self.liveness
     }
 
-    pub fn nodes(&self) -> impl Iterator<Item = &NodeInfo> {
-        self.nodes.values()
+    /// Every node of the cluster, in id order.
+    pub fn nodes(&self) -> Vec<NodeInfo> {
+        self.nodes_read().values().cloned().collect()
     }
 
-    pub fn node(&self, id: NodeId) -> Option<&NodeInfo> {
-        self.nodes.get(&id)
+    pub fn node(&self, id: NodeId) -> Option<NodeInfo> {
+        self.nodes_read().get(&id).cloned()
+    }
+
+    fn nodes_read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<NodeId, NodeInfo>> {
+        self.nodes.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Adds a node the cluster file gained while this node ran (`forkless
+    /// cluster reload`): it is probed, routed to and followed from now on.
+    /// A node already known keeps its addresses; returns whether it was
+    /// added.
+    pub fn add_node(&self, node: NodeInfo) -> bool {
+        let id = node.id;
+        let added = {
+            let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+            match nodes.entry(id) {
+                std::collections::btree_map::Entry::Occupied(_) => false,
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(node);
+                    true
+                }
+            }
+        };
+        self.liveness.add(id);
+        added
     }
 
     pub fn assignment(&self, shard: ShardId) -> Option<ShardAssignment> {
@@ -327,7 +368,7 @@ impl StaticDirectory {
     /// map's wins (ownership moved after this node's config was written);
     /// an older or equal one changes nothing. Returns true if the map changed.
     pub fn observe(&self, shard: ShardId, owner: NodeId, epoch: Epoch) -> Observation {
-        if !self.nodes.contains_key(&owner) {
+        if !self.nodes_read().contains_key(&owner) {
             return Observation::Unchanged;
         }
         let mut a = self.assignments.write().unwrap_or_else(|e| e.into_inner());
@@ -388,7 +429,7 @@ impl StaticDirectory {
     }
 
     fn hint(&self, a: ShardAssignment) -> Option<OwnerHint> {
-        self.nodes.get(&a.owner).map(|n| OwnerHint {
+        self.nodes_read().get(&a.owner).map(|n| OwnerHint {
             node: n.id,
             api_addr: n.api_addr.clone(),
             peer_addr: n.peer_addr.clone(),
@@ -457,6 +498,27 @@ mod tests {
             vec![a(1, 1), a(2, 1), a(3, 1), a(2, 2)],
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_node_added_at_run_time_is_known_followed_and_claimable() {
+        let d = dir();
+        let n4 = NodeId::new(4).unwrap();
+        assert!(d.node(n4).is_none());
+        // A claim by a node the directory does not know changes nothing.
+        assert_eq!(d.observe(ShardId(1), n4, Epoch(9)), Observation::Unchanged);
+        assert!(d.add_node(node(4)));
+        assert!(!d.add_node(NodeInfo {
+            api_addr: "elsewhere".into(),
+            ..node(4)
+        }));
+        assert_eq!(d.node(n4).unwrap().api_addr, "a4");
+        assert_eq!(d.nodes().len(), 4);
+        assert_eq!(d.liveness().state(n4), PeerState::NeverAnswered);
+        d.liveness().record(n4, true);
+        assert_eq!(d.liveness().state(n4), PeerState::Up);
+        assert_eq!(d.observe(ShardId(1), n4, Epoch(9)), Observation::Moved);
+        assert!(matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node == n4));
     }
 
     #[test]

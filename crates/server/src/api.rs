@@ -119,6 +119,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/cluster", get(cluster))
         .route("/api/cluster/placement", get(cluster_placement))
         .route("/api/cluster/remove-node", post(remove_node))
+        .route("/api/cluster/reload", post(cluster_reload))
         .route("/api/shards/{shard}/replace", post(replace_replica))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
@@ -1388,16 +1389,18 @@ struct RemoveNodeBody {
     to: Option<u16>,
 }
 
-/// The node ids of the cluster file, and their Raft addresses; a 400 when
-/// the cluster does not replicate its shards.
-fn replicated_nodes(
-    app: &App,
-) -> Result<&std::collections::BTreeMap<forkless_types::NodeId, std::net::SocketAddr>, ApiError> {
-    app.cfg
-        .cluster
+type RaftAddrs = std::collections::BTreeMap<forkless_types::NodeId, std::net::SocketAddr>;
+
+/// The node ids of the cluster as this node runs it (its file, and the
+/// nodes reloads added), and their Raft addresses; a 400 when the cluster
+/// does not replicate its shards.
+fn replicated_nodes(app: &App) -> Result<RaftAddrs, ApiError> {
+    app.cluster
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
         .as_ref()
         .and_then(|c| c.replication.as_ref())
-        .map(|r| &r.raft_addrs)
+        .map(|r| r.raft_addrs.clone())
         .ok_or_else(|| {
             ApiError::invalid(
                 "cluster",
@@ -1511,7 +1514,7 @@ async fn replace_on_leader(
     }
     let to = match to {
         Some(t) => t,
-        None => pick_target(app, nodes, shard, from, &status.voters, &status.learners).ok_or_else(|| {
+        None => pick_target(app, &nodes, shard, from, &status.voters, &status.learners).ok_or_else(|| {
             ApiError::invalid(
                 "to",
                 format!(
@@ -1550,7 +1553,7 @@ async fn replace_on_leader(
 /// shards spread over the nodes left).
 fn pick_target(
     app: &App,
-    nodes: &std::collections::BTreeMap<forkless_types::NodeId, std::net::SocketAddr>,
+    nodes: &RaftAddrs,
     shard: ShardId,
     from: forkless_types::NodeId,
     voters: &[u64],
@@ -1819,6 +1822,7 @@ async fn cluster(State(app): AppState) -> Response {
     let nodes: Vec<_> = app
         .dir
         .nodes()
+        .into_iter()
         .map(|nd| {
             json!({
                 "id": nd.id.get(),
@@ -1842,6 +1846,42 @@ async fn cluster(State(app): AppState) -> Response {
             "shards": shards,
         }),
     )
+}
+
+/// `POST /api/cluster/reload`: this node reads its cluster file again and
+/// takes the nodes it gained (`crate::reload`); anything else the file
+/// changed is refused (409, naming the field) or left for a restart.
+async fn cluster_reload(State(app): AppState, body: Body) -> Response {
+    // No body is taken: a client that sends one is told so.
+    match read_body(&app, body).await {
+        Ok(b) if b.iter().all(|c| c.is_ascii_whitespace()) => {}
+        Ok(_) => {
+            return ApiError::invalid("body", "takes no body: the node reads its cluster file")
+                .into_response()
+        }
+        Err(e) => return e.into_response(),
+    }
+    match crate::reload::run(&app).await {
+        Ok(done) => json_response(
+            StatusCode::OK,
+            &json!({
+                "node": app.cfg.node_id.get(),
+                "added": done.added.iter().map(|a| json!({
+                    "id": a.node.id.get(),
+                    "api_addr": a.node.api_addr,
+                    "peer_addr": a.node.peer_addr,
+                    "raft_addr": a.raft_addr.map(|r| r.to_string()),
+                })).collect::<Vec<_>>(),
+                "nodes": done.nodes.iter().map(|n| n.get()).collect::<Vec<_>>(),
+                "restart_needed": done.restart_needed,
+            }),
+        ),
+        Err(r) => ApiError::ReloadRefused {
+            field: r.field,
+            reason: r.reason,
+        }
+        .into_response(),
+    }
 }
 
 /// Ready once started; a node with shards out of service still serves

@@ -82,6 +82,12 @@ pub enum ApiError {
     },
     /// A request not received in full within this many milliseconds.
     RequestTimeout(u64),
+    /// A reload of the cluster file refused: `field` of the file changes
+    /// what a running node cannot take; nothing was changed.
+    ReloadRefused {
+        field: String,
+        reason: String,
+    },
     Internal(String),
 }
 
@@ -121,6 +127,7 @@ impl ApiError {
             ApiError::Forbidden(_) => "forbidden",
             ApiError::Overloaded { code, .. } => code,
             ApiError::RequestTimeout(_) => "request_timeout",
+            ApiError::ReloadRefused { .. } => "reload_refused",
             ApiError::Internal(_) => "internal",
         }
     }
@@ -132,7 +139,8 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::SequenceConflict { .. }
             | ApiError::Closed { .. }
-            | ApiError::IdempotencyConflict { .. } => StatusCode::CONFLICT,
+            | ApiError::IdempotencyConflict { .. }
+            | ApiError::ReloadRefused { .. } => StatusCode::CONFLICT,
             ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
             ApiError::OwnerUnavailable { .. }
             | ApiError::ShardUnavailable { .. }
@@ -146,7 +154,7 @@ impl ApiError {
     pub fn body(&self) -> Value {
         let code = self.code();
         match self {
-            ApiError::Invalid { field, reason } => {
+            ApiError::Invalid { field, reason } | ApiError::ReloadRefused { field, reason } => {
                 json!({"error": code, "message": format!("{field}: {reason}"), "field": field})
             }
             ApiError::TooLarge { what, size, limit } => json!({

@@ -15,6 +15,7 @@ mod headers;
 pub mod metrics;
 pub mod peer;
 pub mod placement;
+pub mod reload;
 pub mod wire;
 
 use config::ServerConfig;
@@ -66,6 +67,14 @@ pub struct App {
     /// shows of a shard this node holds no replica of (or a replica the
     /// group has since left), instead of the cluster file's placement.
     pub replicas_heard: std::sync::Mutex<std::collections::HashMap<u32, ReplicasHeard>>,
+    /// The cluster as this node runs it: the file it started on, plus the
+    /// nodes reloads added (`reload`). `None` on a node with no cluster.
+    pub cluster: std::sync::RwLock<Option<Arc<config::ClusterConfig>>>,
+    /// Reads the cluster file again (`reload`); `None` when the node was
+    /// started with no file to read.
+    pub reload: Option<reload::Reload>,
+    /// This node's Raft connections to its peers, which a reload adds to.
+    pub links: Option<forkless_raftnet::Links>,
 }
 
 /// A shard's voters as its leader `from` said at `term`, and the log id
@@ -108,7 +117,10 @@ pub enum StartupError {
 impl App {
     /// Opens the store and the shards this node owns, moving each to the
     /// epoch the map gives it.
-    pub async fn open(cfg: ServerConfig) -> Result<Arc<App>, StartupError> {
+    pub async fn open(
+        cfg: ServerConfig,
+        reload: Option<reload::Reload>,
+    ) -> Result<Arc<App>, StartupError> {
         let dir = Arc::new(cfg.directory()?);
         let in_progress = Arc::new(AtomicUsize::new(0));
         let replicated = cfg.cluster.as_ref().and_then(|c| c.replication.clone());
@@ -124,7 +136,10 @@ impl App {
                 .unwrap_or_default();
             store_replication(cfg.node_id, r, secret)
         });
-        let replication = replication.transpose()?;
+        let (replication, links) = match replication.transpose()? {
+            Some((r, l)) => (Some(r), Some(l)),
+            None => (None, None),
+        };
         let store = Arc::new(Store::open(
             &cfg.data_dir,
             cfg.shard_count,
@@ -195,6 +210,9 @@ impl App {
             long_polls: AtomicUsize::new(0),
             replication,
             replicas_heard: Default::default(),
+            cluster: std::sync::RwLock::new(cfg.cluster.clone().map(Arc::new)),
+            reload,
+            links,
             dir,
             store,
             cfg,
@@ -280,7 +298,7 @@ fn store_replication(
     me: forkless_types::NodeId,
     r: &config::Replicated,
     secret: String,
-) -> Result<forkless_store::Replication, forkless_store::StoreError> {
+) -> Result<(forkless_store::Replication, forkless_raftnet::Links), forkless_store::StoreError> {
     let addrs: std::collections::BTreeMap<u64, String> = r
         .raft_addrs
         .iter()
@@ -288,7 +306,13 @@ fn store_replication(
         .collect();
     let placement = r.clone();
     let members = addrs.clone();
-    Ok(forkless_store::Replication {
+    let links = forkless_raftnet::Links::on(
+        u64::from(me.get()),
+        secret,
+        addrs,
+        Some(forkless_store::raft_runtime()?),
+    );
+    let replication = forkless_store::Replication {
         me: u64::from(me.get()),
         members: Arc::new(move |shard| {
             placement
@@ -303,13 +327,9 @@ fn store_replication(
         }),
         timing: r.timing,
         log: r.log,
-        peers: Arc::new(forkless_raftnet::Links::on(
-            u64::from(me.get()),
-            secret,
-            addrs,
-            Some(forkless_store::raft_runtime()?),
-        )),
-    })
+        peers: Arc::new(links.clone()),
+    };
+    Ok((replication, links))
 }
 
 /// Keeps the directory's owner of each replicated shard this node holds a
@@ -393,6 +413,7 @@ async fn follow_leader(
 /// listener (if distinct) and the peer prober.
 pub async fn run(
     cfg: ServerConfig,
+    reload: Option<reload::Reload>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
     // Before the store opens anything: the connections' descriptors plus
@@ -406,7 +427,7 @@ pub async fn run(
         reserved_for_store = config::FD_RESERVE,
         "file descriptors"
     );
-    let app = App::open(cfg).await?;
+    let app = App::open(cfg, reload).await?;
     let bind = |addr: std::net::SocketAddr| async move {
         tokio::net::TcpListener::bind(addr)
             .await
@@ -499,15 +520,9 @@ pub async fn run(
             stop_rx.clone(),
         ));
         tokio::spawn(follow_leaders(app.clone(), stop_rx.clone()));
-        if let Some(rep) = &app.replication {
-            let peer_ids = app
-                .cfg
-                .cluster
-                .iter()
-                .flat_map(|c| c.nodes.iter())
-                .map(|n| u64::from(n.id.get()))
-                .filter(|id| *id != rep.me)
-                .collect();
+        if let (Some(rep), Some(links)) = (&app.replication, app.links.clone()) {
+            // Asked every beat: a node a reload added is beaten from then on.
+            let peer_ids: forkless_raftnet::quiesce::PeerIds = Arc::new(move || links.peer_ids());
             let store = app.store.clone();
             let shards: forkless_raftnet::Hosted = Arc::new(move || {
                 store
@@ -547,6 +562,10 @@ pub async fn run(
                 ));
             }
         }
+    }
+    #[cfg(unix)]
+    if app.reload.is_some() && app.cfg.cluster.is_some() {
+        tokio::spawn(reload::on_hangup(app.clone(), stop_rx.clone()));
     }
     if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
         // Ready once its first round of probes has completed.

@@ -79,12 +79,6 @@ struct OwnedShard {
 pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
     let interval = Duration::from_millis(app.cfg.peer.probe_interval_ms.max(10));
     let timeout = Duration::from_millis(app.cfg.peer.probe_timeout_ms.max(10));
-    let peers: Vec<_> = app
-        .dir
-        .nodes()
-        .filter(|n| n.id != app.cfg.node_id)
-        .cloned()
-        .collect();
     let mut ready = false;
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -94,9 +88,11 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
             _ = stop.wait_for(|s| *s) => return,
         }
         // Probe every peer at once: a paused peer must not delay news of
-        // the others.
+        // the others. The peers are read each round: a node a reload
+        // added is probed from the next.
+        let peers = app.dir.nodes();
         let mut probes = tokio::task::JoinSet::new();
-        for p in &peers {
+        for p in peers.iter().filter(|n| n.id != app.cfg.node_id) {
             let app = app.clone();
             let (id, addr) = (p.id, p.peer_addr.clone());
             probes.spawn(async move {

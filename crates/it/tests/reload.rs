@@ -1,0 +1,185 @@
+//! Real processes: a dead node's replacement joins a running three-node
+//! cluster with no restart of the live nodes (`forkless cluster reload`,
+//! and SIGHUP). Three nodes, four shards, three replicas of each (every
+//! node holds every shard), under a steady write load:
+//!
+//! - node 1 is killed; node 4 is added to the cluster file. Left
+//!   unpinned, the spread over four nodes moves shards: node 2's reload
+//!   is refused, naming the placement, and changes nothing.
+//! - pinned as `forkless cluster placement` prints it, node 2 reloads by
+//!   `forkless cluster reload` and node 3 by SIGHUP; reading the same
+//!   file again adds nothing. Node 4 starts, `remove-node 1 --to 4` moves
+//!   node 1's four replicas to it, and it comes to lead the shards node 1
+//!   was the preferred leader of.
+//!
+//! Before reloads, the live nodes knew only the nodes of the file they
+//! started on: adding node 4 meant restarting node 2 and node 3 on the
+//! new file, and with node 1 dead each restart took every shard's quorum
+//! away. Here nodes 2 and 3 run throughout (their pids are checked), and
+//! every acknowledged write is at its seq on every replica.
+
+use forkless_it::workload::{
+    histogram, settle_unknowns, spawn_writers, start_spread, verify, Shared,
+};
+use forkless_it::*;
+use serde_json::Value;
+use std::time::Duration;
+
+const SHARDS: u32 = 4;
+
+fn node_ids(cl: &Cluster, via: u16) -> Vec<u64> {
+    cl.client(via).get("/api/cluster").json()["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter_map(|n| n["id"].as_u64())
+        .collect()
+}
+
+#[test]
+fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
+    let _deadline = deadline("reload a node in", Duration::from_secs(240));
+    let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
+    // A new replica catches up by a snapshot of its shard.
+    cl.raft_log = Some((20, 5));
+    cl.start_all_replicated();
+    let file_name = cl
+        .node(2)
+        .config
+        .file_name()
+        .expect("a config file")
+        .to_string_lossy()
+        .to_string();
+    assert_eq!(cl.node(3).config, cl.node(2).config);
+    let pids = [cl.node(2).proc().pid(), cl.node(3).proc().pid()];
+
+    let execs = start_spread(&cl.client(2), "reload", 2 * SHARDS, SHARDS);
+    let shared = Shared::default();
+    let via: Vec<Client> = [2, 3].iter().map(|n| cl.client(*n)).collect();
+    let writers = spawn_writers(&via, &execs, 4, 4, 4, &shared);
+    shared.wait_acks(200, "200 acknowledged writes before node 1 dies");
+
+    cl.kill9(1);
+    cl.wait_leaders_known(2, &[1]);
+    let dead_at = shared.acks();
+    shared.wait_acks(dead_at + 100, "100 acknowledged writes with node 1 dead");
+
+    // Node 4 in the file the live nodes run on, the placement left to the
+    // spread: refused, nothing changed.
+    let four = cl.add_node();
+    cl.write_config(&file_name, &[]);
+    let n2 = format!("http://{}", cl.node(2).api);
+    let n3 = format!("http://{}", cl.node(3).api);
+    let (code, out, err) = run_cli(
+        &["cluster", "reload", "--server", &n2],
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        code,
+        Some(1),
+        "a reload that moves shards was taken: {out}\n{err}"
+    );
+    assert!(
+        out.contains("reload_refused")
+            && out.contains("\"message\":\"placement: the cluster file moves")
+            && out.contains("forkless cluster placement"),
+        "the refusal does not name the placement and what to do: {out}"
+    );
+    assert_eq!(
+        node_ids(&cl, 2),
+        vec![1, 2, 3],
+        "a refused reload changed the nodes"
+    );
+
+    // Pinned as the cluster prints it.
+    let (code, out, err) = run_cli(
+        &["cluster", "placement", "--server", &n2],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "cluster placement failed: {out}\n{err}");
+    cl.file_tail = out;
+    let file = cl.write_config(&file_name, &[]);
+    let (code, out, err) = run_cli(
+        &["cluster", "reload", "--server", &n2],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "reload failed: {out}\n{err}");
+    let answer: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(answer["reloaded"]["added"][0]["id"], four, "{answer}");
+    assert_eq!(
+        answer["reloaded"]["nodes"],
+        serde_json::json!([1, 2, 3, 4]),
+        "{answer}"
+    );
+    assert_eq!(
+        answer["reloaded"]["restart_needed"],
+        serde_json::json!([]),
+        "{answer}"
+    );
+    // Node 3 by SIGHUP.
+    cl.node(3).proc().sighup();
+    wait_until(
+        "node 3 to take node 4 on SIGHUP",
+        Duration::from_secs(10),
+        || (node_ids(&cl, 3) == [1, 2, 3, 4]).then_some(()),
+    );
+    // Read again, the same file adds nothing (both nodes answer).
+    let (code, out, err) = run_cli(
+        &["cluster", "reload", "--server", &format!("{n2},{n3}")],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "reload again failed: {out}\n{err}");
+    assert_eq!(out.matches("\"added\":[]").count(), 2, "{out}");
+
+    cl.spawn(four, &file);
+    cl.wait_ready(four);
+    cl.wait_leaders_known(four, &[1]);
+    let (code, out, err) = run_cli(
+        &["cluster", "remove-node", "1", "--to", "4", "--server", &n2],
+        Duration::from_secs(120),
+    );
+    assert_eq!(
+        code,
+        Some(0),
+        "remove-node failed: {out}\n{err}\n{}",
+        cl.logs()
+    );
+    let report: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(report["complete"], true, "{report}");
+    let moved = report["shards"]
+        .as_array()
+        .expect("a shards list")
+        .iter()
+        .filter(|s| s["changed"] == true)
+        .count();
+    assert_eq!(moved, SHARDS as usize, "node 1 held every shard: {report}");
+    // Node 1 was the preferred leader of shards 0 and 3 (the first their
+    // placement names): node 4, which took its place, comes to lead them.
+    let leaders = wait_until(
+        "node 4 to lead the shards node 1 was preferred for",
+        Duration::from_secs(30),
+        || {
+            let owners = cl.owners(2);
+            (owners[0].0 == four && owners[3].0 == four).then_some(owners)
+        },
+    );
+    eprintln!("leaders after the move: {leaders:?}");
+    let after = shared.acks();
+    shared.wait_acks(after + 100, "100 acknowledged writes after the move");
+    assert_eq!(
+        [cl.node(2).proc().pid(), cl.node(3).proc().pid()],
+        pids,
+        "a live node was restarted"
+    );
+
+    let mut batches = shared.finish(writers);
+    eprintln!("answers: {:?}", histogram(&batches));
+    settle_unknowns(&cl.client(3), &mut batches);
+    cl.wait_replicas_level();
+    for n in [2, 3, four] {
+        let report = verify(&cl.client(n), &execs, &batches);
+        assert!(report.acked >= 400, "{report:?}");
+    }
+    let counts = cl.stop_and_compare_replicas();
+    assert!(counts.values().sum::<u64>() >= 400, "{counts:?}");
+}

@@ -1,0 +1,416 @@
+//! Nodes added to a running cluster: `forkless cluster reload` (`POST
+//! /api/cluster/reload`, or SIGHUP) reads the cluster file again and takes
+//! the nodes it gained, with no restart.
+//!
+//! Every node knows its peers from its cluster file. Before this, a node
+//! added to the file reached the running nodes only once each restarted on
+//! it; in a three-node cluster with a dead node, restarting a live one to
+//! add the dead one's replacement took every shard's quorum away for that
+//! restart, in the very hour the cluster had no spare. Now an operator adds
+//! the node to every node's file, reloads the running nodes (one request
+//! each, in any order), starts the new node, and moves replicas to it
+//! (`forkless cluster remove-node N --to M`).
+//!
+//! What a reload takes, and what it refuses, is [`plan`]: it only adds
+//! nodes. A reload that would change what the running groups were made
+//! with (the shard count, the replication factor, the secret, a known
+//! node's addresses, the placement of any shard) or drop a node is
+//! refused whole, naming the field, and changes nothing: those are a
+//! resize, a restart of every node, or a move. Other settings (limits,
+//! timers, store settings) are left as they run, and the answer names
+//! them as waiting for a restart.
+
+use crate::config::{ClusterConfig, ConfigError, Replicated, ServerConfig};
+use crate::placement::{self, Placement};
+use forkless_routing::NodeInfo;
+use forkless_types::NodeId;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// Reads the cluster file again and resolves this node's config from it,
+/// with the same command-line overrides as at start.
+pub type Reload = Arc<dyn Fn() -> Result<ServerConfig, ConfigError> + Send + Sync>;
+
+/// A node the file gained: its addresses, and its Raft address when the
+/// cluster replicates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Added {
+    pub node: NodeInfo,
+    pub raft_addr: Option<SocketAddr>,
+}
+
+/// What a reload does.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub added: Vec<Added>,
+    /// The cluster as it runs from now on: the running one with the added
+    /// nodes (and the file's pins, which place every shard as before).
+    pub cluster: ClusterConfig,
+    /// Settings the file changed that take effect only at a restart.
+    pub restart_needed: Vec<&'static str>,
+}
+
+/// Why a reload is refused: the file's field, and the reason.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub field: String,
+    pub reason: String,
+}
+
+fn refuse<T>(field: impl Into<String>, reason: impl Into<String>) -> Result<T, Refused> {
+    Err(Refused {
+        field: field.into(),
+        reason: reason.into(),
+    })
+}
+
+/// What reloading `file` (the config the file resolves to now) does to a
+/// node running `running` with the cluster `now` (the file it started
+/// on, plus any nodes earlier reloads added).
+pub fn plan(
+    running: &ServerConfig,
+    now: &ClusterConfig,
+    file: &ServerConfig,
+) -> Result<Plan, Refused> {
+    let Some(new) = &file.cluster else {
+        return refuse(
+            "nodes",
+            format!(
+                "the cluster file lists no [[nodes]] now, and this node runs in a cluster of {}",
+                now.nodes.len()
+            ),
+        );
+    };
+    if file.shard_count != running.shard_count {
+        return refuse(
+            "shard_count",
+            format!(
+                "the file has {} shard(s) and this node runs {}: changing it is a resize, not a reload",
+                file.shard_count.get(),
+                running.shard_count.get()
+            ),
+        );
+    }
+    if new.secret != now.secret {
+        return refuse(
+            "secret",
+            "differs from the one this node runs with: peers share one secret, changed by restarting every node",
+        );
+    }
+    let factor = |c: &ClusterConfig| c.replication.as_ref().map_or(1, |r| r.factor);
+    if factor(new) != factor(now) {
+        return refuse(
+            "replication_factor",
+            format!(
+                "the file has {} and this node runs {}: the replication factor of running groups is not changed by a reload",
+                factor(new),
+                factor(now)
+            ),
+        );
+    }
+    let raft_addr = |c: &ClusterConfig, id: NodeId| {
+        c.replication
+            .as_ref()
+            .and_then(|r| r.raft_addrs.get(&id).copied())
+    };
+    for n in &now.nodes {
+        let field = |f: &str| format!("nodes[id={}].{f}", n.id);
+        let Some(m) = new.node(n.id) else {
+            return refuse(
+                field("id"),
+                format!(
+                    "node {} is gone from the file: a reload only adds nodes (move its replicas away with \
+                     `forkless cluster remove-node {}`, and restart the nodes on the smaller file)",
+                    n.id, n.id
+                ),
+            );
+        };
+        for (f, was, is) in [
+            ("api_addr", &n.api_addr, &m.api_addr),
+            ("peer_addr", &n.peer_addr, &m.peer_addr),
+        ] {
+            if was != is {
+                return refuse(
+                    field(f),
+                    format!("{is:?} in the file, {was:?} as this node runs: a node's address changes with a restart"),
+                );
+            }
+        }
+        if raft_addr(new, n.id) != raft_addr(now, n.id) {
+            return refuse(
+                field("raft_addr"),
+                "differs from what this node runs: a node's address changes with a restart",
+            );
+        }
+    }
+    if let (Some(old), Some(r)) = (&now.replication, &new.replication) {
+        let was = Placement::of(old, running.shard_count);
+        let is = Placement::of(r, running.shard_count);
+        if let Some(why) = placement::refused(&is, &was, "this node") {
+            let why = why.strip_prefix("placement: ").unwrap_or(&why).to_string();
+            return refuse("placement", why);
+        }
+    }
+    let added: Vec<Added> = new
+        .nodes
+        .iter()
+        .filter(|m| now.node(m.id).is_none())
+        .map(|m| Added {
+            node: m.clone(),
+            raft_addr: raft_addr(new, m.id),
+        })
+        .collect();
+    let mut cluster = now.clone();
+    cluster.nodes.extend(added.iter().map(|a| a.node.clone()));
+    cluster.nodes.sort_by_key(|n| n.id);
+    if let (Some(run), Some(r)) = (&mut cluster.replication, &new.replication) {
+        // The pins and the Raft addresses from the file (the placement is
+        // the same, checked above); the timers as they run.
+        *run = Replicated {
+            raft_addrs: r.raft_addrs.clone(),
+            pinned: r.pinned.clone(),
+            ..run.clone()
+        };
+    }
+    let mut restart_needed = Vec::new();
+    let raft = match (&now.replication, &new.replication) {
+        (Some(a), Some(b)) => a.timing != b.timing || a.log != b.log,
+        _ => false,
+    };
+    for (field, changed) in [
+        ("limits", file.limits != running.limits),
+        ("peer", file.peer != running.peer),
+        ("store", file.store != running.store),
+        ("raft", raft),
+        ("data_dir", file.data_dir != running.data_dir),
+        ("shards", new.assignments != now.assignments),
+    ] {
+        if changed {
+            restart_needed.push(field);
+        }
+    }
+    Ok(Plan {
+        added,
+        cluster,
+        restart_needed,
+    })
+}
+
+/// Reloads on every SIGHUP until `stop`, logging what each did.
+#[cfg(unix)]
+pub async fn on_hangup(app: Arc<crate::App>, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot take SIGHUP: reload with `forkless cluster reload` instead");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            got = hangups.recv() => if got.is_none() { return },
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match run(&app).await {
+            Ok(done) => tracing::info!(
+                added = ?done.added.iter().map(|a| a.node.id.get()).collect::<Vec<_>>(),
+                nodes = ?done.nodes.iter().map(|n| n.get()).collect::<Vec<_>>(),
+                "SIGHUP: the cluster file read again"
+            ),
+            Err(r) => tracing::error!(
+                field = %r.field, reason = %r.reason,
+                "SIGHUP: the cluster file read again, and refused: nothing changed"
+            ),
+        }
+    }
+}
+
+/// What a reload did.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub added: Vec<Added>,
+    /// Every node this node now knows, in id order.
+    pub nodes: Vec<NodeId>,
+    pub restart_needed: Vec<&'static str>,
+}
+
+/// Reads the cluster file again and adds the nodes it gained: to the
+/// directory (probed and routed to from the next probe round), and to the
+/// Raft transport and the heartbeat (replicas can then be moved to them).
+/// Refused whole when the file changes anything else a reload cannot
+/// take ([`plan`]); nothing is changed then.
+pub async fn run(app: &crate::App) -> Result<Outcome, Refused> {
+    let Some(read) = app.reload.clone() else {
+        return refuse(
+            "config",
+            "this node was started with no cluster file (--config): there is nothing to read again",
+        );
+    };
+    let file = tokio::task::spawn_blocking(move || read())
+        .await
+        .map_err(|e| Refused {
+            field: "config".into(),
+            reason: format!("reading the cluster file failed: {e}"),
+        })?
+        .map_err(|e| Refused {
+            field: "config".into(),
+            reason: e.to_string(),
+        })?;
+    // One reload at a time: each plans against what the last one left.
+    let mut held = app.cluster.write().unwrap_or_else(|e| e.into_inner());
+    let Some(now) = held.clone() else {
+        return refuse(
+            "nodes",
+            "this node runs alone (no [[nodes]] in the file it started on): a restart makes it a cluster member",
+        );
+    };
+    let plan = plan(&app.cfg, &now, &file)?;
+    for a in &plan.added {
+        app.dir.add_node(a.node.clone());
+        if let (Some(links), Some(addr)) = (&app.links, a.raft_addr) {
+            links.add_peer(u64::from(a.node.id.get()), addr.to_string());
+        }
+        tracing::info!(
+            peer = %a.node.id, api_addr = %a.node.api_addr, peer_addr = %a.node.peer_addr,
+            raft_addr = ?a.raft_addr.map(|r| r.to_string()),
+            "node added from the cluster file: probed, routed to and replicated to from now on"
+        );
+    }
+    if !plan.restart_needed.is_empty() {
+        tracing::warn!(
+            fields = ?plan.restart_needed,
+            "the cluster file changed settings a reload does not take: they take effect at this node's next restart"
+        );
+    }
+    let nodes = plan.cluster.nodes.iter().map(|n| n.id).collect();
+    *held = Some(Arc::new(plan.cluster));
+    Ok(Outcome {
+        added: plan.added,
+        nodes,
+        restart_needed: plan.restart_needed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{parse_file, resolve, Overrides};
+
+    const SECRET: &str = "a-secret-of-16-chars-or-more";
+
+    /// A replicated cluster file: `nodes` (id, port base), four shards,
+    /// and `extra` appended.
+    fn file(nodes: &[(u64, u16)], extra: &str) -> String {
+        let mut t = format!("shard_count = 4\nsecret = \"{SECRET}\"\n");
+        for (id, p) in nodes {
+            t += &format!(
+                "[[nodes]]\nid = {id}\napi_addr = \"127.0.0.1:{p}\"\npeer_addr = \"127.0.0.1:{}\"\nraft_addr = \"127.0.0.1:{}\"\n",
+                p + 1,
+                p + 2
+            );
+        }
+        t + extra
+    }
+
+    fn cfg(text: &str) -> ServerConfig {
+        resolve(
+            Some(parse_file(text).unwrap()),
+            Some(2),
+            Overrides::default(),
+        )
+        .unwrap()
+    }
+
+    /// Every shard of four pinned where the three-node spread put it.
+    const PINS: &str = "[[placement]]\nshard = 0\nreplicas = [1, 2, 3]\n\
+        [[placement]]\nshard = 1\nreplicas = [2, 3, 1]\n\
+        [[placement]]\nshard = 2\nreplicas = [3, 1, 2]\n\
+        [[placement]]\nshard = 3\nreplicas = [1, 2, 3]\n";
+
+    const THREE: &[(u64, u16)] = &[(1, 7000), (2, 7010), (3, 7020)];
+    const FOUR: &[(u64, u16)] = &[(1, 7000), (2, 7010), (3, 7020), (4, 7030)];
+
+    fn planned(running: &str, now: &str) -> Result<Plan, Refused> {
+        let running = cfg(running);
+        let cluster = running.cluster.clone().unwrap();
+        plan(&running, &cluster, &cfg(now))
+    }
+
+    #[test]
+    fn a_node_added_to_a_pinned_file_is_taken_with_its_addresses() {
+        let p = planned(&file(THREE, ""), &file(FOUR, PINS)).unwrap();
+        assert_eq!(p.added.len(), 1);
+        assert_eq!(p.added[0].node.id.get(), 4);
+        assert_eq!(p.added[0].node.api_addr, "127.0.0.1:7030");
+        assert_eq!(
+            p.added[0].raft_addr,
+            Some("127.0.0.1:7032".parse().unwrap())
+        );
+        let ids: Vec<u16> = p.cluster.nodes.iter().map(|n| n.id.get()).collect();
+        assert_eq!(ids, vec![1, 2, 3, 4]);
+        assert!(p.restart_needed.is_empty(), "{:?}", p.restart_needed);
+        // The running cluster's placement is unchanged by the added node.
+        let r = p.cluster.replication.as_ref().unwrap();
+        let before = cfg(&file(THREE, ""));
+        let before = before.cluster.unwrap().replication.unwrap();
+        let shards = forkless_types::ShardCount::new(4).unwrap();
+        assert_eq!(Placement::of(r, shards), Placement::of(&before, shards));
+        // Read again, the same file adds nothing.
+        let again = plan(&cfg(&file(THREE, "")), &p.cluster, &cfg(&file(FOUR, PINS))).unwrap();
+        assert!(again.added.is_empty());
+    }
+
+    #[test]
+    fn what_a_reload_refuses_is_named_by_its_field() {
+        let moved = [(1, 7000), (2, 7010), (3, 7020), (4, 7030)];
+        let cases: &[(&str, String, &str)] = &[
+            // Unpinned: the spread over four nodes moves shards.
+            ("placement", file(&moved, ""), "Pin the placement"),
+            (
+                "nodes[id=3].id",
+                file(&[(1, 7000), (2, 7010), (4, 7030)], ""),
+                "gone from the file",
+            ),
+            (
+                "nodes[id=3].api_addr",
+                file(&[(1, 7000), (2, 7010), (3, 7040)], ""),
+                "127.0.0.1:7040",
+            ),
+            (
+                "shard_count",
+                file(THREE, "").replace("shard_count = 4", "shard_count = 8"),
+                "resize",
+            ),
+            (
+                "secret",
+                file(THREE, "").replace(SECRET, "another-secret-of-16-chars"),
+                "restarting every node",
+            ),
+            (
+                "replication_factor",
+                file(THREE, "")
+                    .replace("shard_count = 4", "shard_count = 4\nreplication_factor = 2"),
+                "the file has 2",
+            ),
+        ];
+        for (field, text, says) in cases {
+            let r = planned(&file(THREE, ""), text).expect_err(field);
+            assert_eq!(&r.field, field, "{r:?}");
+            assert!(r.reason.contains(says), "{field}: {}", r.reason);
+        }
+    }
+
+    #[test]
+    fn other_changed_settings_wait_for_a_restart() {
+        let p = planned(
+            &file(THREE, ""),
+            &file(
+                FOUR,
+                &format!("{PINS}[limits]\nconnections_max = 7\n[raft]\nheartbeat_ms = 70\n"),
+            ),
+        );
+        let p = p.unwrap();
+        assert_eq!(p.added.len(), 1);
+        assert_eq!(p.restart_needed, vec!["limits", "raft"]);
+    }
+}
