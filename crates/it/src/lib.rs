@@ -1115,6 +1115,9 @@ pub struct Cluster {
     /// Text appended to every cluster file written (`[[placement]]`
     /// entries, say).
     pub file_tail: String,
+    /// Nodes every cluster file written leaves out of `[[nodes]]` and lists
+    /// in `retired_nodes`.
+    pub retired: Vec<u16>,
     /// The fault-injecting proxies every Raft link goes through, for a
     /// cluster made by [`Cluster::prepare_behind_proxies`]: each node's
     /// cluster file then names, as each peer's `raft_addr`, its proxy to
@@ -1170,6 +1173,7 @@ impl Cluster {
             raft_log: None,
             held: ports.iter().copied().zip(held).collect(),
             file_tail: String::new(),
+            retired: Vec::new(),
             faults: None,
         }
     }
@@ -1519,6 +1523,9 @@ impl Cluster {
             "replication_factor = {}\n{s}",
             self.replication_factor.unwrap_or(1)
         );
+        if !self.retired.is_empty() {
+            s = format!("retired_nodes = {:?}\n{s}", self.retired);
+        }
         if self.raft_timing.is_some() || self.raft_log.is_some() {
             s.push_str("\n[raft]\n");
         }
@@ -1532,7 +1539,7 @@ impl Cluster {
                 "snapshot_every_entries = {every}\nlog_kept_entries = {kept}\n"
             ));
         }
-        for n in &self.nodes {
+        for n in self.nodes.iter().filter(|n| !self.retired.contains(&n.id)) {
             // Behind proxies, the viewer dials each peer's ports through
             // its proxies to that peer (its own are where it listens).
             let proxy = |port: usize| match (&self.faults, viewer) {

@@ -10,7 +10,9 @@
 //!   `forkless cluster reload` and node 3 by SIGHUP; reading the same
 //!   file again adds nothing. Node 4 starts, `remove-node 1 --to 4` moves
 //!   node 1's four replicas to it, and it comes to lead the shards node 1
-//!   was the preferred leader of.
+//!   was the preferred leader of. Node 1 cannot retire while it holds
+//!   replicas; once they moved, it retires (`retired_nodes`) by a reload
+//!   of every live node and leaves their node lists.
 //!
 //! Before reloads, the live nodes knew only the nodes of the file they
 //! started on: adding node 4 meant restarting node 2 and node 3 on the
@@ -90,6 +92,14 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
         vec![1, 2, 3],
         "a refused reload changed the nodes"
     );
+    // A node this one does not run with is no target of a move, and the
+    // refusal says how it joins.
+    let r = cl.client(2).post(
+        "/api/cluster/remove-node",
+        &serde_json::json!({"node": 1, "to": four}),
+    );
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("forkless cluster reload"), "{}", r.text());
 
     // Pinned as the cluster prints it.
     let (code, out, err) = run_cli(
@@ -134,6 +144,26 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     cl.spawn(four, &file);
     cl.wait_ready(four);
     cl.wait_leaders_known(four, &[1]);
+    // Node 1 cannot retire while it still holds replicas.
+    cl.retired = vec![1];
+    cl.write_config(&file_name, &[]);
+    let (code, out, err) = run_cli(
+        &["cluster", "reload", "--server", &n2],
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        code,
+        Some(1),
+        "node 1 retired holding replicas: {out}\n{err}"
+    );
+    assert!(
+        out.contains(
+            "retired_nodes: node 1 still holds replicas (a member of shard(s) 0, 1, 2, 3)"
+        ),
+        "{out}"
+    );
+    cl.retired.clear();
+    cl.write_config(&file_name, &[]);
     let (code, out, err) = run_cli(
         &["cluster", "remove-node", "1", "--to", "4", "--server", &n2],
         Duration::from_secs(120),
@@ -166,6 +196,25 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     eprintln!("leaders after the move: {leaders:?}");
     let after = shared.acks();
     shared.wait_acks(after + 100, "100 acknowledged writes after the move");
+
+    // Its replicas moved, node 1 retires: out of every node's list.
+    cl.retired = vec![1];
+    cl.write_config(&file_name, &[]);
+    let n4 = format!("http://{}", cl.node(four).api);
+    let (code, out, err) = run_cli(
+        &["cluster", "reload", "--server", &format!("{n2},{n3},{n4}")],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "retiring node 1 failed: {out}\n{err}");
+    assert_eq!(out.matches("\"retired\":[1]").count(), 3, "{out}");
+    for n in [2, 3, four] {
+        assert_eq!(node_ids(&cl, n), vec![2, 3, 4], "node {n}'s nodes");
+    }
+    let retired_at = shared.acks();
+    shared.wait_acks(
+        retired_at + 100,
+        "100 acknowledged writes after node 1 retired",
+    );
     assert_eq!(
         [cl.node(2).proc().pid(), cl.node(3).proc().pid()],
         pids,

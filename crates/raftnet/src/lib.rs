@@ -208,6 +208,19 @@ impl Links {
         }
     }
 
+    /// Drops the link to a peer that retired from the cluster (`forkless
+    /// cluster reload` of a file listing it in `retired_nodes`): its
+    /// connection closes once the calls on it are done, and calls to it
+    /// fail as to a node that is no peer. Returns whether there was one.
+    pub fn remove_peer(&self, id: u64) -> bool {
+        self.inner
+            .links
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id)
+            .is_some()
+    }
+
     /// The peers this node has links to, in id order.
     pub fn peer_ids(&self) -> Vec<u64> {
         self.inner
@@ -964,6 +977,14 @@ mod tests {
         assert_eq!(links.peer_ids(), vec![2, 3]);
         match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
             Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:2"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // A retired peer is no peer.
+        assert!(links.remove_peer(3));
+        assert!(!links.remove_peer(3));
+        assert_eq!(links.peer_ids(), vec![2]);
+        match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
+            Err(CallError::Unreachable(why)) => assert!(why.contains("not a peer"), "{why}"),
             other => panic!("{other:?}"),
         }
     }

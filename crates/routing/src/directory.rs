@@ -329,6 +329,29 @@ impl StaticDirectory {
         self.nodes.read().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Removes a node that retired from the cluster (`forkless cluster
+    /// reload` of a file listing it in `retired_nodes`): no longer probed
+    /// or routed to; a shard the map still gives it has no owner here
+    /// (fails closed) until a peer names its leader. Returns whether it
+    /// was known.
+    pub fn remove_node(&self, id: NodeId) -> bool {
+        if id == self.local {
+            return false;
+        }
+        let removed = self
+            .nodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id)
+            .is_some();
+        self.liveness
+            .state
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        removed
+    }
+
     /// Adds a node the cluster file gained while this node ran (`forkless
     /// cluster reload`): it is probed, routed to and followed from now on.
     /// A node already known keeps its addresses; returns whether it was
@@ -519,6 +542,23 @@ mod tests {
         assert_eq!(d.liveness().state(n4), PeerState::Up);
         assert_eq!(d.observe(ShardId(1), n4, Epoch(9)), Observation::Moved);
         assert!(matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node == n4));
+        // Retired: unknown, and its shard has no owner here until a newer
+        // claim names one.
+        assert!(d.remove_node(n4));
+        assert!(!d.remove_node(n4));
+        assert!(
+            !d.remove_node(NodeId::new(1).unwrap()),
+            "this node is no peer to remove"
+        );
+        assert!(d.node(n4).is_none());
+        assert_eq!(d.liveness().state(n4), PeerState::Down);
+        assert!(matches!(
+            d.owner_of(ShardId(1)),
+            Owner::Unknown { hint: None }
+        ));
+        let n3 = NodeId::new(3).unwrap();
+        assert_eq!(d.observe(ShardId(1), n3, Epoch(10)), Observation::Moved);
+        assert!(matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node == n3));
     }
 
     #[test]

@@ -1409,7 +1409,8 @@ fn replicated_nodes(app: &App) -> Result<RaftAddrs, ApiError> {
         })
 }
 
-/// A node id from a request body, checked against the cluster file.
+/// A node id from a request body, checked against the cluster this node
+/// runs (its file, and the nodes reloads added).
 fn cluster_node(app: &App, field: &str, id: u16) -> Result<forkless_types::NodeId, ApiError> {
     let nodes = replicated_nodes(app)?;
     forkless_types::NodeId::new(u64::from(id))
@@ -1418,7 +1419,7 @@ fn cluster_node(app: &App, field: &str, id: u16) -> Result<forkless_types::NodeI
             ApiError::invalid(
                 field,
                 format!(
-                    "node {id} is not in the cluster file (its nodes: {:?})",
+                    "node {id} is not in the cluster this node runs (its nodes: {:?}); a node added to the cluster file joins the running nodes once each reads its file again (`forkless cluster reload`)",
                     nodes.keys().map(|n| n.get()).collect::<Vec<_>>()
                 ),
             )
@@ -1872,6 +1873,7 @@ async fn cluster_reload(State(app): AppState, body: Body) -> Response {
                     "peer_addr": a.node.peer_addr,
                     "raft_addr": a.raft_addr.map(|r| r.to_string()),
                 })).collect::<Vec<_>>(),
+                "retired": done.removed.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 "nodes": done.nodes.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 "restart_needed": done.restart_needed,
             }),

@@ -251,6 +251,12 @@ pub struct FileConfig {
     /// listed here, the deterministic spread for the others.
     #[serde(default)]
     pub placement: Vec<FilePlacement>,
+    /// Nodes that left a replicated cluster for good (their replicas moved
+    /// away by `forkless cluster remove-node`): no longer in `[[nodes]]`,
+    /// still named by the `[[placement]]` pins their shards' groups were
+    /// made with.
+    #[serde(default)]
+    pub retired_nodes: Vec<u64>,
 }
 
 /// `[[placement]]`: the nodes that hold a replica of one shard (the
@@ -399,6 +405,9 @@ pub struct Replicated {
     pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
     /// The shards whose replicas the file pins (`[[placement]]`).
     pub pinned: std::collections::BTreeMap<ShardId, Vec<NodeId>>,
+    /// Nodes that left the cluster for good (`retired_nodes`): not members,
+    /// but the pins may name them.
+    pub retired: BTreeSet<NodeId>,
 }
 
 impl Replicated {
@@ -592,27 +601,39 @@ pub fn validate_cluster(
                 raft_addrs.insert(nodes[i].id, a);
             }
             let (timing, log) = file.raft.unwrap_or_default().validate()?;
+            let retired = retired_nodes(&file.retired_nodes, &ids)?;
+            let placeable: BTreeSet<NodeId> = ids.union(&retired).copied().collect();
             Some(Replicated {
                 factor: f as usize,
                 timing,
                 log,
                 raft_addrs,
-                pinned: pinned_placement(&file.placement, f as usize, n, &ids)?,
+                pinned: pinned_placement(&file.placement, f as usize, n, &placeable)?,
+                retired,
             })
         }
     };
     if replication.is_none() && file.raft.is_some() {
         return bad("raft: the [raft] timers are for a replicated cluster; set replication_factor to 2 or more, or leave [raft] out".into());
     }
+    if replication.is_none() && !file.retired_nodes.is_empty() {
+        return bad("retired_nodes: nodes retire from a replicated cluster (its pins may name them); a static cluster's file just leaves a node out".into());
+    }
     if replication.is_none() && !file.placement.is_empty() {
         return bad("placement: [[placement]] pins a replicated cluster's replicas; set replication_factor to 2 or more, or leave it out (a static cluster names owners in [[shards]])".into());
     }
     let assignments = if let Some(r) = &replication {
-        // No owner until a leader is elected: the first replica stands in
-        // at epoch 0, which any elected leader's term (1 or more) replaces.
+        // No owner until a leader is elected: the first replica that is a
+        // member stands in at epoch 0 (else the first member, when every
+        // node the pin names retired), which any elected leader's term (1
+        // or more) replaces.
         (0..n)
             .map(|s| ShardAssignment {
-                owner: r.replicas(ShardId(s as u32))[0],
+                owner: r
+                    .replicas(ShardId(s as u32))
+                    .into_iter()
+                    .find(|id| ids.contains(id))
+                    .unwrap_or(nodes[0].id),
                 epoch: Epoch(0),
             })
             .collect()
@@ -689,8 +710,36 @@ pub fn validate_cluster(
     })
 }
 
+/// Validates `retired_nodes`: node ids, each once, none of them listed in
+/// `[[nodes]]` (a retired node is not a member).
+fn retired_nodes(
+    entries: &[u64],
+    members: &BTreeSet<NodeId>,
+) -> Result<BTreeSet<NodeId>, ConfigError> {
+    let mut retired = BTreeSet::new();
+    for (i, &r) in entries.iter().enumerate() {
+        let Some(id) = NodeId::new(r) else {
+            return Err(ConfigError::Invalid(format!(
+                "retired_nodes[{i}]: {r} is out of range: node ids are 0 to {}",
+                NodeId::MAX
+            )));
+        };
+        if members.contains(&id) {
+            return Err(ConfigError::Invalid(format!(
+                "retired_nodes[{i}]: node {r} is also in [[nodes]]: a retired node is no member (leave it out of [[nodes]])"
+            )));
+        }
+        if !retired.insert(id) {
+            return Err(ConfigError::Invalid(format!(
+                "retired_nodes[{i}]: node {r} is listed twice"
+            )));
+        }
+    }
+    Ok(retired)
+}
+
 /// Validates `[[placement]]`: each entry a shard of the cluster, listed
-/// once, on `factor` distinct listed nodes.
+/// once, on `factor` distinct nodes, listed or retired.
 fn pinned_placement(
     entries: &[FilePlacement],
     factor: usize,
@@ -720,7 +769,7 @@ fn pinned_placement(
         for &r in &p.replicas {
             let Some(id) = NodeId::new(r).filter(|id| nodes.contains(id)) else {
                 return bad(format!(
-                    "placement[{i}].replicas: node {r} is not a listed node"
+                    "placement[{i}].replicas: node {r} is not a listed node (nor a retired one)"
                 ));
             };
             if !seen.insert(id) {
@@ -804,12 +853,18 @@ pub fn resolve(
         };
         let id = NodeId::new(node)
             .ok_or_else(|| ConfigError::Invalid(format!("--node {node} is out of range")))?;
+        let retired = cluster
+            .replication
+            .as_ref()
+            .is_some_and(|r| r.retired.contains(&id));
         let me = cluster
             .node(id)
             .ok_or_else(|| {
-                ConfigError::Invalid(format!(
-                    "--node {node}: no such node in the config's [[nodes]]"
-                ))
+                ConfigError::Invalid(if retired {
+                    format!("--node {node}: node {node} retired from this cluster (retired_nodes): a machine joins under a new id")
+                } else {
+                    format!("--node {node}: no such node in the config's [[nodes]]")
+                })
             })?
             .clone();
         cfg.node_id = id;
@@ -1169,6 +1224,50 @@ peer_addr = "127.0.0.1:7172"
             &static_cluster,
             Some(1),
             Some("[[placement]] pins a replicated cluster's replicas"),
+        );
+    }
+
+    #[test]
+    fn a_retired_node_may_be_pinned_but_is_no_member() {
+        let pinned = |top: &str| {
+            format!(
+                "{}[[placement]]\nshard = 0\nreplicas = [9, 1]\n",
+                replicated(&format!("replication_factor = 2\n{top}"))
+            )
+        };
+        let c = check(&pinned("retired_nodes = [9]"), Some(1), None).expect("valid");
+        let cluster = c.cluster.as_ref().expect("cluster");
+        let r = cluster.replication.as_ref().expect("replicated");
+        assert_eq!(replica_ids(r, 0), vec![9, 1]);
+        assert!(cluster.node(NodeId::new(9).unwrap()).is_none());
+        // The stand-in owner is the first replica that is a member.
+        assert_eq!(cluster.assignments[0].owner.get(), 1);
+        c.directory().expect("a directory");
+        for (top, why) in [
+            (
+                "",
+                "placement[0].replicas: node 9 is not a listed node (nor a retired one)",
+            ),
+            (
+                "retired_nodes = [9, 9]",
+                "retired_nodes[1]: node 9 is listed twice",
+            ),
+            (
+                "retired_nodes = [2]",
+                "retired_nodes[0]: node 2 is also in [[nodes]]",
+            ),
+        ] {
+            check(&pinned(top), Some(1), Some(why));
+        }
+        check(
+            &pinned("retired_nodes = [9]"),
+            Some(9),
+            Some("--node 9: node 9 retired from this cluster"),
+        );
+        check(
+            &replicated("replication_factor = 1\nretired_nodes = [9]"),
+            Some(1),
+            Some("retired_nodes: nodes retire from a replicated cluster"),
         );
     }
 

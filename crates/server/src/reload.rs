@@ -43,6 +43,9 @@ pub struct Added {
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub added: Vec<Added>,
+    /// Nodes that retired (`retired_nodes`), holding no replica this node
+    /// knows of.
+    pub removed: Vec<NodeId>,
     /// The cluster as it runs from now on: the running one with the added
     /// nodes (and the file's pins, which place every shard as before).
     pub cluster: ClusterConfig,
@@ -66,11 +69,14 @@ fn refuse<T>(field: impl Into<String>, reason: impl Into<String>) -> Result<T, R
 
 /// What reloading `file` (the config the file resolves to now) does to a
 /// node running `running` with the cluster `now` (the file it started
-/// on, plus any nodes earlier reloads added).
+/// on, plus any nodes earlier reloads added and less those they
+/// retired). `still_member` says why a node still holds a replica, as
+/// this node knows (a group it is a voter or learner of), if it does.
 pub fn plan(
     running: &ServerConfig,
     now: &ClusterConfig,
     file: &ServerConfig,
+    still_member: &dyn Fn(NodeId) -> Option<String>,
 ) -> Result<Plan, Refused> {
     let Some(new) = &file.cluster else {
         return refuse(
@@ -113,17 +119,47 @@ pub fn plan(
             .as_ref()
             .and_then(|r| r.raft_addrs.get(&id).copied())
     };
+    let retired = |c: &ClusterConfig, id: NodeId| {
+        c.replication
+            .as_ref()
+            .is_some_and(|r| r.retired.contains(&id))
+    };
+    let mut removed = Vec::new();
     for n in &now.nodes {
         let field = |f: &str| format!("nodes[id={}].{f}", n.id);
         let Some(m) = new.node(n.id) else {
-            return refuse(
-                field("id"),
-                format!(
-                    "node {} is gone from the file: a reload only adds nodes (move its replicas away with \
-                     `forkless cluster remove-node {}`, and restart the nodes on the smaller file)",
-                    n.id, n.id
-                ),
-            );
+            if !retired(new, n.id) {
+                return refuse(
+                    field("id"),
+                    format!(
+                        "node {} is gone from the file and not in retired_nodes: a node leaves the cluster by \
+                         retiring (its replicas moved away with `forkless cluster remove-node {}`, then listed in \
+                         retired_nodes instead of [[nodes]])",
+                        n.id, n.id
+                    ),
+                );
+            }
+            if n.id == running.node_id {
+                return refuse(
+                    "retired_nodes",
+                    format!(
+                        "node {} is this node: a node does not retire itself while it runs",
+                        n.id
+                    ),
+                );
+            }
+            if let Some(why) = still_member(n.id) {
+                return refuse(
+                    "retired_nodes",
+                    format!(
+                        "node {} still holds replicas ({why}): move them away first with `forkless cluster \
+                         remove-node {}`",
+                        n.id, n.id
+                    ),
+                );
+            }
+            removed.push(n.id);
+            continue;
         };
         for (f, was, is) in [
             ("api_addr", &n.api_addr, &m.api_addr),
@@ -160,15 +196,28 @@ pub fn plan(
             raft_addr: raft_addr(new, m.id),
         })
         .collect();
+    if let Some(back) = added.iter().find(|a| retired(now, a.node.id)) {
+        return refuse(
+            format!("nodes[id={}].id", back.node.id),
+            format!(
+                "node {} retired from this cluster: a retired id does not come back (a machine joins under a \
+                 new id)",
+                back.node.id
+            ),
+        );
+    }
     let mut cluster = now.clone();
+    cluster.nodes.retain(|n| !removed.contains(&n.id));
     cluster.nodes.extend(added.iter().map(|a| a.node.clone()));
     cluster.nodes.sort_by_key(|n| n.id);
     if let (Some(run), Some(r)) = (&mut cluster.replication, &new.replication) {
-        // The pins and the Raft addresses from the file (the placement is
-        // the same, checked above); the timers as they run.
+        // The pins, the Raft addresses and the retired nodes from the
+        // file (the placement is the same, checked above); the timers as
+        // they run.
         *run = Replicated {
             raft_addrs: r.raft_addrs.clone(),
             pinned: r.pinned.clone(),
+            retired: r.retired.clone(),
             ..run.clone()
         };
     }
@@ -183,7 +232,12 @@ pub fn plan(
         ("store", file.store != running.store),
         ("raft", raft),
         ("data_dir", file.data_dir != running.data_dir),
-        ("shards", new.assignments != now.assignments),
+        // A replicated cluster's owners are elected (its assignments
+        // only stand in until then); a static cluster's are the file's.
+        (
+            "shards",
+            new.replication.is_none() && new.assignments != now.assignments,
+        ),
     ] {
         if changed {
             restart_needed.push(field);
@@ -191,8 +245,56 @@ pub fn plan(
     }
     Ok(Plan {
         added,
+        removed,
         cluster,
         restart_needed,
+    })
+}
+
+/// Why node `id` still holds a replica as this node knows, if it does:
+/// a voter or learner of a group this node holds a replica of, or of a
+/// group whose leader said so in answer to this node's probes. (A group
+/// this node neither holds nor heard of is not known here; every node
+/// checks its own when it reloads.)
+fn still_member(app: &crate::App, id: NodeId) -> Option<String> {
+    let me = u64::from(id.get());
+    let mut shards = std::collections::BTreeSet::new();
+    for st in app.store.hosted() {
+        if let Some(g) = st.raft_status() {
+            if g.voters.contains(&me) || g.learners.contains(&me) {
+                shards.insert(st.id().get());
+            }
+        }
+    }
+    for (shard, h) in app
+        .replicas_heard
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+    {
+        // What a leader said is kept until a newer leader says more: a
+        // shard this node leads since, or whose replica here has a newer
+        // membership, goes by its own replica's (above).
+        let local = app
+            .store
+            .shard(forkless_types::ShardId(*shard))
+            .and_then(|st| st.raft_status());
+        if h.counts(me) && h.newer_than(local.as_ref()) {
+            shards.insert(*shard);
+        }
+    }
+    (!shards.is_empty()).then(|| {
+        let list: Vec<String> = shards.iter().take(8).map(u32::to_string).collect();
+        let more = shards.len().saturating_sub(8);
+        format!(
+            "a member of shard(s) {}{}",
+            list.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        )
     })
 }
 
@@ -214,6 +316,7 @@ pub async fn on_hangup(app: Arc<crate::App>, mut stop: tokio::sync::watch::Recei
         match run(&app).await {
             Ok(done) => tracing::info!(
                 added = ?done.added.iter().map(|a| a.node.id.get()).collect::<Vec<_>>(),
+                retired = ?done.removed.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 nodes = ?done.nodes.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 "SIGHUP: the cluster file read again"
             ),
@@ -229,6 +332,7 @@ pub async fn on_hangup(app: Arc<crate::App>, mut stop: tokio::sync::watch::Recei
 #[derive(Debug, Clone)]
 pub struct Outcome {
     pub added: Vec<Added>,
+    pub removed: Vec<NodeId>,
     /// Every node this node now knows, in id order.
     pub nodes: Vec<NodeId>,
     pub restart_needed: Vec<&'static str>,
@@ -264,7 +368,17 @@ pub async fn run(app: &crate::App) -> Result<Outcome, Refused> {
             "this node runs alone (no [[nodes]] in the file it started on): a restart makes it a cluster member",
         );
     };
-    let plan = plan(&app.cfg, &now, &file)?;
+    let plan = plan(&app.cfg, &now, &file, &|id| still_member(app, id))?;
+    for &id in &plan.removed {
+        app.dir.remove_node(id);
+        if let Some(links) = &app.links {
+            links.remove_peer(u64::from(id.get()));
+        }
+        tracing::info!(
+            peer = %id,
+            "node retired from the cluster file: no longer probed, routed to or replicated to"
+        );
+    }
     for a in &plan.added {
         app.dir.add_node(a.node.clone());
         if let (Some(links), Some(addr)) = (&app.links, a.raft_addr) {
@@ -286,6 +400,7 @@ pub async fn run(app: &crate::App) -> Result<Outcome, Refused> {
     *held = Some(Arc::new(plan.cluster));
     Ok(Outcome {
         added: plan.added,
+        removed: plan.removed,
         nodes,
         restart_needed: plan.restart_needed,
     })
@@ -333,7 +448,7 @@ mod tests {
     fn planned(running: &str, now: &str) -> Result<Plan, Refused> {
         let running = cfg(running);
         let cluster = running.cluster.clone().unwrap();
-        plan(&running, &cluster, &cfg(now))
+        plan(&running, &cluster, &cfg(now), &|_| None)
     }
 
     #[test]
@@ -356,7 +471,13 @@ mod tests {
         let shards = forkless_types::ShardCount::new(4).unwrap();
         assert_eq!(Placement::of(r, shards), Placement::of(&before, shards));
         // Read again, the same file adds nothing.
-        let again = plan(&cfg(&file(THREE, "")), &p.cluster, &cfg(&file(FOUR, PINS))).unwrap();
+        let again = plan(
+            &cfg(&file(THREE, "")),
+            &p.cluster,
+            &cfg(&file(FOUR, PINS)),
+            &|_| None,
+        )
+        .unwrap();
         assert!(again.added.is_empty());
     }
 
@@ -398,6 +519,55 @@ mod tests {
             assert_eq!(&r.field, field, "{r:?}");
             assert!(r.reason.contains(says), "{field}: {}", r.reason);
         }
+    }
+
+    /// Nodes 2, 3 and 4, node 1 retired: its pins stay as they were.
+    fn retired_one() -> String {
+        let after: &[(u64, u16)] = &[(2, 7010), (3, 7020), (4, 7030)];
+        file(after, PINS).replace("shard_count = 4", "shard_count = 4\nretired_nodes = [1]")
+    }
+
+    #[test]
+    fn a_node_retires_once_it_holds_no_replica_and_does_not_come_back() {
+        let running = cfg(&file(FOUR, PINS));
+        let now = running.cluster.clone().unwrap();
+        let p = plan(&running, &now, &cfg(&retired_one()), &|_| None).unwrap();
+        assert_eq!(p.removed, vec![NodeId::new(1).unwrap()]);
+        assert!(p.added.is_empty());
+        // The stand-in owners moved off node 1: nothing for a restart.
+        assert!(p.restart_needed.is_empty(), "{:?}", p.restart_needed);
+        let ids: Vec<u16> = p.cluster.nodes.iter().map(|n| n.id.get()).collect();
+        assert_eq!(ids, vec![2, 3, 4]);
+        // Still a member of a group, as this node knows: refused.
+        let r = plan(&running, &now, &cfg(&retired_one()), &|n| {
+            (n.get() == 1).then(|| "a member of shard(s) 3".to_string())
+        })
+        .expect_err("retired while a member");
+        assert_eq!(r.field, "retired_nodes");
+        assert!(
+            r.reason.contains("a member of shard(s) 3") && r.reason.contains("remove-node 1"),
+            "{r:?}"
+        );
+        // Gone without retiring: refused, saying how a node leaves.
+        let gone = retired_one().replace("retired_nodes = [1]\n", "");
+        let gone = gone.replace(PINS, "");
+        let r = plan(&running, &now, &cfg(&gone), &|_| None).expect_err("gone");
+        assert_eq!(r.field, "nodes[id=1].id");
+        assert!(r.reason.contains("retired_nodes"), "{r:?}");
+        // A retired id listed again: refused.
+        let r = plan(&running, &p.cluster, &cfg(&file(FOUR, PINS)), &|_| None)
+            .expect_err("a retired node back");
+        assert_eq!(r.field, "nodes[id=1].id");
+        assert!(r.reason.contains("does not come back"), "{r:?}");
+        // This node retiring itself: refused.
+        let me = resolve(
+            Some(parse_file(&file(FOUR, PINS)).unwrap()),
+            Some(1),
+            Overrides::default(),
+        )
+        .unwrap();
+        let r = plan(&me, &now, &cfg(&retired_one()), &|_| None).expect_err("itself");
+        assert_eq!(r.field, "retired_nodes");
     }
 
     #[test]
