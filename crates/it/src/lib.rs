@@ -1824,6 +1824,42 @@ impl Cluster {
     }
 
     /// Which node owns each shard, per `GET /api/cluster` on node `via`.
+    /// `forkless cluster remove-node N [--to M]` through node `via`: its
+    /// report, the command having succeeded (exit 0).
+    pub fn remove_node(&self, node: u16, to: Option<u16>, via: u16) -> Value {
+        let server = format!("http://{}", self.node(via).api);
+        let (node, to) = (node.to_string(), to.map(|t| t.to_string()));
+        let mut args = vec!["cluster", "remove-node", node.as_str(), "--server", &server];
+        if let Some(t) = &to {
+            args.extend(["--to", t.as_str()]);
+        }
+        let (code, out, err) = run_cli(&args, Duration::from_secs(120));
+        assert_eq!(
+            code,
+            Some(0),
+            "remove-node failed: {out}\n{err}\n{}",
+            self.logs()
+        );
+        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+    }
+
+    /// `forkless cluster reload` of `nodes`: its exit code and standard
+    /// output (its standard error is printed).
+    pub fn reload(&self, nodes: &[u16]) -> (Option<i32>, String) {
+        let servers: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("http://{}", self.node(*n).api))
+            .collect();
+        let (code, out, err) = run_cli(
+            &["cluster", "reload", "--server", &servers.join(",")],
+            Duration::from_secs(30),
+        );
+        if !err.is_empty() {
+            eprintln!("cluster reload said on stderr: {err}");
+        }
+        (code, out)
+    }
+
     pub fn owners(&self, via: u16) -> Vec<(u16, u64)> {
         let v = self.client(via).get("/api/cluster").json();
         v["shards"]

@@ -115,25 +115,7 @@ fn a_node_added_to_the_file_joins_once_the_placement_is_pinned() {
     cl.kill9(1);
     cl.wait_leaders_known(2, &[1]);
     let started = std::time::Instant::now();
-    let (code, out, err) = run_cli(
-        &[
-            "cluster",
-            "remove-node",
-            "1",
-            "--to",
-            "5",
-            "--server",
-            &server,
-        ],
-        Duration::from_secs(120),
-    );
-    assert_eq!(
-        code,
-        Some(0),
-        "remove-node failed: {out}\n{err}\n{}",
-        cl.logs()
-    );
-    let report: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let report = cl.remove_node(1, Some(5), 2);
     eprintln!(
         "remove-node 1 --to 5 took {:?}: {report}",
         started.elapsed()

@@ -21,22 +21,6 @@ use std::time::Duration;
 const NODES: u16 = 4;
 const SHARDS: u32 = 4;
 
-/// `forkless cluster remove-node 1` through node `via`: its report.
-fn remove_node_1(cl: &Cluster, via: u16) -> Value {
-    let server = format!("http://{}", cl.node(via).api);
-    let (code, out, err) = run_cli(
-        &["cluster", "remove-node", "1", "--server", &server],
-        Duration::from_secs(120),
-    );
-    assert_eq!(
-        code,
-        Some(0),
-        "remove-node failed: {out}\n{err}\n{}",
-        cl.logs()
-    );
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
-}
-
 #[test]
 fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums() {
     let _deadline = deadline("membership: remove a dead node", Duration::from_secs(240));
@@ -71,7 +55,7 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     // Its replicas move, under the load. Node 1 held replicas of shards
     // 0, 2 and 3 (shard s is placed on the nodes s+1, s+2, s+3, wrapping).
     let started = std::time::Instant::now();
-    let report = remove_node_1(&cl, 2);
+    let report = cl.remove_node(1, None, 2);
     eprintln!("remove-node 1 took {:?}: {report}", started.elapsed());
     assert_eq!(report["complete"], true, "{report}");
     let shards = report["shards"].as_array().expect("a shards list");
@@ -103,7 +87,7 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
         );
     }
     // Asked again, there is nothing left to do.
-    let again = remove_node_1(&cl, 3);
+    let again = cl.remove_node(1, None, 3);
     assert!(
         again["shards"]
             .as_array()

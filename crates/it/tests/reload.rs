@@ -71,16 +71,8 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     let four = cl.add_node();
     cl.write_config(&file_name, &[]);
     let n2 = format!("http://{}", cl.node(2).api);
-    let n3 = format!("http://{}", cl.node(3).api);
-    let (code, out, err) = run_cli(
-        &["cluster", "reload", "--server", &n2],
-        Duration::from_secs(30),
-    );
-    assert_eq!(
-        code,
-        Some(1),
-        "a reload that moves shards was taken: {out}\n{err}"
-    );
+    let (code, out) = cl.reload(&[2]);
+    assert_eq!(code, Some(1), "a reload that moves shards was taken: {out}");
     assert!(
         out.contains("reload_refused")
             && out.contains("\"message\":\"placement: the cluster file moves")
@@ -109,11 +101,8 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     assert_eq!(code, Some(0), "cluster placement failed: {out}\n{err}");
     cl.file_tail = out;
     let file = cl.write_config(&file_name, &[]);
-    let (code, out, err) = run_cli(
-        &["cluster", "reload", "--server", &n2],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "reload failed: {out}\n{err}");
+    let (code, out) = cl.reload(&[2]);
+    assert_eq!(code, Some(0), "reload failed: {out}");
     let answer: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(answer["reloaded"]["added"][0]["id"], four, "{answer}");
     assert_eq!(
@@ -134,11 +123,8 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
         || (node_ids(&cl, 3) == [1, 2, 3, 4]).then_some(()),
     );
     // Read again, the same file adds nothing (both nodes answer).
-    let (code, out, err) = run_cli(
-        &["cluster", "reload", "--server", &format!("{n2},{n3}")],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "reload again failed: {out}\n{err}");
+    let (code, out) = cl.reload(&[2, 3]);
+    assert_eq!(code, Some(0), "reload again failed: {out}");
     assert_eq!(out.matches("\"added\":[]").count(), 2, "{out}");
 
     cl.spawn(four, &file);
@@ -147,15 +133,8 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     // Node 1 cannot retire while it still holds replicas.
     cl.retired = vec![1];
     cl.write_config(&file_name, &[]);
-    let (code, out, err) = run_cli(
-        &["cluster", "reload", "--server", &n2],
-        Duration::from_secs(30),
-    );
-    assert_eq!(
-        code,
-        Some(1),
-        "node 1 retired holding replicas: {out}\n{err}"
-    );
+    let (code, out) = cl.reload(&[2]);
+    assert_eq!(code, Some(1), "node 1 retired holding replicas: {out}");
     assert!(
         out.contains(
             "retired_nodes: node 1 still holds replicas (a member of shard(s) 0, 1, 2, 3)"
@@ -164,17 +143,7 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     );
     cl.retired.clear();
     cl.write_config(&file_name, &[]);
-    let (code, out, err) = run_cli(
-        &["cluster", "remove-node", "1", "--to", "4", "--server", &n2],
-        Duration::from_secs(120),
-    );
-    assert_eq!(
-        code,
-        Some(0),
-        "remove-node failed: {out}\n{err}\n{}",
-        cl.logs()
-    );
-    let report: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let report = cl.remove_node(1, Some(four), 2);
     assert_eq!(report["complete"], true, "{report}");
     let moved = report["shards"]
         .as_array()
@@ -200,12 +169,8 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     // Its replicas moved, node 1 retires: out of every node's list.
     cl.retired = vec![1];
     cl.write_config(&file_name, &[]);
-    let n4 = format!("http://{}", cl.node(four).api);
-    let (code, out, err) = run_cli(
-        &["cluster", "reload", "--server", &format!("{n2},{n3},{n4}")],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "retiring node 1 failed: {out}\n{err}");
+    let (code, out) = cl.reload(&[2, 3, four]);
+    assert_eq!(code, Some(0), "retiring node 1 failed: {out}");
     assert_eq!(out.matches("\"retired\":[1]").count(), 3, "{out}");
     for n in [2, 3, four] {
         assert_eq!(node_ids(&cl, n), vec![2, 3, 4], "node {n}'s nodes");
