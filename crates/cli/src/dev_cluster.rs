@@ -1,5 +1,7 @@
 //! `forkless dev-cluster`: a local cluster of real `forkless serve`
-//! processes on loopback, for trying routing in one command.
+//! processes on loopback, for trying routing in one command. A replicated
+//! one keeps running when a node exits (kill one to watch its shards
+//! elect new leaders); a static one stops every node when one exits.
 
 use anyhow::{bail, Context};
 use std::io::Read;
@@ -18,8 +20,9 @@ pub struct DevClusterArgs {
     /// Where the nodes keep their data (one folder per node).
     #[arg(long, default_value = "./forkless-dev-cluster")]
     data_dir: PathBuf,
-    /// Node i listens for clients on base_port + i, for peers on
-    /// base_port + 100 + i, and for Raft on base_port + 200 + i.
+    /// Node i (from 1) listens for clients on base_port + i - 1, for
+    /// peers on base_port + 100 + i - 1, and for Raft on base_port + 200 +
+    /// i - 1.
     #[arg(long, default_value_t = 7071)]
     base_port: u16,
     /// Replicas of each shard (every shard a Raft group on that many

@@ -439,6 +439,24 @@ pub fn hold_free_ports(n: usize) -> Vec<HeldPort> {
     held
 }
 
+/// A base port `b` such that every `b + offset` of `offsets` is free on
+/// 127.0.0.1 now (for a command that takes a base port and adds to it,
+/// as `forkless dev-cluster --base-port` does). Not held: free when
+/// picked, like [`hold_free_ports`]'s.
+pub fn free_port_block(offsets: &[u16]) -> u16 {
+    let top = offsets.iter().copied().max().unwrap_or(0);
+    for _ in 0..200 {
+        let base = hold_free_ports(1)[0].port();
+        if base.checked_add(top).is_none() {
+            continue;
+        }
+        if offsets.iter().all(|o| HeldPort::bind(base + o).is_ok()) {
+            return base;
+        }
+    }
+    panic!("no base port with {offsets:?} all free on 127.0.0.1");
+}
+
 /// What `ss` says holds TCP port `port` (for a failure message: which
 /// process took a port the harness picked).
 pub fn who_holds(port: u16) -> String {

@@ -166,6 +166,11 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     let after = shared.acks();
     shared.wait_acks(after + 100, "100 acknowledged writes after the move");
 
+    let metrics = cl.client(2).get("/metrics").text();
+    assert!(
+        metrics.contains("forkless_peer_up{node=\"1\"} 0"),
+        "node 1 is not reported down before it retires"
+    );
     // Its replicas moved, node 1 retires: out of every node's list.
     cl.retired = vec![1];
     cl.write_config(&file_name, &[]);
@@ -175,6 +180,17 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     for n in [2, 3, four] {
         assert_eq!(node_ids(&cl, n), vec![2, 3, 4], "node {n}'s nodes");
     }
+    let metrics = cl.client(2).get("/metrics").text();
+    for line in [
+        "forkless_cluster_reloads_total{outcome=\"taken\"} 3",
+        "forkless_cluster_reloads_total{outcome=\"refused\"} 2",
+    ] {
+        assert!(metrics.contains(line), "no {line:?} in node 2's /metrics");
+    }
+    assert!(
+        !metrics.contains("forkless_peer_up{node=\"1\"}"),
+        "node 1 retired and is still reported"
+    );
     let retired_at = shared.acks();
     shared.wait_acks(
         retired_at + 100,

@@ -344,8 +344,8 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
                 Some(info) => {
                     let hint = forkless_routing::OwnerHint {
                         node: info.id,
-                        api_addr: info.api_addr.clone(),
-                        peer_addr: info.peer_addr.clone(),
+                        api_addr: info.api_addr,
+                        peer_addr: info.peer_addr,
                         epoch: Epoch(l.term),
                     };
                     if app.dir.liveness().is_alive(info.id) {

@@ -82,6 +82,9 @@ pub struct Metrics {
     pub long_polls_refused: Counter,
     /// Times a waiting long-poll was woken by a commit of its execution.
     pub long_poll_wakeups: Counter,
+    /// Reloads of the cluster file (`forkless cluster reload`, SIGHUP), by
+    /// outcome: `taken` or `refused`.
+    pub cluster_reloads: Family<OutcomeLabel, Counter>,
 }
 
 impl Metrics {
@@ -158,7 +161,14 @@ impl Metrics {
             "Times a waiting long-poll was woken by a commit of its own execution",
             long_poll_wakeups.clone(),
         );
+        let cluster_reloads = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "cluster_reloads",
+            "Reloads of the cluster file (forkless cluster reload, SIGHUP) by outcome: taken, or refused with nothing changed",
+            cluster_reloads.clone(),
+        );
         Metrics {
+            cluster_reloads,
             connections_open,
             connections_refused,
             connection_timeouts,

@@ -115,6 +115,10 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                 },
                 Err(_) => false,
             };
+            if app.dir.node(node).is_none() {
+                // Retired while it was probed: no longer reported.
+                continue;
+            }
             let (was, now) = app.dir.liveness().record(node, alive);
             app.metrics
                 .peer_up

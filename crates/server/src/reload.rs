@@ -344,6 +344,16 @@ pub struct Outcome {
 /// Refused whole when the file changes anything else a reload cannot
 /// take ([`plan`]); nothing is changed then.
 pub async fn run(app: &crate::App) -> Result<Outcome, Refused> {
+    let done = reload(app).await;
+    let outcome = if done.is_ok() { "taken" } else { "refused" };
+    app.metrics
+        .cluster_reloads
+        .get_or_create(&crate::metrics::OutcomeLabel { outcome })
+        .inc();
+    done
+}
+
+async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
     let Some(read) = app.reload.clone() else {
         return refuse(
             "config",
@@ -371,6 +381,9 @@ pub async fn run(app: &crate::App) -> Result<Outcome, Refused> {
     let plan = plan(&app.cfg, &now, &file, &|id| still_member(app, id))?;
     for &id in &plan.removed {
         app.dir.remove_node(id);
+        app.metrics
+            .peer_up
+            .remove(&crate::metrics::NodeLabel { node: id.get() });
         if let Some(links) = &app.links {
             links.remove_peer(u64::from(id.get()));
         }

@@ -1,0 +1,99 @@
+//! `forkless dev-cluster`, run as a new user runs it: three replicated
+//! nodes; one is killed and the others keep serving (a replicated cluster
+//! is meant to outlive a node: the dev cluster used to stop every node
+//! when one exited), and SIGTERM stops them all.
+
+use forkless_it::*;
+use std::time::Duration;
+
+#[test]
+fn a_replicated_dev_cluster_outlives_a_killed_node_and_stops_on_sigterm() {
+    let _deadline = deadline("dev-cluster", Duration::from_secs(120));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("dc");
+    // Node i: clients on base + i - 1, peers on base + 100 + i - 1, Raft
+    // on base + 200 + i - 1.
+    let base = free_port_block(&[0, 1, 2, 100, 101, 102, 200, 201, 202]);
+    let log = dir.path().join("dev-cluster.log");
+    let args: Vec<String> = [
+        "dev-cluster",
+        "--nodes",
+        "3",
+        "--shards",
+        "4",
+        "--data-dir",
+        &data.display().to_string(),
+        "--base-port",
+        &base.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut dc = Proc::spawn(&args, &log);
+    wait_until("the dev cluster to serve", Duration::from_secs(60), || {
+        let out = strip_ansi(&dc.log());
+        assert!(dc.try_exit().is_none(), "dev-cluster exited:\n{out}");
+        out.contains("press Ctrl-C").then_some(())
+    });
+    let node = |i: u16| Client::new(addr(base + i - 1));
+    let start = |c: &Client| {
+        settled(Duration::from_secs(20), || {
+            c.post("/api/executions", &serde_json::json!({"workflow": "dev"}))
+        })
+    };
+    let r = start(&node(2));
+    assert_eq!(r.status, 201, "{}", r.text());
+
+    // Node 1's process, found by its data directory.
+    let node_1_dir = data.join("node-1").display().to_string();
+    let pid = std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let args: Vec<String> = c
+                    .split(|b| *b == 0)
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                args.iter().any(|a| a == "serve") && args.contains(&node_1_dir)
+            })
+        })
+        .expect("node 1's process");
+    // SAFETY: kill(2) of a process the dev cluster started and still owns.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    wait_until(
+        "the dev cluster to report node 1",
+        Duration::from_secs(10),
+        || {
+            strip_ansi(&dc.log())
+                .contains("node 1 exited (signal: 9 (SIGKILL)); the others keep serving")
+                .then_some(())
+        },
+    );
+    assert!(
+        dc.try_exit().is_none(),
+        "dev-cluster stopped with node 1:\n{}",
+        dc.log()
+    );
+    // The other two elect leaders for node 1's shards and take writes.
+    for i in [2, 3] {
+        let r = start(&node(i));
+        assert_eq!(r.status, 201, "a start through node {i}: {}", r.text());
+    }
+
+    dc.sigterm();
+    let status = dc
+        .wait_exit(Duration::from_secs(20))
+        .expect("dev-cluster stops on SIGTERM");
+    assert!(status.success(), "{status}:\n{}", dc.log());
+    for i in [2, 3] {
+        assert!(
+            node(i)
+                .try_req("GET", "/healthz", &[], None, Duration::from_secs(2))
+                .is_err(),
+            "node {i} still serves after the dev cluster stopped"
+        );
+    }
+}
