@@ -1722,6 +1722,24 @@ impl Cluster {
         id
     }
 
+    /// Gives node `id` (stopped) new ports, held until it starts: as a
+    /// node restarted on another machine with its data. The files written
+    /// from now on list it there.
+    pub fn move_node(&mut self, id: u16) {
+        assert!(
+            self.node(id).proc.is_none(),
+            "node {id} runs: stop it first"
+        );
+        let raft = self.node(id).raft.is_some();
+        let held = hold_free_ports(if raft { 3 } else { 2 });
+        let ports: Vec<u16> = held.iter().map(HeldPort::port).collect();
+        self.held.extend(ports.iter().copied().zip(held));
+        let n = self.node_mut(id);
+        n.api = addr(ports[0]);
+        n.peer = addr(ports[1]);
+        n.raft = raft.then(|| addr(ports[2]));
+    }
+
     /// Starts node `id` (stopping it first if it runs) on `config`,
     /// expecting it to refuse to start: how it exited (within `within`)
     /// and its log. Panics if it becomes ready instead.

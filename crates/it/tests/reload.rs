@@ -213,3 +213,82 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     let counts = cl.stop_and_compare_replicas();
     assert!(counts.values().sum::<u64>() >= 400, "{counts:?}");
 }
+
+/// A node restarted at other addresses (another machine, say) with its
+/// data: the others reload the file that moves it, with no restart of
+/// their own, and reach it there. Before, a node's address changed only
+/// with a restart of every node.
+#[test]
+fn a_node_restarted_elsewhere_is_reached_there_after_a_reload() {
+    let _deadline = deadline("reload a moved node", Duration::from_secs(180));
+    let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
+    cl.start_all_replicated();
+    let file_name = cl
+        .node(1)
+        .config
+        .file_name()
+        .expect("a config file")
+        .to_string_lossy()
+        .to_string();
+    let pids = [cl.node(1).proc().pid(), cl.node(2).proc().pid()];
+    let execs = start_spread(&cl.client(1), "moved", 2 * SHARDS, SHARDS);
+    let shared = Shared::default();
+    let via: Vec<Client> = [1, 2].iter().map(|n| cl.client(*n)).collect();
+    let writers = spawn_writers(&via, &execs, 4, 4, 4, &shared);
+    shared.wait_acks(100, "100 acknowledged writes before node 3 moves");
+
+    cl.kill9(3);
+    let old_api = cl.node(3).api;
+    cl.move_node(3);
+    let file = cl.write_config(&file_name, &[]);
+    cl.spawn(3, &file);
+    cl.wait_ready(3);
+    let (code, out) = cl.reload(&[1, 2]);
+    assert_eq!(code, Some(0), "reload failed: {out}");
+    assert_eq!(out.matches("\"moved\":[{").count(), 2, "{out}");
+    assert!(out.contains(&cl.node(3).api.to_string()), "{out}");
+    for n in [1, 2] {
+        let v = cl.client(n).get("/api/cluster").json();
+        let three = v["nodes"]
+            .as_array()
+            .expect("nodes")
+            .iter()
+            .find(|x| x["id"] == 3)
+            .cloned()
+            .expect("node 3");
+        assert_eq!(
+            three["api_addr"],
+            cl.node(3).api.to_string(),
+            "node {n}: {three}"
+        );
+        assert_ne!(three["api_addr"], old_api.to_string());
+    }
+    // Node 3 is replicated to at its new address: it leads its preferred
+    // shard again (the balancer hands it over once it is level), and its
+    // replicas hold what the others hold.
+    let leaders = wait_until(
+        "node 3 to lead shard 2 again",
+        Duration::from_secs(30),
+        || {
+            let owners = cl.owners(1);
+            (owners[2].0 == 3).then_some(owners)
+        },
+    );
+    eprintln!("leaders after node 3 moved: {leaders:?}");
+    let after = shared.acks();
+    shared.wait_acks(after + 100, "100 acknowledged writes after node 3 moved");
+    assert_eq!(
+        [cl.node(1).proc().pid(), cl.node(2).proc().pid()],
+        pids,
+        "a live node was restarted"
+    );
+    let mut batches = shared.finish(writers);
+    settle_unknowns(&cl.client(1), &mut batches);
+    cl.wait_replicas_level();
+    for n in [1, 2, 3] {
+        let report = verify(&cl.client(n), &execs, &batches);
+        assert!(report.acked >= 200, "{report:?}");
+    }
+    let counts = cl.stop_and_compare_replicas();
+    assert!(counts.values().sum::<u64>() >= 200, "{counts:?}");
+}

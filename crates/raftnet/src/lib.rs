@@ -208,6 +208,24 @@ impl Links {
         }
     }
 
+    /// Points the link to a known peer at its new address (the cluster
+    /// file moved it): a new connection is made there at the next call,
+    /// and the old one closes once the calls on it are done. Returns
+    /// whether the peer was known (an unknown one is not added).
+    pub fn move_peer(&self, id: u64, addr: String) -> bool {
+        let mut links = self.inner.links.write().unwrap_or_else(|e| e.into_inner());
+        match links.get_mut(&id) {
+            Some(link) => {
+                *link = Arc::new(Link {
+                    addr,
+                    conn: tokio::sync::Mutex::new(Conn::default()),
+                });
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Drops the link to a peer that retired from the cluster (`forkless
     /// cluster reload` of a file listing it in `retired_nodes`): its
     /// connection closes once the calls on it are done, and calls to it
@@ -977,6 +995,14 @@ mod tests {
         assert_eq!(links.peer_ids(), vec![2, 3]);
         match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
             Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:2"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // A moved peer is called at its new address.
+        assert!(links.move_peer(3, "127.0.0.1:5".into()));
+        assert!(!links.move_peer(9, "127.0.0.1:6".into()));
+        assert_eq!(links.peer_ids(), vec![2, 3]);
+        match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
+            Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:5"), "{why}"),
             other => panic!("{other:?}"),
         }
         // A retired peer is no peer.

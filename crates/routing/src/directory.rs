@@ -352,6 +352,41 @@ impl StaticDirectory {
         removed
     }
 
+    /// Takes a known peer's new addresses (the cluster file moved it:
+    /// restarted on another machine, or other ports). It counts as never
+    /// answered again until a probe reaches it there. Returns whether the
+    /// node was known (an unknown one is not added).
+    pub fn move_node(&self, node: NodeInfo) -> bool {
+        let id = node.id;
+        if id == self.local {
+            return false;
+        }
+        let moved = match self
+            .nodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(&id)
+        {
+            Some(n) => {
+                *n = node;
+                true
+            }
+            None => false,
+        };
+        if moved {
+            if let Some(a) = self
+                .liveness
+                .state
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&id)
+            {
+                a.store(NEVER_ANSWERED, Ordering::Release);
+            }
+        }
+        moved
+    }
+
     /// Adds a node the cluster file gained while this node ran (`forkless
     /// cluster reload`): it is probed, routed to and followed from now on.
     /// A node already known keeps its addresses; returns whether it was
@@ -542,6 +577,18 @@ mod tests {
         assert_eq!(d.liveness().state(n4), PeerState::Up);
         assert_eq!(d.observe(ShardId(1), n4, Epoch(9)), Observation::Moved);
         assert!(matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.node == n4));
+        // Moved: reached at its new address, never answered there yet.
+        assert!(d.move_node(NodeInfo {
+            api_addr: "a4-new".into(),
+            ..node(4)
+        }));
+        assert_eq!(d.liveness().state(n4), PeerState::NeverAnswered);
+        assert!(matches!(d.owner_of(ShardId(1)), Owner::Remote(h) if h.api_addr == "a4-new"));
+        assert!(
+            !d.move_node(node(7)),
+            "an unknown node is not added by a move"
+        );
+        assert!(d.node(NodeId::new(7).unwrap()).is_none());
         // Retired: unknown, and its shard has no owner here until a newer
         // claim names one.
         assert!(d.remove_node(n4));

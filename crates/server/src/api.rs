@@ -1849,6 +1849,16 @@ async fn cluster(State(app): AppState) -> Response {
     )
 }
 
+/// A node a reload added or moved, with its addresses.
+fn node_json(a: &crate::reload::Added) -> serde_json::Value {
+    json!({
+        "id": a.node.id.get(),
+        "api_addr": a.node.api_addr,
+        "peer_addr": a.node.peer_addr,
+        "raft_addr": a.raft_addr.map(|r| r.to_string()),
+    })
+}
+
 /// `POST /api/cluster/reload`: this node reads its cluster file again and
 /// takes the nodes it gained (`crate::reload`); anything else the file
 /// changed is refused (409, naming the field) or left for a restart.
@@ -1867,12 +1877,8 @@ async fn cluster_reload(State(app): AppState, body: Body) -> Response {
             StatusCode::OK,
             &json!({
                 "node": app.cfg.node_id.get(),
-                "added": done.added.iter().map(|a| json!({
-                    "id": a.node.id.get(),
-                    "api_addr": a.node.api_addr,
-                    "peer_addr": a.node.peer_addr,
-                    "raft_addr": a.raft_addr.map(|r| r.to_string()),
-                })).collect::<Vec<_>>(),
+                "added": done.added.iter().map(node_json).collect::<Vec<_>>(),
+                "moved": done.moved.iter().map(node_json).collect::<Vec<_>>(),
                 "retired": done.removed.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 "nodes": done.nodes.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 "restart_needed": done.restart_needed,

@@ -46,6 +46,9 @@ pub struct Plan {
     /// Nodes that retired (`retired_nodes`), holding no replica this node
     /// knows of.
     pub removed: Vec<NodeId>,
+    /// Peers whose addresses the file changed (a node restarted on
+    /// another machine, or other ports): reached there from now on.
+    pub moved: Vec<Added>,
     /// The cluster as it runs from now on: the running one with the added
     /// nodes (and the file's pins, which place every shard as before).
     pub cluster: ClusterConfig,
@@ -125,6 +128,8 @@ pub fn plan(
             .is_some_and(|r| r.retired.contains(&id))
     };
     let mut removed = Vec::new();
+    let mut moved = Vec::new();
+    let mut own_moved = false;
     for n in &now.nodes {
         let field = |f: &str| format!("nodes[id={}].{f}", n.id);
         let Some(m) = new.node(n.id) else {
@@ -161,22 +166,19 @@ pub fn plan(
             removed.push(n.id);
             continue;
         };
-        for (f, was, is) in [
-            ("api_addr", &n.api_addr, &m.api_addr),
-            ("peer_addr", &n.peer_addr, &m.peer_addr),
-        ] {
-            if was != is {
-                return refuse(
-                    field(f),
-                    format!("{is:?} in the file, {was:?} as this node runs: a node's address changes with a restart"),
-                );
+        if m.api_addr != n.api_addr
+            || m.peer_addr != n.peer_addr
+            || raft_addr(new, n.id) != raft_addr(now, n.id)
+        {
+            if n.id == running.node_id {
+                // Its listeners are bound: they move with its restart.
+                own_moved = true;
+            } else {
+                moved.push(Added {
+                    node: m.clone(),
+                    raft_addr: raft_addr(new, n.id),
+                });
             }
-        }
-        if raft_addr(new, n.id) != raft_addr(now, n.id) {
-            return refuse(
-                field("raft_addr"),
-                "differs from what this node runs: a node's address changes with a restart",
-            );
         }
     }
     if let (Some(old), Some(r)) = (&now.replication, &new.replication) {
@@ -207,7 +209,10 @@ pub fn plan(
         );
     }
     let mut cluster = now.clone();
-    cluster.nodes.retain(|n| !removed.contains(&n.id));
+    cluster
+        .nodes
+        .retain(|n| !removed.contains(&n.id) && !moved.iter().any(|m| m.node.id == n.id));
+    cluster.nodes.extend(moved.iter().map(|m| m.node.clone()));
     cluster.nodes.extend(added.iter().map(|a| a.node.clone()));
     cluster.nodes.sort_by_key(|n| n.id);
     if let (Some(run), Some(r)) = (&mut cluster.replication, &new.replication) {
@@ -243,9 +248,13 @@ pub fn plan(
             restart_needed.push(field);
         }
     }
+    if own_moved {
+        restart_needed.push("this node's own addresses");
+    }
     Ok(Plan {
         added,
         removed,
+        moved,
         cluster,
         restart_needed,
     })
@@ -333,6 +342,7 @@ pub async fn on_hangup(app: Arc<crate::App>, mut stop: tokio::sync::watch::Recei
 pub struct Outcome {
     pub added: Vec<Added>,
     pub removed: Vec<NodeId>,
+    pub moved: Vec<Added>,
     /// Every node this node now knows, in id order.
     pub nodes: Vec<NodeId>,
     pub restart_needed: Vec<&'static str>,
@@ -392,6 +402,17 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
             "node retired from the cluster file: no longer probed, routed to or replicated to"
         );
     }
+    for m in &plan.moved {
+        app.dir.move_node(m.node.clone());
+        if let (Some(links), Some(addr)) = (&app.links, m.raft_addr) {
+            links.move_peer(u64::from(m.node.id.get()), addr.to_string());
+        }
+        tracing::info!(
+            peer = %m.node.id, api_addr = %m.node.api_addr, peer_addr = %m.node.peer_addr,
+            raft_addr = ?m.raft_addr.map(|r| r.to_string()),
+            "node's addresses changed in the cluster file: reached there from now on"
+        );
+    }
     for a in &plan.added {
         app.dir.add_node(a.node.clone());
         if let (Some(links), Some(addr)) = (&app.links, a.raft_addr) {
@@ -414,6 +435,7 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
     Ok(Outcome {
         added: plan.added,
         removed: plan.removed,
+        moved: plan.moved,
         nodes,
         restart_needed: plan.restart_needed,
     })
@@ -506,11 +528,6 @@ mod tests {
                 "gone from the file",
             ),
             (
-                "nodes[id=3].api_addr",
-                file(&[(1, 7000), (2, 7010), (3, 7040)], ""),
-                "127.0.0.1:7040",
-            ),
-            (
                 "shard_count",
                 file(THREE, "").replace("shard_count = 4", "shard_count = 8"),
                 "resize",
@@ -532,6 +549,38 @@ mod tests {
             assert_eq!(&r.field, field, "{r:?}");
             assert!(r.reason.contains(says), "{field}: {}", r.reason);
         }
+    }
+
+    #[test]
+    fn a_peer_moved_is_reached_at_its_new_addresses_and_this_node_waits_for_a_restart() {
+        let p = planned(
+            &file(THREE, ""),
+            &file(&[(1, 7000), (2, 7010), (3, 7040)], ""),
+        )
+        .unwrap();
+        assert!(p.added.is_empty() && p.removed.is_empty());
+        assert_eq!(p.moved.len(), 1);
+        assert_eq!(p.moved[0].node.api_addr, "127.0.0.1:7040");
+        assert_eq!(
+            p.moved[0].raft_addr,
+            Some("127.0.0.1:7042".parse().unwrap())
+        );
+        let three = p.cluster.node(NodeId::new(3).unwrap()).unwrap();
+        assert_eq!(three.peer_addr, "127.0.0.1:7041");
+        assert_eq!(
+            p.cluster.replication.as_ref().unwrap().raft_addrs[&NodeId::new(3).unwrap()],
+            "127.0.0.1:7042".parse().unwrap()
+        );
+        assert!(p.restart_needed.is_empty(), "{:?}", p.restart_needed);
+        // This node's own (node 2's) addresses: its listeners move with a
+        // restart.
+        let p = planned(
+            &file(THREE, ""),
+            &file(&[(1, 7000), (2, 7050), (3, 7020)], ""),
+        )
+        .unwrap();
+        assert!(p.moved.is_empty());
+        assert_eq!(p.restart_needed, vec!["this node's own addresses"]);
     }
 
     /// Nodes 2, 3 and 4, node 1 retired: its pins stay as they were.
