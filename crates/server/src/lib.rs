@@ -592,8 +592,10 @@ pub async fn run(
     if app.reload.is_some() && app.cfg.cluster.is_some() {
         tokio::spawn(reload::on_hangup(app.clone(), stop_rx.clone()));
     }
-    if app.cfg.cluster.as_ref().is_some_and(|c| c.nodes.len() > 1) {
-        // Ready once its first round of probes has completed.
+    if app.cfg.cluster.is_some() {
+        // Ready once its first round of probes has completed (at once
+        // with no peer yet: a cluster of one probes the nodes a reload
+        // adds).
         tokio::spawn(peer::probe_loop(app.clone(), stop_rx.clone()));
     } else {
         app.ready.store(true, Ordering::Release);

@@ -90,9 +90,14 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
         // Probe every peer at once: a paused peer must not delay news of
         // the others. The peers are read each round: a node a reload
         // added is probed from the next.
-        let peers = app.dir.nodes();
+        let peers: Vec<_> = app
+            .dir
+            .nodes()
+            .into_iter()
+            .filter(|n| n.id != app.cfg.node_id)
+            .collect();
         let mut probes = tokio::task::JoinSet::new();
-        for p in peers.iter().filter(|n| n.id != app.cfg.node_id) {
+        for p in &peers {
             let app = app.clone();
             let (id, addr) = (p.id, p.peer_addr.clone());
             probes.spawn(async move {

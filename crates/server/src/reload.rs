@@ -1,6 +1,7 @@
-//! Nodes added to a running cluster: `forkless cluster reload` (`POST
-//! /api/cluster/reload`, or SIGHUP) reads the cluster file again and takes
-//! the nodes it gained, with no restart.
+//! Nodes added to, moved in and retired from a running cluster: `forkless
+//! cluster reload` (`POST /api/cluster/reload`, or SIGHUP) reads the
+//! cluster file again and takes the nodes it gained, a peer's new
+//! addresses and the nodes it retired, with no restart.
 //!
 //! Every node knows its peers from its cluster file. Before this, a node
 //! added to the file reached the running nodes only once each restarted on
@@ -11,14 +12,17 @@
 //! each, in any order), starts the new node, and moves replicas to it
 //! (`forkless cluster remove-node N --to M`).
 //!
-//! What a reload takes, and what it refuses, is [`plan`]: it only adds
-//! nodes. A reload that would change what the running groups were made
-//! with (the shard count, the replication factor, the secret, a known
-//! node's addresses, the placement of any shard) or drop a node is
+//! What a reload takes, and what it refuses, is [`plan`]: it adds nodes,
+//! takes a peer's new addresses (a node restarted elsewhere with its
+//! data), and retires a node listed in `retired_nodes` once no group this
+//! node knows of counts it. A reload that would change what the running
+//! groups were made with (the shard count, the replication factor, the
+//! secret, the placement of any shard), drop a node without retiring it,
+//! retire one that still holds replicas or take a retired id back is
 //! refused whole, naming the field, and changes nothing: those are a
 //! resize, a restart of every node, or a move. Other settings (limits,
-//! timers, store settings) are left as they run, and the answer names
-//! them as waiting for a restart.
+//! timers, store settings, this node's own addresses) are left as they
+//! run, and the answer names them as waiting for a restart.
 
 use crate::config::{ClusterConfig, ConfigError, Replicated, ServerConfig};
 use crate::placement::{self, Placement};
@@ -219,8 +223,13 @@ pub fn plan(
         // The pins, the Raft addresses and the retired nodes from the
         // file (the placement is the same, checked above); the timers as
         // they run.
+        let mut raft_addrs = r.raft_addrs.clone();
+        if let Some(mine) = run.raft_addrs.get(&running.node_id) {
+            // Where this node listens until its restart.
+            raft_addrs.insert(running.node_id, *mine);
+        }
         *run = Replicated {
-            raft_addrs: r.raft_addrs.clone(),
+            raft_addrs,
             pinned: r.pinned.clone(),
             retired: r.retired.clone(),
             ..run.clone()
