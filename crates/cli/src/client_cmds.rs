@@ -514,6 +514,20 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             owned
         )?;
     }
+    let differ: Vec<String> = m
+        .nodes
+        .iter()
+        .filter(|n| n.same_nodes == Some(false))
+        .map(|n| n.id.to_string())
+        .collect();
+    if !differ.is_empty() {
+        writeln!(
+            out,
+            "node(s) {} run with another node list than node {}: a cluster file edited and not reloaded there? (forkless cluster reload)",
+            differ.join(", "),
+            m.node
+        )?;
+    }
     writeln!(out)?;
     let owner_text = |o: Option<u16>| {
         o.map_or_else(

@@ -17,6 +17,10 @@ pub struct NodeInfo {
     /// The answering node's view of this node's liveness.
     #[serde(default = "yes")]
     pub alive: bool,
+    /// Whether this node runs with the same node list as the answering
+    /// node (`None`: not known yet, or an older server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_nodes: Option<bool>,
 }
 
 fn yes() -> bool {

@@ -1879,6 +1879,14 @@ impl Cluster {
         serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
     }
 
+    /// `forkless status` through node `via`: its table.
+    pub fn status(&self, via: u16) -> String {
+        let server = format!("http://{}", self.node(via).api);
+        let (code, out, err) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
+        assert_eq!(code, Some(0), "forkless status failed: {out}\n{err}");
+        out
+    }
+
     /// `forkless cluster reload` of `nodes`: its exit code and standard
     /// output (its standard error is printed).
     pub fn reload(&self, nodes: &[u16]) -> (Option<i32>, String) {

@@ -38,6 +38,16 @@ fn node_ids(cl: &Cluster, via: u16) -> Vec<u64> {
         .collect()
 }
 
+/// Whether node `via` sees `peer` run with the same node list.
+fn same_nodes(cl: &Cluster, via: u16, peer: u64) -> Option<bool> {
+    cl.client(via).get("/api/cluster").json()["nodes"]
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .find(|n| n["id"] == peer)
+        .and_then(|n| n["same_nodes"].as_bool())
+}
+
 #[test]
 fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     let _deadline = deadline("reload a node in", Duration::from_secs(240));
@@ -115,12 +125,28 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
         serde_json::json!([]),
         "{answer}"
     );
+    // Node 3 not reloaded yet: node 2 sees it run with another list.
+    wait_until(
+        "node 2 to see node 3's node list differ",
+        Duration::from_secs(10),
+        || (same_nodes(&cl, 2, 3) == Some(false)).then_some(()),
+    );
+    let status = cl.status(2);
+    assert!(
+        status.contains("node(s) 3 run with another node list than node 2"),
+        "{status}"
+    );
     // Node 3 by SIGHUP.
     cl.node(3).proc().sighup();
     wait_until(
         "node 3 to take node 4 on SIGHUP",
         Duration::from_secs(10),
         || (node_ids(&cl, 3) == [1, 2, 3, 4]).then_some(()),
+    );
+    wait_until(
+        "node 2 to see node 3's node list the same again",
+        Duration::from_secs(10),
+        || (same_nodes(&cl, 2, 3) == Some(true)).then_some(()),
     );
     // Read again, the same file adds nothing (both nodes answer).
     let (code, out) = cl.reload(&[2, 3]);

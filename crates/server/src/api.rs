@@ -1820,6 +1820,11 @@ async fn cluster(State(app): AppState) -> Response {
         })
         .collect();
     drop(heard_all);
+    let same_nodes = app
+        .same_nodes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let nodes: Vec<_> = app
         .dir
         .nodes()
@@ -1831,6 +1836,8 @@ async fn cluster(State(app): AppState) -> Response {
                 "peer_addr": nd.peer_addr,
                 "alive": nd.id == app.cfg.node_id || app.dir.liveness().is_alive(nd.id),
                 "probe": if nd.id == app.cfg.node_id { "self" } else { app.dir.liveness().state(nd.id).as_str() },
+                // Unknown (null) until the peer answered a probe.
+                "same_nodes": if nd.id == app.cfg.node_id { Some(true) } else { same_nodes.get(&nd.id.get()).copied() },
                 "self": nd.id == app.cfg.node_id,
             })
         })

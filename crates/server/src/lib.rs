@@ -75,6 +75,10 @@ pub struct App {
     pub reload: Option<reload::Reload>,
     /// This node's Raft connections to its peers, which a reload adds to.
     pub links: Option<forkless_raftnet::Links>,
+    /// Whether each peer answered its last probe with the same node ids
+    /// as this node runs with: a peer not reloaded after the files were
+    /// edited differs.
+    pub same_nodes: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
 }
 
 /// A shard's voters as its leader `from` said at `term`, and the log id
@@ -213,6 +217,7 @@ impl App {
             cluster: std::sync::RwLock::new(cfg.cluster.clone().map(Arc::new)),
             reload,
             links,
+            same_nodes: Default::default(),
             dir,
             store,
             cfg,

@@ -53,13 +53,59 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
             o
         })
         .collect();
-    Json(json!({"node": app.cfg.node_id.get(), "map_version": app.dir.map_version(), "owned": shards})).into_response()
+    Json(json!({
+        "node": app.cfg.node_id.get(),
+        "map_version": app.dir.map_version(),
+        "owned": shards,
+        "nodes": node_ids(&app),
+    }))
+    .into_response()
+}
+
+/// The ids of the nodes a node runs with, in order: what a peer's
+/// answer is compared by. Ids only: peers may reach one node at different
+/// addresses (through a proxy, say), and a node whose address a peer did
+/// not take shows as down there anyway.
+fn node_ids(app: &App) -> Vec<u16> {
+    app.dir.nodes().iter().map(|n| n.id.get()).collect()
 }
 
 #[derive(Deserialize)]
 struct PeerStatus {
     node: u16,
     owned: Vec<OwnedShard>,
+    /// The ids of the nodes the peer runs with (absent from an older
+    /// build's answer).
+    #[serde(default)]
+    nodes: Option<Vec<u16>>,
+}
+
+/// Records whether peer `node` runs with the same node ids as this node
+/// (the file, as each last read it), logging when that changes: a node
+/// the operator did not reload after editing the files.
+fn compare_node_lists(app: &App, node: NodeId, theirs: Option<&Vec<u16>>) {
+    let Some(theirs) = theirs else { return };
+    if app.dir.node(node).is_none() {
+        // Retired while it was probed.
+        return;
+    }
+    let mine = node_ids(app);
+    let same = *theirs == mine;
+    let before = app
+        .same_nodes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(node.get(), same);
+    if before != Some(same) && (before.is_some() || !same) {
+        if same {
+            tracing::info!(peer = %node, "peer runs with the same node list as this node again");
+        } else {
+            tracing::warn!(
+                peer = %node, theirs = ?theirs, ours = ?mine,
+                "peer runs with another node list than this node: a cluster file edited and not reloaded everywhere? (`forkless cluster reload`)"
+            );
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -114,6 +160,7 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                 Ok(body) => match serde_json::from_slice::<PeerStatus>(&body) {
                     Ok(st) if st.node == node.get() => {
                         learn(&app, node, &st).await;
+                        compare_node_lists(&app, node, st.nodes.as_ref());
                         true
                     }
                     _ => false,

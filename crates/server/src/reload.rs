@@ -403,6 +403,10 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
         app.metrics
             .peer_up
             .remove(&crate::metrics::NodeLabel { node: id.get() });
+        app.same_nodes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id.get());
         if let Some(links) = &app.links {
             links.remove_peer(u64::from(id.get()));
         }
