@@ -76,13 +76,16 @@ pub enum ClusterVerb {
     /// moves a shard).
     Placement(PlacementArgs),
     /// Have each node named by --server (comma-separated: every running
-    /// node, once the node was added to every node's file) read its
-    /// cluster file again and take the nodes it gained, with no restart:
-    /// probed, routed to and replicated to from then on. Anything else the
-    /// file changed that a running node cannot take (a node's address, a
-    /// shard's placement, the shard count, the secret, a node dropped) is
-    /// refused, naming the field, and nothing changes. Prints one JSON
-    /// object per node; exit 1 if any node refused or did not answer.
+    /// node, once every node's file was edited) read its cluster file
+    /// again, with no restart: the nodes it gained are probed, routed to
+    /// and replicated to from then on, a peer restarted at new addresses
+    /// is reached there, and nodes moved to `retired_nodes` (their
+    /// replicas moved away) are dropped. Anything else the file changed
+    /// that a running node cannot take (a shard's placement, the shard
+    /// count, the replication factor, the secret, a node dropped without
+    /// retiring) is refused, naming the field, and nothing changes. Prints
+    /// one JSON object per node; exit 1 if any node refused or did not
+    /// answer.
     Reload(ReloadArgs),
 }
 

@@ -1867,8 +1867,9 @@ fn node_json(a: &crate::reload::Added) -> serde_json::Value {
 }
 
 /// `POST /api/cluster/reload`: this node reads its cluster file again and
-/// takes the nodes it gained (`crate::reload`); anything else the file
-/// changed is refused (409, naming the field) or left for a restart.
+/// takes the nodes it gained, moved or retired (`crate::reload`);
+/// anything else the file changed is refused (409, naming the field) or
+/// left for a restart.
 async fn cluster_reload(State(app): AppState, body: Body) -> Response {
     // No body is taken: a client that sends one is told so.
     match read_body(&app, body).await {
