@@ -38,6 +38,17 @@ fn node_ids(cl: &Cluster, via: u16) -> Vec<u64> {
         .collect()
 }
 
+/// The name of the cluster file node `id` runs on (every node runs on
+/// one file here: a reload reads it again).
+fn config_name(cl: &Cluster, id: u16) -> String {
+    cl.node(id)
+        .config
+        .file_name()
+        .expect("a config file")
+        .to_string_lossy()
+        .to_string()
+}
+
 /// Whether node `via` sees `peer` run with the same node list.
 fn same_nodes(cl: &Cluster, via: u16, peer: u64) -> Option<bool> {
     cl.client(via).get("/api/cluster").json()["nodes"]
@@ -55,13 +66,7 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
     // A new replica catches up by a snapshot of its shard.
     cl.raft_log = Some((20, 5));
     cl.start_all_replicated();
-    let file_name = cl
-        .node(2)
-        .config
-        .file_name()
-        .expect("a config file")
-        .to_string_lossy()
-        .to_string();
+    let file_name = config_name(&cl, 2);
     assert_eq!(cl.node(3).config, cl.node(2).config);
     let pids = [cl.node(2).proc().pid(), cl.node(3).proc().pid()];
 
@@ -249,13 +254,7 @@ fn a_node_restarted_elsewhere_is_reached_there_after_a_reload() {
     let _deadline = deadline("reload a moved node", Duration::from_secs(180));
     let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
     cl.start_all_replicated();
-    let file_name = cl
-        .node(1)
-        .config
-        .file_name()
-        .expect("a config file")
-        .to_string_lossy()
-        .to_string();
+    let file_name = config_name(&cl, 1);
     let pids = [cl.node(1).proc().pid(), cl.node(2).proc().pid()];
     let execs = start_spread(&cl.client(1), "moved", 2 * SHARDS, SHARDS);
     let shared = Shared::default();
