@@ -2396,6 +2396,35 @@ pub mod workload {
         landed
     }
 
+    /// The end of a replicated run: settles the unknown outcomes through
+    /// node `settle_via`, waits until the replicas are level, verifies
+    /// every execution through each of `nodes` (each with at least
+    /// `min_acked` acknowledged batches), then stops the cluster and
+    /// compares every shard's replicas (at least `min_acked` events in
+    /// all). Returns each shard's event count.
+    #[track_caller]
+    pub fn settle_verify_and_compare(
+        cl: &mut crate::Cluster,
+        batches: &mut [Batch],
+        execs: &[String],
+        settle_via: u16,
+        nodes: &[u16],
+        min_acked: usize,
+    ) -> std::collections::BTreeMap<u32, u64> {
+        settle_unknowns(&cl.client(settle_via), batches);
+        cl.wait_replicas_level();
+        for n in nodes {
+            let report = verify(&cl.client(*n), execs, batches);
+            assert!(report.acked >= min_acked, "node {n}: {report:?}");
+        }
+        let counts = cl.stop_and_compare_replicas();
+        assert!(
+            counts.values().sum::<u64>() >= min_acked as u64,
+            "{counts:?}"
+        );
+        counts
+    }
+
     /// What [`verify`] found.
     #[derive(Debug, Default)]
     pub struct Report {

@@ -20,7 +20,7 @@
 //!   and every replica of a shard holds the same events.
 
 use forkless_it::workload::{
-    histogram, settle_unknowns, spawn_writers, start_spread, verify, Shared,
+    histogram, settle_verify_and_compare, spawn_writers, start_spread, Shared,
 };
 use forkless_it::*;
 use serde_json::Value;
@@ -161,12 +161,5 @@ fn a_node_added_to_the_file_joins_once_the_placement_is_pinned() {
     }
     let mut batches = shared.finish(writers);
     eprintln!("answers: {:?}", histogram(&batches));
-    settle_unknowns(&cl.client(3), &mut batches);
-    cl.wait_replicas_level();
-    for n in [2, 3, 4, five] {
-        let report = verify(&cl.client(n), &execs, &batches);
-        assert!(report.acked >= 400, "{report:?}");
-    }
-    let counts = cl.stop_and_compare_replicas();
-    assert!(counts.values().sum::<u64>() >= 400, "{counts:?}");
+    settle_verify_and_compare(&mut cl, &mut batches, &execs, 3, &[2, 3, 4, five], 400);
 }

@@ -21,7 +21,7 @@
 //! every acknowledged write is at its seq on every replica.
 
 use forkless_it::workload::{
-    histogram, settle_unknowns, spawn_writers, start_spread, verify, Shared,
+    histogram, settle_verify_and_compare, spawn_writers, start_spread, Shared,
 };
 use forkless_it::*;
 use serde_json::Value;
@@ -235,14 +235,7 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
 
     let mut batches = shared.finish(writers);
     eprintln!("answers: {:?}", histogram(&batches));
-    settle_unknowns(&cl.client(3), &mut batches);
-    cl.wait_replicas_level();
-    for n in [2, 3, four] {
-        let report = verify(&cl.client(n), &execs, &batches);
-        assert!(report.acked >= 400, "{report:?}");
-    }
-    let counts = cl.stop_and_compare_replicas();
-    assert!(counts.values().sum::<u64>() >= 400, "{counts:?}");
+    settle_verify_and_compare(&mut cl, &mut batches, &execs, 3, &[2, 3, four], 400);
 }
 
 /// A node restarted at other addresses (another machine, say) with its
@@ -308,12 +301,5 @@ fn a_node_restarted_elsewhere_is_reached_there_after_a_reload() {
         "a live node was restarted"
     );
     let mut batches = shared.finish(writers);
-    settle_unknowns(&cl.client(1), &mut batches);
-    cl.wait_replicas_level();
-    for n in [1, 2, 3] {
-        let report = verify(&cl.client(n), &execs, &batches);
-        assert!(report.acked >= 200, "{report:?}");
-    }
-    let counts = cl.stop_and_compare_replicas();
-    assert!(counts.values().sum::<u64>() >= 200, "{counts:?}");
+    settle_verify_and_compare(&mut cl, &mut batches, &execs, 1, &[1, 2, 3], 200);
 }
