@@ -141,6 +141,16 @@ struct Link {
     conn: tokio::sync::Mutex<Conn>,
 }
 
+impl Link {
+    /// A link to `addr`, its connection made at the first call.
+    fn to(addr: String) -> Arc<Link> {
+        Arc::new(Link {
+            addr,
+            conn: tokio::sync::Mutex::new(Conn::default()),
+        })
+    }
+}
+
 #[derive(Default)]
 struct Conn {
     tx: Option<mpsc::Sender<Outgoing>>,
@@ -168,15 +178,7 @@ impl Links {
         let links = peers
             .into_iter()
             .filter(|(id, _)| *id != me)
-            .map(|(id, addr)| {
-                (
-                    id,
-                    Arc::new(Link {
-                        addr,
-                        conn: tokio::sync::Mutex::new(Conn::default()),
-                    }),
-                )
-            })
+            .map(|(id, addr)| (id, Link::to(addr)))
             .collect();
         Links {
             inner: Arc::new(Inner {
@@ -199,10 +201,7 @@ impl Links {
         match links.entry(id) {
             std::collections::btree_map::Entry::Occupied(_) => false,
             std::collections::btree_map::Entry::Vacant(v) => {
-                v.insert(Arc::new(Link {
-                    addr,
-                    conn: tokio::sync::Mutex::new(Conn::default()),
-                }));
+                v.insert(Link::to(addr));
                 true
             }
         }
@@ -216,10 +215,7 @@ impl Links {
         let mut links = self.inner.links.write().unwrap_or_else(|e| e.into_inner());
         match links.get_mut(&id) {
             Some(link) => {
-                *link = Arc::new(Link {
-                    addr,
-                    conn: tokio::sync::Mutex::new(Conn::default()),
-                });
+                *link = Link::to(addr);
                 true
             }
             None => false,

@@ -235,23 +235,15 @@ impl App {
     }
 }
 
-/// Logs each hosted group that still counts a node the file retired: it
-/// has no link to it here, so the group runs one replica short until the
-/// replica is moved (`forkless cluster remove-node`).
+/// Logs each node the file retires that a group this node holds still
+/// counts: it has no link to it here, so the group runs one replica short
+/// until the replica is moved (`forkless cluster remove-node`).
 fn warn_of_retired_members(app: &App, r: &config::Replicated) {
-    for st in app.store.hosted() {
-        let Some(g) = st.raft_status() else { continue };
-        let counted: Vec<u64> = g
-            .voters
-            .iter()
-            .chain(&g.learners)
-            .copied()
-            .filter(|id| forkless_types::NodeId::new(*id).is_some_and(|n| r.retired.contains(&n)))
-            .collect();
-        if !counted.is_empty() {
+    for &id in &r.retired {
+        if let Some(why) = reload::still_member(app, id) {
             tracing::warn!(
-                shard = st.id().get(), retired = ?counted,
-                "this shard's group still counts node(s) the cluster file retires: they are not reached from here; move their replicas with `forkless cluster remove-node`"
+                retired = %id, groups = %why,
+                "a node the cluster file retires still holds replicas: it is not reached from here; move them with `forkless cluster remove-node`"
             );
         }
     }

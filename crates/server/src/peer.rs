@@ -83,14 +83,8 @@ struct PeerStatus {
 /// Records whether peer `node` runs with the same node ids as this node
 /// (the file, as each last read it), logging when that changes: a node
 /// the operator did not reload after editing the files.
-fn compare_node_lists(app: &App, node: NodeId, theirs: Option<&Vec<u16>>) {
-    let Some(theirs) = theirs else { return };
-    if app.dir.node(node).is_none() {
-        // Retired while it was probed.
-        return;
-    }
-    let mine = node_ids(app);
-    let same = *theirs == mine;
+fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
+    let same = theirs == mine;
     let before = app
         .same_nodes
         .lock()
@@ -155,12 +149,14 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                 )
             });
         }
+        let mine = node_ids(&app);
         while let Some(Ok((node, r))) = probes.join_next().await {
+            let mut theirs = None;
             let alive = match r {
                 Ok(body) => match serde_json::from_slice::<PeerStatus>(&body) {
                     Ok(st) if st.node == node.get() => {
                         learn(&app, node, &st).await;
-                        compare_node_lists(&app, node, st.nodes.as_ref());
+                        theirs = st.nodes;
                         true
                     }
                     _ => false,
@@ -170,6 +166,9 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
             if app.dir.node(node).is_none() {
                 // Retired while it was probed: no longer reported.
                 continue;
+            }
+            if let Some(theirs) = &theirs {
+                compare_node_lists(&app, node, theirs, &mine);
             }
             let (was, now) = app.dir.liveness().record(node, alive);
             app.metrics

@@ -274,7 +274,7 @@ pub fn plan(
 /// group whose leader said so in answer to this node's probes. (A group
 /// this node neither holds nor heard of is not known here; every node
 /// checks its own when it reloads.)
-fn still_member(app: &crate::App, id: NodeId) -> Option<String> {
+pub(crate) fn still_member(app: &crate::App, id: NodeId) -> Option<String> {
     let me = u64::from(id.get());
     let mut shards = std::collections::BTreeSet::new();
     for st in app.store.hosted() {
