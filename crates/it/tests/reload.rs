@@ -303,3 +303,54 @@ fn a_node_restarted_elsewhere_is_reached_there_after_a_reload() {
     let mut batches = shared.finish(writers);
     settle_verify_and_compare(&mut cl, &mut batches, &execs, 1, &[1, 2, 3], 200);
 }
+
+/// A pin's replicas reordered (the same set) and every node reloaded: the
+/// shard's preferred leader is its new first replica, and the leader
+/// hands the shard to it. Before, a reload took the new order but the
+/// balancer and `/api/cluster` kept the order each node started with, so
+/// only a restart of every node moved a preferred leader.
+#[test]
+fn a_reordered_pin_hands_its_shard_to_the_new_first_replica() {
+    let _deadline = deadline("reordered pin", Duration::from_secs(120));
+    let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
+    cl.start_all_replicated();
+    let file_name = config_name(&cl, 1);
+    // Shard s is placed from the (s mod 3)-th node on: shards 0 to 3
+    // prefer nodes 1, 2, 3, 1 for leader.
+    let leaders = |cl: &Cluster, via: u16| cl.owners(via).iter().map(|o| o.0).collect::<Vec<_>>();
+    wait_until(
+        "every shard led by its preferred leader",
+        Duration::from_secs(30),
+        || (leaders(&cl, 1) == [1, 2, 3, 1]).then_some(()),
+    );
+    let n1 = format!("http://{}", cl.node(1).api);
+    let (code, out, err) = run_cli(
+        &["cluster", "placement", "--server", &n1],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "cluster placement failed: {out}\n{err}");
+    let from = "shard = 0\nreplicas = [1, 2, 3]";
+    assert!(out.contains(from), "{out}");
+    cl.file_tail = out.replace(from, "shard = 0\nreplicas = [2, 1, 3]");
+    cl.write_config(&file_name, &[]);
+    let (code, out) = cl.reload(&[1, 2, 3]);
+    assert_eq!(code, Some(0), "reload failed: {out}");
+    assert!(!out.contains("restart_needed\":[\""), "{out}");
+    // Each node now prints the placement in the new order.
+    for n in [1, 2, 3] {
+        let server = format!("http://{}", cl.node(n).api);
+        let (code, out, err) = run_cli(
+            &["cluster", "placement", "--server", &server],
+            Duration::from_secs(30),
+        );
+        assert_eq!(code, Some(0), "cluster placement failed: {out}\n{err}");
+        assert!(
+            out.contains("shard = 0\nreplicas = [2, 1, 3]"),
+            "node {n}: {out}"
+        );
+    }
+    // Node 2 comes to lead shard 0; the other shards keep theirs.
+    wait_until("node 2 to lead shard 0", Duration::from_secs(30), || {
+        (leaders(&cl, 3) == [2, 2, 3, 1]).then_some(())
+    });
+}

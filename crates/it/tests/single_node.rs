@@ -989,6 +989,46 @@ fn sigterm_stops_promptly_and_keeps_the_data() {
     assert_eq!(n.client.last_seq(&id), 1);
 }
 
+/// Regression: SIGHUP (a service manager's `reload`) ended a node that
+/// had nothing to read again (no cluster file), and any node still
+/// starting: the handler was installed only on a cluster node with a
+/// file, once it served. Now every node takes it from its first moment;
+/// here it is a refused reload, logged and counted, and the node serves on.
+#[test]
+fn sighup_does_not_end_a_node_with_nothing_to_reload() {
+    let _d = deadline(
+        "sighup_does_not_end_a_node_with_nothing_to_reload",
+        TEST_DEADLINE,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut n = Node::start_single(&dir.path().join("data"), &[]);
+    let id = id_of(&n.client.start(&json!({"workflow": "w"})));
+    let p = n.proc.as_mut().expect("running");
+    p.sighup();
+    let outcome = wait_until("the SIGHUP's outcome", Duration::from_secs(10), || {
+        if let Some(status) = p.try_exit() {
+            return Some(Err(status));
+        }
+        p.log()
+            .contains("SIGHUP: the cluster file read again, and refused")
+            .then_some(Ok(()))
+    });
+    assert_eq!(outcome, Ok(()), "the node exited on SIGHUP");
+    assert_eq!(
+        n.client
+            .metric("forkless_cluster_reloads_total{outcome=\"refused\"}"),
+        1.0
+    );
+    n.client
+        .post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [ev("after")]}),
+        )
+        .expect(200);
+    assert_eq!(n.client.last_seq(&id), 2);
+    n.sigterm_expect_prompt_exit(" after a SIGHUP");
+}
+
 /// Regression: graceful shutdown used to wait for every long-poll in
 /// flight, so a node with a client polling with `wait_ms=30000` took up to
 /// 30 s to stop after SIGTERM.

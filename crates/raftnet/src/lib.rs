@@ -210,15 +210,17 @@ impl Links {
     /// Points the link to a known peer at its new address (the cluster
     /// file moved it): a new connection is made there at the next call,
     /// and the old one closes once the calls on it are done. Returns
-    /// whether the peer was known (an unknown one is not added).
+    /// whether the link was made anew: not for an unknown peer (it is not
+    /// added), nor for one already at `addr` (its working connection
+    /// stays: the file moved only its other addresses).
     pub fn move_peer(&self, id: u64, addr: String) -> bool {
         let mut links = self.inner.links.write().unwrap_or_else(|e| e.into_inner());
         match links.get_mut(&id) {
-            Some(link) => {
+            Some(link) if link.addr != addr => {
                 *link = Link::to(addr);
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 
@@ -993,9 +995,17 @@ mod tests {
             Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:2"), "{why}"),
             other => panic!("{other:?}"),
         }
-        // A moved peer is called at its new address.
+        // A moved peer is called at its new address; a peer whose Raft
+        // address did not change keeps its link (and its connection).
         assert!(links.move_peer(3, "127.0.0.1:5".into()));
         assert!(!links.move_peer(9, "127.0.0.1:6".into()));
+        let link = |links: &Links| links.inner.links.read().expect("links")[&3].clone();
+        let before = link(&links);
+        assert!(!links.move_peer(3, "127.0.0.1:5".into()));
+        assert!(
+            Arc::ptr_eq(&before, &link(&links)),
+            "the link was made anew"
+        );
         assert_eq!(links.peer_ids(), vec![2, 3]);
         match links.call(3, 0, rpc(), Duration::from_secs(1)).await {
             Err(CallError::Unreachable(why)) => assert!(why.contains("127.0.0.1:5"), "{why}"),

@@ -1488,7 +1488,6 @@ async fn replace_on_leader(
     to: Option<forkless_types::NodeId>,
 ) -> Result<Response, ApiError> {
     let shard = st.id();
-    let nodes = replicated_nodes(app)?;
     let status = st.raft_status().ok_or_else(|| {
         from_store(
             StoreError::NotExecuted {
@@ -1513,6 +1512,7 @@ async fn replace_on_leader(
             }),
         ));
     }
+    let nodes = replicated_nodes(app)?;
     let to = match to {
         Some(t) => t,
         None => pick_target(app, &nodes, shard, from, &status.voters, &status.learners).ok_or_else(|| {
@@ -1525,7 +1525,21 @@ async fn replace_on_leader(
             )
         })?,
     };
-    let addr = nodes.get(&to).map(|a| a.to_string()).unwrap_or_default();
+    // The target is held from here to the end of the move, and looked up
+    // again after that: a reload that retired it meanwhile is seen now, and
+    // one that comes later refuses to retire it (`reload::MoveTargets`).
+    let _target = app.move_targets.hold(to);
+    let addr = replicated_nodes(app)?
+        .get(&to)
+        .map(|a| a.to_string())
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "to",
+                format!(
+                    "node {to} is not in the cluster this node runs (retired, or not added here: `forkless cluster reload`)"
+                ),
+            )
+        })?;
     let done = st
         .replace_replica(
             u64::from(from.get()),
@@ -1702,10 +1716,17 @@ async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Re
 
 /// Every shard's replicas as this replicated cluster's groups were made
 /// with (`crate::placement`; what this node's start checked the file
-/// against): what a node without a record of its own compares its file
-/// with, and what `forkless cluster placement` prints to pin.
+/// against), in the order the file as last read names them (a reload may
+/// reorder a pin, never change its set): what a node without a record of
+/// its own compares its file with, and what `forkless cluster placement`
+/// prints to pin.
 async fn cluster_placement(State(app): AppState) -> Response {
-    match app.cfg.cluster.as_ref().and_then(|c| c.replication.as_ref()) {
+    let running = app
+        .cluster
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    match running.as_ref().and_then(|c| c.replication.as_ref()) {
         Some(r) => Json(crate::placement::Placement::of(r, app.cfg.shard_count)).into_response(),
         None => (
             StatusCode::NOT_FOUND,
@@ -1746,17 +1767,8 @@ async fn cluster(State(app): AppState) -> Response {
                     "last_error": r.last_outcome.as_ref().err(),
                 });
             }
-            if let Some(r) = app
-                .cfg
-                .cluster
-                .as_ref()
-                .and_then(|c| c.replication.as_ref())
-            {
-                shard["replicas"] = json!(r
-                    .replicas(ShardId(s))
-                    .iter()
-                    .map(|n| n.get())
-                    .collect::<Vec<_>>());
+            if app.replication.is_some() {
+                shard["replicas"] = json!(app.placed(ShardId(s)));
                 shard["replicas_from"] = json!("cluster_file");
                 let status = local.and_then(|st| st.raft_status());
                 // What the shard's leader said in answer to a probe, when

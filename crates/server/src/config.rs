@@ -382,6 +382,14 @@ pub enum ConfigError {
     Parse { path: String, reason: String },
     #[error("{0}")]
     Invalid(String),
+    /// `--node` names no node of the file's `[[nodes]]`: one it retired
+    /// (`retired_nodes`), or none at all.
+    #[error("--node {node}: {}", if *retired {
+        format!("node {node} retired from this cluster (retired_nodes): a machine joins under a new id")
+    } else {
+        "no such node in the config's [[nodes]]".to_string()
+    })]
+    NotListed { node: u64, retired: bool },
 }
 
 /// A static cluster, validated.
@@ -859,13 +867,7 @@ pub fn resolve(
             .is_some_and(|r| r.retired.contains(&id));
         let me = cluster
             .node(id)
-            .ok_or_else(|| {
-                ConfigError::Invalid(if retired {
-                    format!("--node {node}: node {node} retired from this cluster (retired_nodes): a machine joins under a new id")
-                } else {
-                    format!("--node {node}: no such node in the config's [[nodes]]")
-                })
-            })?
+            .ok_or(ConfigError::NotListed { node, retired })?
             .clone();
         cfg.node_id = id;
         cfg.listen = parse_addr("api_addr", &me.api_addr)?;

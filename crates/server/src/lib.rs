@@ -79,6 +79,13 @@ pub struct App {
     /// as this node runs with: a peer not reloaded after the files were
     /// edited differs.
     pub same_nodes: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
+    /// Held for a whole reload (reading the file, planning, applying), so
+    /// that two reloads (a SIGHUP and a request) cannot apply out of the
+    /// order they read the file in.
+    pub reloading: tokio::sync::Mutex<()>,
+    /// The nodes replica moves this node leads are going to: a reload
+    /// does not retire one (`reload::MoveTargets`).
+    pub move_targets: reload::MoveTargets,
 }
 
 /// A shard's voters as its leader `from` said at `term`, and the log id
@@ -218,6 +225,8 @@ impl App {
             reload,
             links,
             same_nodes: Default::default(),
+            reloading: Default::default(),
+            move_targets: Default::default(),
             dir,
             store,
             cfg,
@@ -232,6 +241,26 @@ impl App {
             warn_of_retired_members(&app, r);
         }
         Ok(app)
+    }
+}
+
+impl App {
+    /// `shard`'s replicas as the running cluster places them (the cluster
+    /// file as last read: `reload`), in the pin's order; empty when this
+    /// node does not replicate.
+    pub fn placed(&self, shard: ShardId) -> Vec<u64> {
+        self.cluster
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|c| c.replication.as_ref())
+            .map(|r| {
+                r.replicas(shard)
+                    .iter()
+                    .map(|n| u64::from(n.get()))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -438,6 +467,13 @@ pub async fn run(
     reload: Option<reload::Reload>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), StartupError> {
+    // First of all: SIGHUP's default action ends the process, and a
+    // service manager's `reload` may send it while the node starts (the
+    // placement check, the store's open) or to a node with nothing to
+    // read again. Taken now, a SIGHUP during the start is answered once
+    // the node serves.
+    #[cfg(unix)]
+    let hangups = reload::take_hangups();
     // Before the store opens anything: the connections' descriptors plus
     // the store's reserve must fit, so that no connection can take the
     // descriptor a shard's log rotation needs.
@@ -562,17 +598,15 @@ pub async fn run(
                 heard.clone(),
                 stop_rx.clone(),
             ));
-            if let Some(placement) = app.cfg.cluster.as_ref().and_then(|c| c.replication.clone()) {
+            {
                 // A shard's preferred leader is the first replica its
                 // placement names (spread evenly over the nodes), or the
                 // replica that took its place (`balance::preferred_replica`).
-                let placed = Arc::new(move |shard| {
-                    placement
-                        .replicas(shard)
-                        .iter()
-                        .map(|n| u64::from(n.get()))
-                        .collect()
-                });
+                // The placement as the node runs it: a reload may reorder
+                // a pin's replicas (the same set), which moves the shard's
+                // preferred leader.
+                let running = app.clone();
+                let placed = Arc::new(move |shard| running.placed(shard));
                 tokio::spawn(forkless_raftnet::balance::run(
                     shards,
                     placed,
@@ -586,8 +620,8 @@ pub async fn run(
         }
     }
     #[cfg(unix)]
-    if app.reload.is_some() && app.cfg.cluster.is_some() {
-        tokio::spawn(reload::on_hangup(app.clone(), stop_rx.clone()));
+    if let Some(hangups) = hangups {
+        tokio::spawn(reload::on_hangup(app.clone(), hangups, stop_rx.clone()));
     }
     if app.cfg.cluster.is_some() {
         // Ready once its first round of probes has completed (at once

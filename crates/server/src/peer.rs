@@ -102,6 +102,18 @@ fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
     }
 }
 
+/// Drops what this node reports of peer `node` (its `forkless_peer_up`
+/// gauge and whether it runs with the same node list): it retired.
+pub(crate) fn forget_peer(app: &App, node: NodeId) {
+    app.metrics
+        .peer_up
+        .remove(&crate::metrics::NodeLabel { node: node.get() });
+    app.same_nodes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&node.get());
+}
+
 #[derive(Deserialize)]
 struct OwnedShard {
     shard: u32,
@@ -186,6 +198,14 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                     "peer has not answered its first probe; requests for its shards are still tried until it has answered once"
                 ),
                 (_, PeerState::NeverAnswered) => {}
+            }
+        }
+        // A peer a reload retired while the round ran may have had its
+        // gauge and node-list entry put back above after the reload took
+        // them away: they go now, and no later round probes it.
+        for p in &peers {
+            if app.dir.node(p.id).is_none() {
+                forget_peer(&app, p.id);
             }
         }
         // One round done: every peer answered or timed out. Only now does

@@ -137,6 +137,16 @@ pub fn plan(
     for n in &now.nodes {
         let field = |f: &str| format!("nodes[id={}].{f}", n.id);
         let Some(m) = new.node(n.id) else {
+            if new.replication.is_none() {
+                return refuse(
+                    field("id"),
+                    format!(
+                        "node {} is gone from the file: a static cluster's node leaves with a restart of every \
+                         node on the new file, once [[shards]] gives its shards to other nodes",
+                        n.id
+                    ),
+                );
+            }
             if !retired(new, n.id) {
                 return refuse(
                     field("id"),
@@ -316,16 +326,82 @@ pub(crate) fn still_member(app: &crate::App, id: NodeId) -> Option<String> {
     })
 }
 
-/// Reloads on every SIGHUP until `stop`, logging what each did.
-#[cfg(unix)]
-pub async fn on_hangup(app: Arc<crate::App>, mut stop: tokio::sync::watch::Receiver<bool>) {
-    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot take SIGHUP: reload with `forkless cluster reload` instead");
-            return;
+/// The nodes replica moves led by this node are going to, while each
+/// move runs: a node is not retired while a move to it is under way (it
+/// is no learner of the group until the move's first step, after a
+/// confirmation round with a quorum). A move names its target here before
+/// it checks that the node is in the running cluster, and a reload checks
+/// here under the same lock it retires under: the move then either finds
+/// the node retired (and is refused) or keeps it from retiring.
+#[derive(Debug, Default)]
+pub struct MoveTargets(std::sync::Mutex<std::collections::BTreeMap<NodeId, usize>>);
+
+/// One move's hold on its target, released when dropped.
+#[derive(Debug)]
+pub struct MoveHold<'a> {
+    targets: &'a MoveTargets,
+    node: NodeId,
+}
+
+impl MoveTargets {
+    fn lock(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<NodeId, usize>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Names `node` as a move's target until the hold is dropped.
+    pub fn hold(&self, node: NodeId) -> MoveHold<'_> {
+        *self.lock().entry(node).or_default() += 1;
+        MoveHold {
+            targets: self,
+            node,
         }
-    };
+    }
+
+    /// Why `node` may not retire now, if a move to it is under way.
+    pub fn moving_to(&self, node: NodeId) -> Option<String> {
+        self.lock()
+            .get(&node)
+            .filter(|n| **n > 0)
+            .map(|n| format!("the target of {n} replica move(s) under way on this node"))
+    }
+}
+
+impl Drop for MoveHold<'_> {
+    fn drop(&mut self) {
+        let mut held = self.targets.lock();
+        if let Some(n) = held.get_mut(&self.node) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                held.remove(&self.node);
+            }
+        }
+    }
+}
+
+/// Takes SIGHUP from the system for [`on_hangup`]; `None` (logged) when
+/// the signal cannot be taken, which leaves its default action (the
+/// process ends) in place.
+#[cfg(unix)]
+pub fn take_hangups() -> Option<tokio::signal::unix::Signal> {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot take SIGHUP (it would end the process): reload with `forkless cluster reload` instead");
+            None
+        }
+    }
+}
+
+/// Reloads on every SIGHUP until `stop`, logging what each did. On a
+/// node with nothing to read again (no cluster file, or a node running
+/// alone) each SIGHUP is a refused reload, logged and counted, and the
+/// node serves on.
+#[cfg(unix)]
+pub async fn on_hangup(
+    app: Arc<crate::App>,
+    mut hangups: tokio::signal::unix::Signal,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
     loop {
         tokio::select! {
             got = hangups.recv() => if got.is_none() { return },
@@ -343,6 +419,32 @@ pub async fn on_hangup(app: Arc<crate::App>, mut stop: tokio::sync::watch::Recei
                 "SIGHUP: the cluster file read again, and refused: nothing changed"
             ),
         }
+    }
+}
+
+/// Why a file that does not resolve for this node is refused: the field
+/// that makes it so, when it is this node's own entry (left out of the
+/// file, or retired in it), else the file as a whole.
+fn refused_file(me: NodeId, e: ConfigError) -> Refused {
+    match e {
+        ConfigError::NotListed { retired: true, .. } => Refused {
+            field: "retired_nodes".into(),
+            reason: format!(
+                "node {me} is this node: a node does not retire itself while it runs (its replicas moved \
+                 away, it is stopped, and the other nodes retire it)"
+            ),
+        },
+        ConfigError::NotListed { retired: false, .. } => Refused {
+            field: format!("nodes[id={me}].id"),
+            reason: format!(
+                "node {me} is this node, and the file no longer lists it in [[nodes]]: a node leaves the \
+                 cluster stopped, its replicas moved away, the other nodes retiring it"
+            ),
+        },
+        e => Refused {
+            field: "config".into(),
+            reason: e.to_string(),
+        },
     }
 }
 
@@ -373,6 +475,10 @@ pub async fn run(app: &crate::App) -> Result<Outcome, Refused> {
 }
 
 async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
+    // One reload at a time, from reading the file to applying it: each
+    // plans against what the last one left, and the last file read is the
+    // one that runs.
+    let _one = app.reloading.lock().await;
     let Some(read) = app.reload.clone() else {
         return refuse(
             "config",
@@ -385,11 +491,10 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
             field: "config".into(),
             reason: format!("reading the cluster file failed: {e}"),
         })?
-        .map_err(|e| Refused {
-            field: "config".into(),
-            reason: e.to_string(),
-        })?;
-    // One reload at a time: each plans against what the last one left.
+        .map_err(|e| refused_file(app.cfg.node_id, e))?;
+    // Replica moves read the node list under this lock after naming their
+    // target (`MoveTargets`), so a move either sees the retirement or is
+    // seen by it.
     let mut held = app.cluster.write().unwrap_or_else(|e| e.into_inner());
     let Some(now) = held.clone() else {
         return refuse(
@@ -397,16 +502,12 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
             "this node runs alone (no [[nodes]] in the file it started on): a restart makes it a cluster member",
         );
     };
-    let plan = plan(&app.cfg, &now, &file, &|id| still_member(app, id))?;
+    let plan = plan(&app.cfg, &now, &file, &|id| {
+        still_member(app, id).or_else(|| app.move_targets.moving_to(id))
+    })?;
     for &id in &plan.removed {
         app.dir.remove_node(id);
-        app.metrics
-            .peer_up
-            .remove(&crate::metrics::NodeLabel { node: id.get() });
-        app.same_nodes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id.get());
+        crate::peer::forget_peer(app, id);
         if let Some(links) = &app.links {
             links.remove_peer(u64::from(id.get()));
         }
@@ -643,6 +744,86 @@ mod tests {
         .unwrap();
         let r = plan(&me, &now, &cfg(&retired_one()), &|_| None).expect_err("itself");
         assert_eq!(r.field, "retired_nodes");
+    }
+
+    #[test]
+    fn a_static_clusters_node_left_out_is_refused_with_its_own_way_out() {
+        let stat = |nodes: &[(u64, u16)]| {
+            file(nodes, "").replace("shard_count = 4", "shard_count = 4\nreplication_factor = 1")
+        };
+        let r = planned(&stat(THREE), &stat(&[(1, 7000), (2, 7010)])).expect_err("left out");
+        assert_eq!(r.field, "nodes[id=3].id");
+        // Not pointed at retired_nodes, which a static file refuses.
+        assert!(
+            r.reason.contains("static cluster") && !r.reason.contains("retired_nodes"),
+            "{r:?}"
+        );
+    }
+
+    #[test]
+    fn a_file_that_leaves_out_or_retires_this_node_is_refused_naming_that_field() {
+        // Node 2 runs; the file as it reads now, for node 2.
+        let read = |text: &str| {
+            resolve(
+                Some(parse_file(text).unwrap()),
+                Some(2),
+                Overrides::default(),
+            )
+        };
+        let me = NodeId::new(2).unwrap();
+        let retiring_me = file(&[(1, 7000), (3, 7020), (4, 7030)], PINS)
+            .replace("shard_count = 4", "shard_count = 4\nretired_nodes = [2]");
+        let r = refused_file(me, read(&retiring_me).expect_err("node 2 retired"));
+        assert_eq!(r.field, "retired_nodes", "{r:?}");
+        assert!(r.reason.contains("does not retire itself"), "{r:?}");
+        let without_me = file(&[(1, 7000), (3, 7020), (4, 7030)], "");
+        let r = refused_file(me, read(&without_me).expect_err("node 2 left out"));
+        assert_eq!(r.field, "nodes[id=2].id", "{r:?}");
+        // Anything else about the file is the file's.
+        let r = refused_file(me, read("shard_count = 3").expect_err("not a power of two"));
+        assert_eq!(r.field, "config", "{r:?}");
+    }
+
+    #[test]
+    fn a_pin_reordered_is_taken_and_moves_the_preferred_leader() {
+        let reordered = PINS.replace(
+            "shard = 0\nreplicas = [1, 2, 3]",
+            "shard = 0\nreplicas = [2, 1, 3]",
+        );
+        let p = planned(&file(THREE, PINS), &file(THREE, &reordered)).unwrap();
+        assert!(p.added.is_empty() && p.removed.is_empty() && p.moved.is_empty());
+        assert!(p.restart_needed.is_empty(), "{:?}", p.restart_needed);
+        let r = p.cluster.replication.as_ref().unwrap();
+        let ids = |s: u32| -> Vec<u16> {
+            r.replicas(forkless_types::ShardId(s))
+                .iter()
+                .map(|n| n.get())
+                .collect()
+        };
+        assert_eq!(ids(0), vec![2, 1, 3]);
+        assert_eq!(ids(1), vec![2, 3, 1]);
+    }
+
+    #[test]
+    fn a_node_a_move_is_going_to_does_not_retire_until_the_move_ends() {
+        let targets = MoveTargets::default();
+        let one = NodeId::new(1).unwrap();
+        let running = cfg(&file(FOUR, PINS));
+        let now = running.cluster.clone().unwrap();
+        let check = |targets: &MoveTargets| {
+            plan(&running, &now, &cfg(&retired_one()), &|id| {
+                targets.moving_to(id)
+            })
+        };
+        {
+            let _a = targets.hold(one);
+            let _b = targets.hold(one);
+            let r = check(&targets).expect_err("retired while a move goes to it");
+            assert_eq!(r.field, "retired_nodes");
+            assert!(r.reason.contains("2 replica move(s) under way"), "{r:?}");
+        }
+        assert!(targets.moving_to(one).is_none());
+        assert_eq!(check(&targets).unwrap().removed, vec![one]);
     }
 
     #[test]
