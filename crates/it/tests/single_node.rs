@@ -1010,7 +1010,7 @@ fn sighup_does_not_end_a_node_with_nothing_to_reload() {
             return Some(Err(status));
         }
         p.log()
-            .contains("SIGHUP: the cluster file read again, and refused")
+            .contains("SIGHUP: reload refused, nothing changed")
             .then_some(Ok(()))
     });
     assert_eq!(outcome, Ok(()), "the node exited on SIGHUP");

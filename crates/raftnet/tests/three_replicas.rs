@@ -20,6 +20,8 @@ struct Node {
     store: Option<Arc<Store>>,
     /// Its transport to the other two.
     peers: Arc<dyn forkless_store::Peers>,
+    /// The same transport, whose links a test may point elsewhere (a cut).
+    links: Links,
     stop: tokio::sync::watch::Sender<bool>,
     /// Where it listens for the other two.
     addr: String,
@@ -140,8 +142,8 @@ async fn cluster_of(
         let (stop, stopped) = tokio::sync::watch::channel(false);
         tokio::spawn(serve(listener, "secret".into(), groups(&cell), stopped));
         let members = members.clone();
-        let peers: Arc<dyn forkless_store::Peers> =
-            Arc::new(Links::new(id, "secret".into(), addrs.clone()));
+        let links = Links::new(id, "secret".into(), addrs.clone());
+        let peers: Arc<dyn forkless_store::Peers> = Arc::new(links.clone());
         let rep = Replication {
             me: id,
             members: Arc::new(move |_| members.clone()),
@@ -171,6 +173,7 @@ async fn cluster_of(
             id,
             store: None,
             peers,
+            links,
             stop,
             addr: addrs[&id].clone(),
             opener,
@@ -1132,5 +1135,149 @@ async fn read_confirm_by_read_index_and_by_lease() {
                 );
             }
         }
+    }
+}
+
+/// [`write`], tried again while the node is not ready to take it (a
+/// leader elected a moment ago applies its term's first entry first), for
+/// at most 10 s.
+async fn write_soon(node: &Node, n: i64, what: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        match write(node, n).await {
+            Ok(()) => return,
+            Err(StoreError::NotExecuted { reason, .. })
+                if Instant::now() < until && !reason.contains("does not lead") =>
+            {
+                eprintln!("{what}: not yet ({reason})");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{what}: {e:?}"),
+        }
+    }
+}
+
+/// Where a cut link points: nothing listens there.
+const NOWHERE: &str = "127.0.0.1:1";
+
+/// Cuts nodes `a` and `b` (indexes) from each other: the calls each makes
+/// to the other fail as unreachable (the answers to a call come back on
+/// its caller's connection, so this cuts both ways).
+fn cut(nodes: &[Node], a: usize, b: usize) {
+    nodes[a].links.move_peer(nodes[b].id, NOWHERE.into());
+    nodes[b].links.move_peer(nodes[a].id, NOWHERE.into());
+}
+
+/// Joins nodes `a` and `b` again.
+fn heal(nodes: &[Node], a: usize, b: usize) {
+    nodes[a].links.move_peer(nodes[b].id, nodes[b].addr.clone());
+    nodes[b].links.move_peer(nodes[a].id, nodes[a].addr.clone());
+}
+
+/// A replica that lost its disk forgot the highest term it saw. Here it
+/// comes back reaching only a leader the other two deposed (cut off from
+/// them): before a new replica took a leader's word, that leader did not
+/// confirm with a quorum that it still led, so the new replica took the
+/// deposed one at its old term, acknowledged its entries, and the two of
+/// them, a quorum of three, committed entries at indices the newer leader
+/// had committed others at with the replica's forgotten acknowledgements:
+/// a fork from one lost disk and a partition. The test failed so (the
+/// deposed leader acknowledged a write). Now the deposed leader cannot
+/// confirm (the only other replica it could count is cut off), the new
+/// replica takes nothing from it, and nothing is acknowledged through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_replica_does_not_help_a_deposed_leader_commit() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes = cluster(dir.path()).await;
+    for n in 1..=5 {
+        write_soon(
+            &nodes[leader(&nodes).await],
+            n,
+            "a write before the partition",
+        )
+        .await;
+    }
+    let old = leader(&nodes).await;
+    let old_term = nodes[old].status().expect("up").term;
+    let others: Vec<usize> = (0..3).filter(|i| *i != old).collect();
+    // The leader is cut off; the other two elect one of them.
+    cut(&nodes, old, others[0]);
+    cut(&nodes, old, others[1]);
+    let until = Instant::now() + Duration::from_secs(20);
+    let new = loop {
+        let led = others.iter().copied().find(|i| {
+            nodes[*i]
+                .status()
+                .is_some_and(|s| s.state == "leader" && s.term > old_term)
+        });
+        if let Some(i) = led {
+            break i;
+        }
+        assert!(Instant::now() < until, "no new leader within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let lost = others
+        .iter()
+        .copied()
+        .find(|i| *i != new)
+        .expect("the third");
+    for n in 6..=10 {
+        write_soon(&nodes[new], n, "a write on the new leader").await;
+    }
+    // The third loses its disk, and comes back reaching only the deposed
+    // leader.
+    nodes[lost].stop();
+    std::fs::remove_dir_all(&nodes[lost].path).expect("wiped");
+    cut(&nodes, new, lost);
+    heal(&nodes, old, lost);
+    nodes[lost].restart().await;
+    assert!(
+        nodes[old]
+            .status()
+            .is_some_and(|s| s.state == "leader" && s.term == old_term),
+        "the deposed leader still takes itself for the leader: {:?}",
+        nodes[old].status()
+    );
+    let until = Instant::now() + Duration::from_secs(6);
+    let mut n = 100;
+    while Instant::now() < until {
+        n += 1;
+        if write(&nodes[old], n).await.is_ok() {
+            panic!(
+                "the deposed leader (term {old_term}) acknowledged execution {n} with the new replica: {:?}, new leader {:?}",
+                nodes[lost].status(),
+                nodes[new].status()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        nodes[lost].status().is_some_and(|s| s.fresh),
+        "the new replica took the deposed leader's word: {:?}",
+        nodes[lost].status()
+    );
+    // Joined again: the new replica catches up from the newer leader, and
+    // every acknowledged write is on every replica.
+    heal(&nodes, old, new);
+    heal(&nodes, new, lost);
+    let until = Instant::now() + Duration::from_secs(30);
+    while nodes[lost].status().is_none_or(|s| s.fresh) {
+        assert!(
+            Instant::now() < until,
+            "the new replica did not catch up: {:?}; leader {:?}",
+            nodes[lost].status(),
+            nodes[new].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let l = leader(&nodes).await;
+    write_soon(&nodes[l], 200, "a write after the heal").await;
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    for i in 0..3 {
+        holds(&nodes, i, 1..=10, index).await;
+        holds(&nodes, i, 200..=200, index).await;
     }
 }

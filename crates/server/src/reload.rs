@@ -414,9 +414,9 @@ pub async fn on_hangup(
                 nodes = ?done.nodes.iter().map(|n| n.get()).collect::<Vec<_>>(),
                 "SIGHUP: the cluster file read again"
             ),
-            Err(r) => tracing::error!(
+            Err(r) => tracing::warn!(
                 field = %r.field, reason = %r.reason,
-                "SIGHUP: the cluster file read again, and refused: nothing changed"
+                "SIGHUP: reload refused, nothing changed"
             ),
         }
     }

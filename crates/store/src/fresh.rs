@@ -15,20 +15,29 @@
 //!   snapshot of a leader until it told that leader it starts again
 //!   ([`crate::Rpc::Reverted`]: the leader then calls openraft's
 //!   `allow_next_revert` for it, the sanctioned way for a follower whose
-//!   data was removed to rejoin under its id).
+//!   data was removed to rejoin under its id). The leader answers only
+//!   after it confirmed with a quorum of the others that it leads
+//!   ([`reverted`]): the replica forgot the highest term it saw, so a
+//!   deposed leader it alone can reach would otherwise be taken at its
+//!   old term and commit with it, at indices the newer leader committed
+//!   others at. A leader this process voted for in its term is taken
+//!   untold (a new cluster's first leader, elected by new replicas).
 //! - **It votes for no one who has entries until it caught up.** A vote
 //!   it granted before and forgot, or an entry a commit counted on it and
 //!   it lost, could otherwise let a second leader in a term, or a leader
-//!   without a committed entry, be elected. Until it applied through the
-//!   commit index of the first leader that replicated to it (every entry
-//!   committed before it lost its disk is at or below that), it grants no
-//!   vote or pre-vote to a candidate whose log holds anything past the
-//!   initial membership (index 0). Candidates of a cluster that never
-//!   committed anything still get its vote, and in a new cluster the bar
-//!   is met at once (nothing committed), so a new cluster, every replica
-//!   of which is new, elects as usual. (Weak spot: a deposed leader that
-//!   still reaches it, cut off from the new one, would set a bar below
-//!   what the new leader committed: a partition on top of the lost disk.)
+//!   without a committed entry, be elected. Until it applied through its
+//!   bar, the commit index of the first leader it took that had committed
+//!   an entry of its own term (every entry committed before it lost its
+//!   disk is at or below that: the leader confirmed it leads, and its
+//!   commit index covers its predecessors'), it grants no vote or
+//!   pre-vote to a candidate whose log holds anything past the initial
+//!   membership (index 0), and **stands for election itself only while
+//!   it holds nothing** past it (a prefix of a leader's log could be as
+//!   long as a lagging replica's, whose vote would elect it without the
+//!   entries it lacks). Candidates of a cluster that never committed
+//!   anything still get its vote, and in a new cluster the bar is met at
+//!   once (nothing committed), so a new cluster, every replica of which
+//!   is new, elects as usual.
 //!
 //! The mark ([`FRESH_KEY`]) is written when the group is initialized on
 //! this replica and removed once it caught up (or leads: a leader holds
@@ -66,6 +75,8 @@ pub(crate) struct Fresh {
     last_told: Mutex<Option<(std::time::Instant, u64)>>,
     /// Leaders being told.
     telling: Mutex<HashSet<u64>>,
+    /// The last vote this process granted while careful: (term, candidate).
+    voted: Mutex<Option<(u64, u64)>>,
     /// The commit index of the first leader that replicated to it (its
     /// bar); `u64::MAX` until one did.
     bar: AtomicU64,
@@ -85,6 +96,7 @@ impl Fresh {
             told: Mutex::default(),
             last_told: Mutex::default(),
             telling: Mutex::default(),
+            voted: Mutex::default(),
             bar: AtomicU64::new(u64::MAX),
             caught_up: AtomicBool::new(false),
         }
@@ -95,14 +107,37 @@ impl Fresh {
         !self.caught_up.load(Ordering::Acquire)
     }
 
-    /// Before a call from `leader` that replicates to this replica: `Err`
-    /// (the call is refused) until `leader` was told that this replica
-    /// starts again; the first refusal tells it.
-    pub(crate) fn admit(self: &Arc<Self>, leader: u64, commit: Option<u64>) -> Result<(), String> {
+    /// Records a vote this replica granted while careful: `candidate` at
+    /// `term` (see [`Fresh::admit`]).
+    pub(crate) fn granted(&self, term: u64, candidate: u64) {
+        if self.active() {
+            *lock(&self.voted) = Some((term, candidate));
+        }
+    }
+
+    /// Before a call from `leader` at `term` that replicates to this
+    /// replica: `Err` (the call is refused) until `leader` was told that
+    /// this replica starts again (and confirmed with a quorum that it
+    /// leads: [`reverted`]); the first refusal tells it. A leader this
+    /// process voted for in that term ([`Fresh::granted`]) needs no telling:
+    /// it was elected after this replica started again, so it never
+    /// matched the replica's lost log, and while careful this replica votes
+    /// only for candidates with no entries (a new cluster's). That is how
+    /// a new cluster, every replica of which is new, starts: its leader
+    /// could not confirm with a quorum of replicas that refuse it. (The
+    /// vote in the replica's storage is not asked: a test that lost a
+    /// replica's disk under a running group found it resurrected there.)
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        leader: u64,
+        term: u64,
+        commit: Option<u64>,
+    ) -> Result<(), String> {
         if !self.active() {
             return Ok(());
         }
-        if lock(&self.told).contains(&leader) {
+        let voted_for_it = *lock(&self.voted) == Some((term, leader));
+        if voted_for_it || lock(&self.told).contains(&leader) {
             if let Some(c) = commit {
                 let _ = self
                     .bar
@@ -189,6 +224,26 @@ impl Fresh {
         })
     }
 
+    /// Why it may not stand for election, its last log index being
+    /// `last_index`: while careful, once it holds any entry past the
+    /// initial membership (index 0). Such entries came from a leader of a
+    /// group that ran, and a replica holding a prefix of that leader's
+    /// log may have as long a log as a replica behind it, whose vote it
+    /// could win without an entry the leader and it had committed (a
+    /// review found it: a new replica elected so counted as caught up and
+    /// lost the mark). With no entry it may stand: in a new cluster every
+    /// replica is new, and someone must; a replica of a group that ran
+    /// refuses an empty log its vote anyway.
+    pub(crate) fn refuses_campaign(&self, last_index: Option<u64>) -> Option<String> {
+        (self.active() && last_index.is_some_and(|i| i > 0)).then(|| {
+            format!(
+                "the replica on node {} of group {} has a new data directory and has not caught up: \
+                 it does not stand for election",
+                self.me, self.group
+            )
+        })
+    }
+
     /// Whether it caught up just now, having applied through `applied`
     /// (its bar is set and it applied through it), or leading (a leader
     /// holds every committed entry: it was elected by a quorum's logs).
@@ -202,12 +257,51 @@ impl Fresh {
     }
 }
 
-/// The leader's side of [`Rpc::Reverted`]: replicate to `node` from the
-/// start at the next conflict.
+/// How long a leader told of a new replica may take to confirm with a
+/// quorum that it leads (within the caller's [`TELL_WITHIN`]).
+const CONFIRM_WITHIN: Duration = Duration::from_millis(1500);
+
+/// The leader's side of [`Rpc::Reverted`]: confirms with a quorum of the
+/// group that it leads, then replicates to `node` from the start at the
+/// next conflict.
+///
+/// The confirmation is what makes the new replica's word safe to give. It
+/// forgot the highest term it saw, so a deposed leader that it alone can
+/// reach (cut off from the group's newer leader) would otherwise be
+/// taken at its old term: its entries acknowledged by this replica and
+/// itself, a quorum of three, while the newer leader committed others at
+/// the same indices with the replica's forgotten acknowledgements (a fork
+/// from one lost disk and a partition; `docs/replication.md`). The new
+/// replica refuses this leader's calls until it is answered here, so its
+/// own answers are not counted: a quorum of the other replicas, which
+/// intersects every quorum the replica helped form before it lost its
+/// disk, has then taken this leader's term, and no leader of a later term
+/// was elected with the replica's forgotten vote or acknowledged entries
+/// with it. A leader that cannot confirm is not answered; the replica asks
+/// again each second ([`TELL_AGAIN_AFTER`]).
 pub(crate) async fn reverted(
     raft: &openraft::Raft<GroupConfig, crate::raft_group::ShardMachine>,
     node: u64,
 ) -> Result<RpcReply, String> {
+    match tokio::time::timeout(
+        CONFIRM_WITHIN,
+        raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
+    )
+    .await
+    {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            return Err(format!(
+                "this node could not confirm with a quorum that it leads the group: {e}"
+            ))
+        }
+        Err(_) => {
+            return Err(format!(
+                "no quorum of the group confirmed this node's leadership within {} ms",
+                CONFIRM_WITHIN.as_millis()
+            ))
+        }
+    }
     match raft.trigger().allow_next_revert(&node, true).await {
         Ok(Ok(())) => {
             // (Debug: a new replica says it again every second until it
@@ -220,5 +314,77 @@ pub(crate) async fn reverted(
         }
         Ok(Err(e)) => Err(e.to_string()),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::raft_net::{Answer, CallError};
+    use futures_util::future::BoxFuture;
+
+    /// A transport that answers every [`Rpc::Reverted`] (a leader that
+    /// confirmed it leads), counting them.
+    #[derive(Default)]
+    struct Leaders(std::sync::atomic::AtomicUsize);
+
+    impl Peers for Leaders {
+        fn send(
+            &self,
+            _target: u64,
+            _group: u32,
+            rpc: Rpc,
+            _within: Duration,
+        ) -> BoxFuture<'static, Result<Answer, CallError>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                let answer: Answer = Box::pin(async move {
+                    match rpc {
+                        Rpc::Reverted { .. } => Ok(RpcReply::Reverted),
+                        other => Err(CallError::Unreachable(format!("not {}", other.kind()))),
+                    }
+                });
+                Ok(answer)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_new_replica_takes_a_leader_it_voted_for_or_told_and_stands_only_with_no_entries() {
+        let peers = Arc::new(Leaders::default());
+        let f = Arc::new(Fresh::new(2, 0, peers.clone()));
+        // A leader it voted for in that term: taken untold, its commit of
+        // its own term the bar.
+        f.granted(5, 1);
+        assert!(f.admit(1, 5, None).is_ok());
+        assert!(
+            peers.0.load(Ordering::SeqCst) == 0,
+            "told a leader it voted for"
+        );
+        // The same node at another term, or another node: refused, and
+        // told (once the answer comes, taken).
+        assert!(f.admit(1, 6, Some(3)).is_err());
+        assert!(f.admit(3, 5, Some(3)).is_err());
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        while f.admit(3, 5, Some(3)).is_err() {
+            assert!(
+                std::time::Instant::now() < until,
+                "never taken after telling"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // While careful: no vote for a candidate with entries, and no
+        // candidacy of its own once it holds any.
+        assert!(f.refuses_vote(Some(1)).is_some());
+        assert!(f.refuses_vote(Some(0)).is_none());
+        assert!(f.refuses_campaign(Some(4)).is_some());
+        assert!(f.refuses_campaign(Some(0)).is_none() && f.refuses_campaign(None).is_none());
+        // Caught up through the bar (3): careful no more.
+        assert!(!f.caught_up(Some(2), false));
+        assert!(f.caught_up(Some(3), false));
+        assert!(f.refuses_campaign(Some(4)).is_none() && f.refuses_vote(Some(9)).is_none());
+        // A vote granted once caught up is not recorded.
+        f.granted(7, 3);
+        assert_eq!(*lock(&f.voted), Some((5, 1)));
     }
 }

@@ -863,10 +863,16 @@ pub(crate) fn start_replicated(
     let placed_here = members.contains_key(&rep.me);
     let me = rep.me;
     let held = replica.clone();
+    let campaigner = Arc::downgrade(&replica);
     let network = crate::raft_net::PeerNetwork {
         me,
         group: shard.get(),
         peers: rep.peers.clone(),
+        campaign: Arc::new(move |last| {
+            campaigner
+                .upgrade()
+                .and_then(|r| r.fresh.get().and_then(|f| f.refuses_campaign(last)))
+        }),
     };
     let (released, on_release) = std::sync::mpsc::sync_channel(1);
     let started = run(
@@ -1183,7 +1189,16 @@ pub(crate) async fn handle(
     group.fresh_caught_up();
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
         match &rpc {
-            crate::raft_net::Rpc::Snapshot(c) => f.admit(c.vote.leader_id.voted_for, None)?,
+            crate::raft_net::Rpc::Snapshot(c) => {
+                f.admit(c.vote.leader_id.voted_for, c.vote.leader_id.term, None)?
+            }
+            // It may not stand for election (`Fresh::refuses_campaign`), so
+            // it does not take the leadership handed to it.
+            crate::raft_net::Rpc::TransferLeader(_) => return Err(
+                "this replica's data directory is new and it has not caught up with its group: \
+                     it does not take the leadership"
+                    .into(),
+            ),
             crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r) => {
                 if let Some(why) = f.refuses_vote(r.last_log_id.map(|l| l.index)) {
                     return Err(why);
@@ -1192,7 +1207,20 @@ pub(crate) async fn handle(
             _ => {}
         }
     }
+    // A vote granted while careful: the leader it elects needs no telling
+    // (`Fresh::admit`).
+    let candidate = match (&rpc, group.fresh.as_ref()) {
+        (crate::raft_net::Rpc::Vote(r), Some(f)) if f.active() => {
+            Some((f.clone(), r.vote.leader_id.term, r.vote.leader_id.voted_for))
+        }
+        _ => None,
+    };
     let answer = handle_now(group, rpc).await;
+    if let (Some((f, term, who)), Ok(crate::raft_net::RpcReply::Vote(v))) = (candidate, &answer) {
+        if v.vote_granted {
+            f.granted(term, who);
+        }
+    }
     group.fresh_caught_up();
     answer
 }
@@ -1215,10 +1243,15 @@ pub(crate) fn admit_append(
     }
     group.fresh_caught_up();
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
-        f.admit(
-            r.vote.leader_id.voted_for,
-            Some(r.leader_commit.map_or(0, |l| l.index)),
-        )?;
+        // A bar only from a leader that has committed an entry of its own
+        // term: its commit index then covers every entry committed before
+        // (a leader elected a moment ago, or restarted, may not know yet
+        // how far the group committed).
+        let commit = r
+            .leader_commit
+            .filter(|c| c.leader_id.term == r.vote.leader_id.term)
+            .map(|c| c.index);
+        f.admit(r.vote.leader_id.voted_for, r.vote.leader_id.term, commit)?;
     }
     if !r.entries.is_empty() {
         use std::sync::atomic::Ordering::Relaxed;

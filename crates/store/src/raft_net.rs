@@ -253,6 +253,11 @@ pub(crate) struct PeerNetwork {
     pub(crate) me: u64,
     pub(crate) group: u32,
     pub(crate) peers: Arc<dyn Peers>,
+    /// Why this replica may not stand for election now, given its last
+    /// log index (a new replica with a leader's entries that it has not
+    /// caught up with: `crate::fresh`); its vote and pre-vote requests
+    /// are then not sent.
+    pub(crate) campaign: Arc<dyn Fn(Option<u64>) -> Option<String> + Send + Sync>,
 }
 
 /// One group's client to one target.
@@ -273,6 +278,16 @@ impl RaftNetworkFactory<GroupConfig> for PeerNetwork {
 }
 
 impl PeerClient {
+    /// Refuses to ask for a vote (or pre-vote) while this replica may not
+    /// stand for election ([`PeerNetwork::campaign`]): the candidate gets
+    /// no vote, as from a peer it cannot reach.
+    fn may_campaign(&self, rpc: &VoteRequest<GroupConfig>) -> Result<(), RPCError<GroupConfig>> {
+        match (self.net.campaign)(rpc.last_log_id.map(|l| l.index)) {
+            Some(why) => Err(RPCError::Unreachable(Unreachable::from_string(why))),
+            None => Ok(()),
+        }
+    }
+
     async fn call(&self, rpc: Rpc, option: &RPCOption) -> Result<RpcReply, RPCError<GroupConfig>> {
         self.call_within(rpc, option.hard_ttl()).await
     }
@@ -549,6 +564,7 @@ impl RaftNetworkV2<GroupConfig> for PeerClient {
         rpc: VoteRequest<GroupConfig>,
         option: RPCOption,
     ) -> Result<VoteResponse<GroupConfig>, RPCError<GroupConfig>> {
+        self.may_campaign(&rpc)?;
         match self.call(Rpc::Vote(rpc), &option).await? {
             RpcReply::Vote(r) => Ok(r),
             other => Err(unexpected(other, "vote")),
@@ -560,6 +576,7 @@ impl RaftNetworkV2<GroupConfig> for PeerClient {
         rpc: VoteRequest<GroupConfig>,
         option: RPCOption,
     ) -> Result<VoteResponse<GroupConfig>, RPCError<GroupConfig>> {
+        self.may_campaign(&rpc)?;
         match self.call(Rpc::PreVote(rpc), &option).await? {
             RpcReply::Vote(r) => Ok(r),
             other => Err(unexpected(other, "pre_vote")),
