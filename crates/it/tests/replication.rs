@@ -470,3 +470,66 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
     let counts = cl.stop_and_compare_replicas();
     assert_eq!(counts.values().sum::<u64>(), 40 * 4, "{counts:?}");
 }
+
+/// Two replicas of each shard (`replication_factor = 2`), one wiped: it
+/// rejoins and catches up. Every quorum of two holds both replicas, so a
+/// leader has no quorum to confirm with but the new replica's own; the
+/// build that had its leader confirm first (so that a deposed leader is
+/// not taken at its old term) left such a replica waiting for good, and
+/// the shard with it (the test timed out with node 2 still new).
+#[test]
+fn a_wiped_replica_of_two_rejoins() {
+    let _deadline = deadline(
+        "replication: wiped replica of two",
+        Duration::from_secs(120),
+    );
+    let mut cl = Cluster::prepare_replicated(2, SHARDS, 2, PeerTiming::default());
+    cl.start_nodes(&[1, 2], &[]);
+    for id in [1, 2] {
+        cl.wait_leaders_known(id, &[]);
+    }
+    let c = cl.client(1);
+    let start = |key: String| {
+        let routing = key.clone();
+        let r = settled(Duration::from_secs(20), || {
+            c.post(
+                "/api/executions",
+                &serde_json::json!({"workflow": "w", "idempotency_key": key, "routing_key": routing}),
+            )
+        });
+        assert!(
+            r.status == 201 || r.status == 200,
+            "{}: {}",
+            r.status,
+            r.text()
+        );
+        id_of(&r.json())
+    };
+    let before: Vec<String> = (0..8).map(|i| start(format!("two-before-{i}"))).collect();
+    cl.kill9(2);
+    std::fs::remove_dir_all(&cl.node(2).data_dir).expect("wiped node 2's data directory");
+    let cfg = cl.node(2).config.clone();
+    cl.spawn(2, &cfg);
+    cl.wait_ready(2);
+    let c2 = cl.client(2);
+    wait_until(
+        "node 2 to catch up on every shard",
+        Duration::from_secs(30),
+        || {
+            let v = c2
+                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                .map(|r| r.json())
+                .unwrap_or_default();
+            let all = v["shards"].as_array().cloned().unwrap_or_default();
+            (all.len() == SHARDS as usize && all.iter().all(|s| s["raft"]["fresh"] == false))
+                .then_some(())
+        },
+    );
+    let after: Vec<String> = (0..8).map(|i| start(format!("two-after-{i}"))).collect();
+    cl.wait_replicas_level();
+    for e in before.iter().chain(&after) {
+        assert_eq!(cl.client(2).last_seq(e), 1, "{e}");
+    }
+    let counts = cl.stop_and_compare_replicas();
+    eprintln!("replicas compared: {counts:?}");
+}

@@ -64,6 +64,15 @@ const TELL_WITHIN: Duration = Duration::from_secs(2);
 /// may let that while pass before it sends anything.
 const TELL_AGAIN_AFTER: Duration = Duration::from_secs(1);
 
+/// What a leader's call says of its commit index: the index (0 when it
+/// knows of none), and whether the entry there is of the leader's own
+/// term.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Commit {
+    pub(crate) index: u64,
+    pub(crate) of_its_term: bool,
+}
+
 /// A new replica's state until it caught up.
 pub(crate) struct Fresh {
     me: u64,
@@ -131,14 +140,24 @@ impl Fresh {
         self: &Arc<Self>,
         leader: u64,
         term: u64,
-        commit: Option<u64>,
+        commit: Option<Commit>,
     ) -> Result<(), String> {
         if !self.active() {
             return Ok(());
         }
         let voted_for_it = *lock(&self.voted) == Some((term, leader));
         if voted_for_it || lock(&self.told).contains(&leader) {
-            if let Some(c) = commit {
+            // The bar: from a leader it told, only a commit index of the
+            // leader's own term (one elected a moment ago, or restarted,
+            // may not know yet how far the group committed; one that
+            // committed in its own term does). From a leader it voted for,
+            // any: it was elected with no entries (this replica votes for
+            // no other while careful), which within a minority's loss means
+            // nothing was committed anywhere (a new cluster), so its
+            // replicas are caught up at once and may elect again should it
+            // die before its first commit.
+            let bar = commit.and_then(|c| (voted_for_it || c.of_its_term).then_some(c.index));
+            if let Some(c) = bar {
                 let _ = self
                     .bar
                     .compare_exchange(u64::MAX, c, Ordering::AcqRel, Ordering::Acquire);
@@ -279,17 +298,33 @@ const CONFIRM_WITHIN: Duration = Duration::from_millis(1500);
 /// was elected with the replica's forgotten vote or acknowledged entries
 /// with it. A leader that cannot confirm is not answered; the replica asks
 /// again each second ([`TELL_AGAIN_AFTER`]).
+///
+/// With two voters there is nothing to confirm, and no quorum to confirm
+/// with but the new replica's own: every quorum holds both, so no leader
+/// of a later term was elected without this one's vote.
 pub(crate) async fn reverted(
     raft: &openraft::Raft<GroupConfig, crate::raft_group::ShardMachine>,
     node: u64,
 ) -> Result<RpcReply, String> {
-    match tokio::time::timeout(
-        CONFIRM_WITHIN,
-        raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
-    )
-    .await
-    {
-        Ok(Ok(_)) => {}
+    let voters = {
+        use openraft::async_runtime::WatchReceiver;
+        let m = raft.metrics();
+        let m = m.borrow_watched();
+        m.membership_config.membership().voter_ids().count()
+    };
+    let confirm = async {
+        if voters <= 2 {
+            return Ok(Ok(()));
+        }
+        tokio::time::timeout(
+            CONFIRM_WITHIN,
+            raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
+        )
+        .await
+        .map(|r| r.map(|_| ()))
+    };
+    match confirm.await {
+        Ok(Ok(())) => {}
         Ok(Err(e)) => {
             return Err(format!(
                 "this node could not confirm with a quorum that it leads the group: {e}"
@@ -355,6 +390,18 @@ mod tests {
         let f = Arc::new(Fresh::new(2, 0, peers.clone()));
         // A leader it voted for in that term: taken untold, its commit of
         // its own term the bar.
+        let own = |index| {
+            Some(Commit {
+                index,
+                of_its_term: true,
+            })
+        };
+        let older = |index| {
+            Some(Commit {
+                index,
+                of_its_term: false,
+            })
+        };
         f.granted(5, 1);
         assert!(f.admit(1, 5, None).is_ok());
         assert!(
@@ -363,10 +410,22 @@ mod tests {
         );
         // The same node at another term, or another node: refused, and
         // told (once the answer comes, taken).
-        assert!(f.admit(1, 6, Some(3)).is_err());
-        assert!(f.admit(3, 5, Some(3)).is_err());
+        assert!(f.admit(1, 6, own(3)).is_err());
+        assert!(f.admit(3, 5, own(3)).is_err());
         let until = std::time::Instant::now() + Duration::from_secs(5);
-        while f.admit(3, 5, Some(3)).is_err() {
+        // Told: a commit of an older term sets no bar; one of its own does.
+        while f.admit(3, 5, older(1)).is_err() {
+            assert!(
+                std::time::Instant::now() < until,
+                "never taken after telling"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            !f.caught_up(Some(2), false),
+            "a bar from an older term's commit"
+        );
+        while f.admit(3, 5, own(3)).is_err() {
             assert!(
                 std::time::Instant::now() < until,
                 "never taken after telling"
@@ -386,5 +445,48 @@ mod tests {
         // A vote granted once caught up is not recorded.
         f.granted(7, 3);
         assert_eq!(*lock(&f.voted), Some((5, 1)));
+    }
+}
+
+#[cfg(test)]
+mod new_cluster {
+    use super::*;
+
+    /// A leader it voted for (elected with no entries: a new cluster's)
+    /// sets the bar with any commit it sends, none included: its
+    /// replicas are caught up at once, and may elect again should it die
+    /// before its first commit.
+    #[tokio::test]
+    async fn a_leader_it_voted_for_sets_the_bar_at_once() {
+        struct Nobody;
+        impl Peers for Nobody {
+            fn send(
+                &self,
+                target: u64,
+                _group: u32,
+                _rpc: Rpc,
+                _within: Duration,
+            ) -> futures_util::future::BoxFuture<
+                'static,
+                Result<crate::raft_net::Answer, crate::raft_net::CallError>,
+            > {
+                Box::pin(async move {
+                    Err(crate::raft_net::CallError::Unreachable(format!("{target}")))
+                })
+            }
+        }
+        let f = Arc::new(Fresh::new(2, 0, Arc::new(Nobody)));
+        f.granted(1, 3);
+        assert!(f
+            .admit(
+                3,
+                1,
+                Some(Commit {
+                    index: 0,
+                    of_its_term: false
+                })
+            )
+            .is_ok());
+        assert!(f.caught_up(None, false));
     }
 }

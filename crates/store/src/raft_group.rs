@@ -863,6 +863,15 @@ pub(crate) fn start_replicated(
     let placed_here = members.contains_key(&rep.me);
     let me = rep.me;
     let held = replica.clone();
+    if held.is_fresh()? {
+        // Careful since before this start: so from the group's first
+        // moment (its election timer runs before the group is returned).
+        let _ = held.fresh.set(Arc::new(crate::fresh::Fresh::new(
+            me,
+            shard.get(),
+            rep.peers.clone(),
+        )));
+    }
     let campaigner = Arc::downgrade(&replica);
     let network = crate::raft_net::PeerNetwork {
         me,
@@ -905,12 +914,11 @@ pub(crate) fn start_replicated(
             READY_WITHIN.as_secs()
         )))
     })?;
-    let fresh = held
-        .is_fresh()?
-        .then(|| Arc::new(crate::fresh::Fresh::new(me, shard.get(), rep.peers.clone())));
-    if let Some(f) = &fresh {
-        let _ = held.fresh.set(f.clone());
-    }
+    let fresh = held.is_fresh()?.then(|| {
+        held.fresh
+            .get_or_init(|| Arc::new(crate::fresh::Fresh::new(me, shard.get(), rep.peers.clone())))
+            .clone()
+    });
     let (stopped, closing) = watch_stop(shard, &raft)?;
     Ok(Group {
         raft,
@@ -1243,15 +1251,20 @@ pub(crate) fn admit_append(
     }
     group.fresh_caught_up();
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
-        // A bar only from a leader that has committed an entry of its own
-        // term: its commit index then covers every entry committed before
-        // (a leader elected a moment ago, or restarted, may not know yet
-        // how far the group committed).
-        let commit = r
-            .leader_commit
-            .filter(|c| c.leader_id.term == r.vote.leader_id.term)
-            .map(|c| c.index);
-        f.admit(r.vote.leader_id.voted_for, r.vote.leader_id.term, commit)?;
+        // The leader's commit index, and whether the entry there is of its
+        // own term: only then does it cover every entry committed before
+        // (`Fresh::admit` takes a bar from a leader it told only so).
+        let commit = crate::fresh::Commit {
+            index: r.leader_commit.map_or(0, |c| c.index),
+            of_its_term: r
+                .leader_commit
+                .is_some_and(|c| c.leader_id.term == r.vote.leader_id.term),
+        };
+        f.admit(
+            r.vote.leader_id.voted_for,
+            r.vote.leader_id.term,
+            Some(commit),
+        )?;
     }
     if !r.entries.is_empty() {
         use std::sync::atomic::Ordering::Relaxed;
@@ -1344,8 +1357,11 @@ impl Group {
                 .maybe_caught_up(m.last_applied.map(|l| l.index), leading);
             f.nudge(m.current_leader);
             // Awake until caught up (see `ShardStore::follow_quietly`): its
-            // election timer then stands, and a quiet leader answering its
-            // pre-vote wakes and replicates to it.
+            // election timer then stands, and (while it holds no entries
+            // and may stand) a quiet leader answering its pre-vote wakes and
+            // replicates to it; once it holds some, the leader hears of it
+            // through the node heartbeat (`hear_of`) and the word it says
+            // every second (`nudge`).
             if f.active() && self.quiet.is_quiet() {
                 self.quiet.wake(&self.raft);
             }
