@@ -471,12 +471,16 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
     assert_eq!(counts.values().sum::<u64>(), 40 * 4, "{counts:?}");
 }
 
-/// Two replicas of each shard (`replication_factor = 2`), one wiped: it
-/// rejoins and catches up. Every quorum of two holds both replicas, so a
-/// leader has no quorum to confirm with but the new replica's own; the
-/// build that had its leader confirm first (so that a deposed leader is
-/// not taken at its old term) left such a replica waiting for good, and
-/// the shard with it (the test timed out with node 2 still new).
+/// Two replicas of each shard (`replication_factor = 2`), one wiped,
+/// the leader of one of the shards: it rejoins and catches up. Every
+/// quorum of two holds both replicas, so a leader has no quorum to
+/// confirm with but the new replica's own; the build that had its leader
+/// confirm first (so that a deposed leader is not taken at its old term)
+/// left such a replica waiting for good, and the shard with it (the test
+/// timed out with node 2 still new). And the shard whose leader was wiped
+/// elected no one: the new replica voted for no candidate with entries,
+/// the other refused its empty log (CI timed out so; the vote is safe
+/// with two voters, where the candidate's log holds every commit).
 #[test]
 fn a_wiped_replica_of_two_rejoins() {
     let _deadline = deadline(
@@ -488,6 +492,16 @@ fn a_wiped_replica_of_two_rejoins() {
     for id in [1, 2] {
         cl.wait_leaders_known(id, &[]);
     }
+    // Each node leads one shard (its preferred one): node 2's disk is lost
+    // with a shard it leads, and with one node 1 leads.
+    wait_until(
+        "each node to lead its shard",
+        Duration::from_secs(30),
+        || {
+            let leaders: Vec<u16> = cl.owners(1).iter().map(|o| o.0).collect();
+            (leaders == [1, 2]).then_some(())
+        },
+    );
     let c = cl.client(1);
     let start = |key: String| {
         let routing = key.clone();

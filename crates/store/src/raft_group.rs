@@ -1207,7 +1207,14 @@ pub(crate) async fn handle(
                      it does not take the leadership"
                     .into(),
             ),
-            crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r) => {
+            // With two voters the candidate is the other one, whose vote
+            // every commit and every election needed: its log holds every
+            // committed entry, and a vote this replica forgot elected no
+            // one without it. So the vote is safe, and needed: refused, a
+            // shard whose leader lost its disk could never elect again.
+            crate::raft_net::Rpc::Vote(r) | crate::raft_net::Rpc::PreVote(r)
+                if group.voters() > 2 =>
+            {
                 if let Some(why) = f.refuses_vote(r.last_log_id.map(|l| l.index)) {
                     return Err(why);
                 }
@@ -1332,6 +1339,19 @@ impl Group {
 
     /// Whether this replica's data directory is new and it has not caught
     /// up yet.
+    /// How many voters the group's membership has (those of both
+    /// configurations, in a joint one).
+    fn voters(&self) -> usize {
+        use openraft::async_runtime::WatchReceiver;
+        self.raft
+            .metrics()
+            .borrow_watched()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .count()
+    }
+
     pub(crate) fn is_fresh(&self) -> bool {
         self.fresh.as_ref().is_some_and(|f| f.active())
     }
