@@ -29,7 +29,9 @@
 //!   bar, the commit index of the first leader it took that had committed
 //!   an entry of its own term (every entry committed before it lost its
 //!   disk is at or below that: the leader confirmed it leads, and its
-//!   commit index covers its predecessors'), it grants no vote or
+//!   commit index covers its predecessors'; from a leader it voted for,
+//!   any commit index, since such a leader was elected with no entries),
+//!   it grants no vote or
 //!   pre-vote to a candidate whose log holds anything past the initial
 //!   membership (index 0), and **stands for election itself only while
 //!   it holds nothing** past it (a prefix of a leader's log could be as
@@ -37,7 +39,8 @@
 //!   entries it lacks). Candidates of a cluster that never committed
 //!   anything still get its vote, and in a new cluster the bar is met at
 //!   once (nothing committed), so a new cluster, every replica of which
-//!   is new, elects as usual.
+//!   is new, elects as usual. In a group of two voters it votes for the
+//!   other freely (its log holds every commit: `raft_group::handle`).
 //!
 //! The mark ([`FRESH_KEY`]) is written when the group is initialized on
 //! this replica and removed once it caught up (or leads: a leader holds
@@ -86,8 +89,7 @@ pub(crate) struct Fresh {
     telling: Mutex<HashSet<u64>>,
     /// The last vote this process granted while careful: (term, candidate).
     voted: Mutex<Option<(u64, u64)>>,
-    /// The commit index of the first leader that replicated to it (its
-    /// bar); `u64::MAX` until one did.
+    /// Its bar ([`Fresh::admit`]); `u64::MAX` until a leader set it.
     bar: AtomicU64,
     caught_up: AtomicBool,
 }
@@ -388,8 +390,7 @@ mod tests {
     async fn a_new_replica_takes_a_leader_it_voted_for_or_told_and_stands_only_with_no_entries() {
         let peers = Arc::new(Leaders::default());
         let f = Arc::new(Fresh::new(2, 0, peers.clone()));
-        // A leader it voted for in that term: taken untold, its commit of
-        // its own term the bar.
+        // A leader it voted for in that term: taken untold.
         let own = |index| {
             Some(Commit {
                 index,
@@ -446,11 +447,6 @@ mod tests {
         f.granted(7, 3);
         assert_eq!(*lock(&f.voted), Some((5, 1)));
     }
-}
-
-#[cfg(test)]
-mod new_cluster {
-    use super::*;
 
     /// A leader it voted for (elected with no entries: a new cluster's)
     /// sets the bar with any commit it sends, none included: its

@@ -1337,8 +1337,6 @@ impl Group {
         self.stopped.get().cloned()
     }
 
-    /// Whether this replica's data directory is new and it has not caught
-    /// up yet.
     /// How many voters the group's membership has (those of both
     /// configurations, in a joint one).
     fn voters(&self) -> usize {
@@ -1352,6 +1350,8 @@ impl Group {
             .count()
     }
 
+    /// Whether this replica's data directory is new and it has not caught
+    /// up yet.
     pub(crate) fn is_fresh(&self) -> bool {
         self.fresh.as_ref().is_some_and(|f| f.active())
     }
