@@ -242,9 +242,7 @@ impl App {
         }
         Ok(app)
     }
-}
 
-impl App {
     /// `shard`'s replicas as the running cluster places them (the cluster
     /// file as last read: `reload`), in the pin's order; empty when this
     /// node does not replicate.

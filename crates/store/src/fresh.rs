@@ -308,35 +308,25 @@ pub(crate) async fn reverted(
     raft: &openraft::Raft<GroupConfig, crate::raft_group::ShardMachine>,
     node: u64,
 ) -> Result<RpcReply, String> {
-    let voters = {
-        use openraft::async_runtime::WatchReceiver;
-        let m = raft.metrics();
-        let m = m.borrow_watched();
-        m.membership_config.membership().voter_ids().count()
-    };
-    let confirm = async {
-        if voters <= 2 {
-            return Ok(Ok(()));
-        }
-        tokio::time::timeout(
+    if crate::raft_group::voters(raft) > 2 {
+        let confirmed = tokio::time::timeout(
             CONFIRM_WITHIN,
             raft.ensure_linearizable(openraft::ReadPolicy::ReadIndex),
         )
-        .await
-        .map(|r| r.map(|_| ()))
-    };
-    match confirm.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            return Err(format!(
-                "this node could not confirm with a quorum that it leads the group: {e}"
-            ))
-        }
-        Err(_) => {
-            return Err(format!(
-                "no quorum of the group confirmed this node's leadership within {} ms",
-                CONFIRM_WITHIN.as_millis()
-            ))
+        .await;
+        match confirmed {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return Err(format!(
+                    "this node could not confirm with a quorum that it leads the group: {e}"
+                ))
+            }
+            Err(_) => {
+                return Err(format!(
+                    "no quorum of the group confirmed this node's leadership within {} ms",
+                    CONFIRM_WITHIN.as_millis()
+                ))
+            }
         }
     }
     match raft.trigger().allow_next_revert(&node, true).await {
@@ -454,24 +444,8 @@ mod tests {
     /// before its first commit.
     #[tokio::test]
     async fn a_leader_it_voted_for_sets_the_bar_at_once() {
-        struct Nobody;
-        impl Peers for Nobody {
-            fn send(
-                &self,
-                target: u64,
-                _group: u32,
-                _rpc: Rpc,
-                _within: Duration,
-            ) -> futures_util::future::BoxFuture<
-                'static,
-                Result<crate::raft_net::Answer, crate::raft_net::CallError>,
-            > {
-                Box::pin(async move {
-                    Err(crate::raft_net::CallError::Unreachable(format!("{target}")))
-                })
-            }
-        }
-        let f = Arc::new(Fresh::new(2, 0, Arc::new(Nobody)));
+        let peers = Arc::new(Leaders::default());
+        let f = Arc::new(Fresh::new(2, 0, peers.clone()));
         f.granted(1, 3);
         assert!(f
             .admit(
@@ -483,6 +457,11 @@ mod tests {
                 })
             )
             .is_ok());
+        assert_eq!(
+            peers.0.load(Ordering::SeqCst),
+            0,
+            "told a leader it voted for"
+        );
         assert!(f.caught_up(None, false));
     }
 }

@@ -863,14 +863,11 @@ pub(crate) fn start_replicated(
     let placed_here = members.contains_key(&rep.me);
     let me = rep.me;
     let held = replica.clone();
+    let careful = || Arc::new(crate::fresh::Fresh::new(me, shard.get(), rep.peers.clone()));
     if held.is_fresh()? {
         // Careful since before this start: so from the group's first
         // moment (its election timer runs before the group is returned).
-        let _ = held.fresh.set(Arc::new(crate::fresh::Fresh::new(
-            me,
-            shard.get(),
-            rep.peers.clone(),
-        )));
+        let _ = held.fresh.set(careful());
     }
     let campaigner = Arc::downgrade(&replica);
     let network = crate::raft_net::PeerNetwork {
@@ -914,11 +911,9 @@ pub(crate) fn start_replicated(
             READY_WITHIN.as_secs()
         )))
     })?;
-    let fresh = held.is_fresh()?.then(|| {
-        held.fresh
-            .get_or_init(|| Arc::new(crate::fresh::Fresh::new(me, shard.get(), rep.peers.clone())))
-            .clone()
-    });
+    let fresh = held
+        .is_fresh()?
+        .then(|| held.fresh.get_or_init(careful).clone());
     let (stopped, closing) = watch_stop(shard, &raft)?;
     Ok(Group {
         raft,
@@ -1182,6 +1177,18 @@ impl RaftWatch {
     }
 }
 
+/// How many voters a group's membership has (those of both
+/// configurations, in a joint one).
+pub(crate) fn voters(raft: &openraft::Raft<GroupConfig, ShardMachine>) -> usize {
+    use openraft::async_runtime::WatchReceiver;
+    raft.metrics()
+        .borrow_watched()
+        .membership_config
+        .membership()
+        .voter_ids()
+        .count()
+}
+
 /// What a replica does with a call from another: hands it to its group
 /// and returns the group's answer (an error is the group's, as text).
 pub(crate) async fn handle(
@@ -1337,17 +1344,8 @@ impl Group {
         self.stopped.get().cloned()
     }
 
-    /// How many voters the group's membership has (those of both
-    /// configurations, in a joint one).
     fn voters(&self) -> usize {
-        use openraft::async_runtime::WatchReceiver;
-        self.raft
-            .metrics()
-            .borrow_watched()
-            .membership_config
-            .membership()
-            .voter_ids()
-            .count()
+        voters(&self.raft)
     }
 
     /// Whether this replica's data directory is new and it has not caught
