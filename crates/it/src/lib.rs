@@ -1302,6 +1302,24 @@ impl Cluster {
         for id in &ids {
             self.wait_leaders_known(*id, &[]);
         }
+        // Every replica of a new cluster starts careful, and one that did
+        // not vote for its shard's first leader takes it only once that
+        // leader confirmed with the others: a fault before then leaves
+        // the shard waiting for the faulted node (`docs/replication.md`,
+        // "A replica whose data directory is new"). Tests fault a settled
+        // cluster.
+        let until = Instant::now() + Duration::from_secs(20);
+        for id in &ids {
+            let c = self.client(*id);
+            while none_fresh(&c).is_none() {
+                assert!(
+                    Instant::now() < until,
+                    "timed out after 20s waiting for node {id}'s replicas to catch up\n{}",
+                    self.logs()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
         ids
     }
 

@@ -822,7 +822,7 @@ pub(crate) fn start_alone(
             (READY_WITHIN * 3).as_secs()
         )))
     })?;
-    let (stopped, closing) = watch_stop(shard, &raft)?;
+    let (stopped, closing) = watch_stop(shard, &raft, None)?;
     Ok(Group {
         raft,
         replicated: false,
@@ -914,7 +914,7 @@ pub(crate) fn start_replicated(
     let fresh = held
         .is_fresh()?
         .then(|| held.fresh.get_or_init(careful).clone());
-    let (stopped, closing) = watch_stop(shard, &raft)?;
+    let (stopped, closing) = watch_stop(shard, &raft, Some(Arc::downgrade(&held)))?;
     Ok(Group {
         raft,
         replicated: true,
@@ -976,9 +976,17 @@ pub(crate) struct AppendCounts {
 /// store's supervisor restarts such a group (`Store::supervise`). A core
 /// that panicked drops its metrics without saying so; any call to it then
 /// returns the reason.
+///
+/// A replica whose data directory was new (`crate::fresh`) counts as
+/// caught up the moment it leads: else a leader that takes no calls
+/// (nothing is sent to a leader) would stay careful until its node's
+/// next heartbeat, and one handing its leadership on, or restarted,
+/// before that would refuse votes it has no reason to (a test cluster
+/// without heartbeats kept its leader careful for good).
 fn watch_stop(
     shard: forkless_types::ShardId,
     raft: &ShardRaft,
+    replica: Option<std::sync::Weak<Replica>>,
 ) -> Result<
     (
         Arc<std::sync::OnceLock<String>>,
@@ -993,8 +1001,18 @@ fn watch_stop(
     runtime()?.spawn(async move {
         let mut rx = raft.metrics();
         let fatal = loop {
-            if let Err(f) = &rx.borrow_watched().running_state {
-                break f.to_string();
+            let leading = {
+                let m = rx.borrow_watched();
+                if let Err(f) = &m.running_state {
+                    break f.to_string();
+                }
+                (m.state == openraft::ServerState::Leader)
+                    .then(|| m.last_applied.map(|l| l.index))
+            };
+            if let (Some(applied), Some(r)) = (leading, replica.as_ref()) {
+                if let Some(r) = r.upgrade() {
+                    r.maybe_caught_up(applied, true);
+                }
             }
             if rx.changed().await.is_err() {
                 break match raft.trigger().heartbeat().await {
