@@ -227,6 +227,35 @@ fn a_dead_nodes_replacement_joins_with_no_restart_of_the_live_nodes() {
         retired_at + 100,
         "100 acknowledged writes after node 1 retired",
     );
+    // Node 1 started again on a file from before it retired (an operator
+    // who missed the retirement): its groups still count it a voter and
+    // call their old peers, which refuse it at hello, saying why, and the
+    // cluster goes on without it.
+    cl.retired.clear();
+    let stale = cl.write_config("node-1-before-it-retired.toml", &[]);
+    cl.retired = vec![1];
+    cl.spawn(1, &stale);
+    let log2 = cl.node(2).log.clone();
+    wait_until(
+        "node 2 to refuse the retired node's Raft calls",
+        Duration::from_secs(30),
+        || {
+            std::fs::read_to_string(&log2)
+                .ok()?
+                .lines()
+                .any(|l| {
+                    l.contains("refused the Raft calls of a node that is not a peer")
+                        && l.contains("node 1 is retired")
+                })
+                .then_some(())
+        },
+    );
+    let stale_at = shared.acks();
+    shared.wait_acks(
+        stale_at + 100,
+        "100 acknowledged writes with the retired node 1 running",
+    );
+    cl.kill9(1);
     assert_eq!(
         [cl.node(2).proc().pid(), cl.node(3).proc().pid()],
         pids,

@@ -9,7 +9,10 @@
 //! ```
 //!
 //! A connection begins with `Hello`, which carries the cluster secret;
-//! a server answers `Welcome` or `Refused` (and closes). Then the client
+//! a server answers `Welcome` or `Refused` (and closes). A node's server
+//! also refuses a peer that is not one of its cluster's nodes (retired, or
+//! not in its file: [`Admit`]), at hello and at every call after, so a
+//! node retired while it still runs gets no say in a group any more. Then the client
 //! sends calls, each with an id of its own, and the server answers each
 //! as its group does, in any order: a call is handed to its group on a
 //! task of its own, so one slow group does not hold up another's
@@ -512,25 +515,35 @@ pub type Hosted = Arc<dyn Fn() -> Vec<Arc<ShardStore>> + Send + Sync>;
 /// whose data directory was lost): `None` if it cannot.
 pub type Join = Arc<dyn Fn(u32) -> Option<Arc<ShardStore>> + Send + Sync>;
 
-/// Serves the Raft calls of peers on `listener` until `stop` turns true.
+/// Whether a peer (by its node id) may talk to this node's groups now:
+/// `Err` says why not (it was retired, or is not in this node's cluster
+/// file). Asked at hello and at every call, since a reload may retire a
+/// peer whose connection is open.
+pub type Admit = Arc<dyn Fn(u64) -> Result<(), String> + Send + Sync>;
+
+/// Serves the Raft calls of peers on `listener` until `stop` turns true,
+/// from any peer that knows the secret.
 pub async fn serve(
     listener: TcpListener,
     secret: String,
     groups: Groups,
     stop: watch::Receiver<bool>,
 ) {
-    serve_joining(listener, secret, groups, None, stop).await
+    let anyone: Admit = Arc::new(|_| Ok(()));
+    serve_node(listener, secret, groups, None, anyone, stop).await
 }
 
-/// [`serve`], and a call that replicates to a shard this node holds no
-/// replica of (AppendEntries, a snapshot's chunk) first opens one with
-/// `join` (in the background: the call is refused meanwhile, and the
-/// leader sends it again).
-pub async fn serve_joining(
+/// [`serve`] for a node: only peers `admit` lets in are served, and a
+/// call that replicates to a shard this node holds no replica of
+/// (AppendEntries, a snapshot's chunk) first opens one with `join` (in
+/// the background: the call is refused meanwhile, and the leader sends
+/// it again).
+pub async fn serve_node(
     listener: TcpListener,
     secret: String,
     groups: Groups,
     join: Option<Join>,
+    admit: Admit,
     mut stop: watch::Receiver<bool>,
 ) {
     let joins = Arc::new(Joins {
@@ -538,6 +551,7 @@ pub async fn serve_joining(
         opening: Mutex::default(),
     });
     let open = Arc::new(AtomicUsize::new(0));
+    let refusals = Arc::new(Refusals::default());
     let secret: Arc<str> = secret.into();
     loop {
         let accepted = tokio::select! {
@@ -558,21 +572,58 @@ pub async fn serve_joining(
             continue;
         }
         let _ = tcp.set_nodelay(true);
-        let (open, secret, groups, joins, stop) = (
+        let (open, refusals, secret, groups, joins, admit, stop) = (
             open.clone(),
+            refusals.clone(),
             secret.clone(),
             groups.clone(),
             joins.clone(),
+            admit.clone(),
             stop.clone(),
         );
         tokio::spawn(async move {
-            if let Err(why) = serve_connection(tcp, &secret, groups, joins, stop).await {
-                tracing::info!(%from, reason = %why, "Raft connection from a peer closed");
+            match serve_connection(tcp, &secret, groups, joins, admit, stop).await {
+                Ok(()) => {}
+                // Such a node tries again and again: said once a minute.
+                Err(Closed::NotAPeer { node, why }) if refusals.first_in_a_while(node) => {
+                    tracing::warn!(%from, node, reason = %why, "refused the Raft calls of a node that is not a peer (said once a minute while it goes on)")
+                }
+                Err(Closed::NotAPeer { node, why }) => {
+                    tracing::debug!(%from, node, reason = %why, "refused the Raft calls of a node that is not a peer")
+                }
+                Err(Closed::Other(why)) => {
+                    tracing::info!(%from, reason = %why, "Raft connection from a peer closed")
+                }
             }
             open.fetch_sub(1, Ordering::AcqRel);
         });
     }
 }
+
+/// When each node that is not a peer was last said to be refused.
+#[derive(Default)]
+struct Refusals(Mutex<HashMap<u64, Instant>>);
+
+impl Refusals {
+    /// Whether `node`'s refusal is the first in a minute (and so is said).
+    fn first_in_a_while(&self, node: u64) -> bool {
+        let mut said = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        // Bounded by the nodes that knew the secret and were refused in
+        // the last minute.
+        said.retain(|_, at| now.duration_since(*at) < REFUSAL_SAID_EVERY);
+        match said.entry(node) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(now);
+                true
+            }
+        }
+    }
+}
+
+/// How often a node that is not a peer and keeps calling is logged.
+const REFUSAL_SAID_EVERY: Duration = Duration::from_secs(60);
 
 /// The shards being opened for a leader that replicates to them.
 struct Joins {
@@ -624,18 +675,35 @@ impl Joins {
     }
 }
 
+/// Why a peer's connection closed.
+enum Closed {
+    /// The peer (`node`) is not (or no longer) one of this node's cluster.
+    NotAPeer {
+        node: u64,
+        why: String,
+    },
+    Other(String),
+}
+
+impl From<String> for Closed {
+    fn from(why: String) -> Closed {
+        Closed::Other(why)
+    }
+}
+
 async fn serve_connection(
     tcp: TcpStream,
     secret: &str,
     groups: Groups,
     joins: Arc<Joins>,
+    admit: Admit,
     mut stop: watch::Receiver<bool>,
-) -> Result<(), String> {
+) -> Result<(), Closed> {
     let mut framed = Framed::new(tcp, codec());
     let hello = match tokio::time::timeout(HELLO_WITHIN, framed.next()).await {
-        Err(_) => return Err(format!("no hello within {} s", HELLO_WITHIN.as_secs())),
-        Ok(None) => return Err("closed before hello".into()),
-        Ok(Some(Err(e))) => return Err(format!("reading hello: {e}")),
+        Err(_) => return Err(format!("no hello within {} s", HELLO_WITHIN.as_secs()).into()),
+        Ok(None) => return Err(Closed::Other("closed before hello".into())),
+        Ok(Some(Err(e))) => return Err(format!("reading hello: {e}").into()),
         Ok(Some(Ok(b))) => b,
     };
     let peer = match decode::<ToServer>(&hello)? {
@@ -644,24 +712,32 @@ async fn serve_connection(
             from,
             secret: theirs,
         } => {
+            // The secret first: who a peer says it is counts only once it
+            // knows it.
             let refused = if version != PROTOCOL_VERSION {
-                Some(format!(
+                Some(Closed::Other(format!(
                     "protocol version {version}; this node speaks {PROTOCOL_VERSION}"
-                ))
+                )))
             } else if !same_secret(&theirs, secret) {
-                Some("wrong cluster secret".to_string())
+                Some(Closed::Other("wrong cluster secret".to_string()))
             } else {
-                None
+                admit(from)
+                    .err()
+                    .map(|why| Closed::NotAPeer { node: from, why })
             };
-            if let Some(why) = refused {
+            if let Some(closed) = refused {
+                let (Closed::NotAPeer { why, .. } | Closed::Other(why)) = &closed;
                 if let Ok(f) = encode(&ToClient::Refused(why.clone())) {
                     let _ = framed.send(f).await;
                 }
-                return Err(format!("refused node {from}: {why}"));
+                return Err(match closed {
+                    Closed::Other(why) => Closed::Other(format!("refused node {from}: {why}")),
+                    not_a_peer => not_a_peer,
+                });
             }
             from
         }
-        other => return Err(format!("a call before hello: {other:?}")),
+        other => return Err(format!("a call before hello: {other:?}").into()),
     };
     framed
         .send(encode(&ToClient::Welcome)?)
@@ -694,14 +770,20 @@ async fn serve_connection(
         };
         let bytes = match frame {
             None => break Ok(()),
-            Some(Err(e)) => break Err(format!("node {peer}: reading: {e}")),
+            Some(Err(e)) => break Err(format!("node {peer}: reading: {e}").into()),
             Some(Ok(b)) => b,
         };
         let (id, group, rpc) = match decode::<ToServer>(&bytes) {
             Ok(ToServer::Call { id, group, rpc }) => (id, group, rpc),
-            Ok(other) => break Err(format!("node {peer}: an unexpected message: {other:?}")),
-            Err(e) => break Err(format!("node {peer}: {e}")),
+            Ok(other) => break Err(format!("node {peer}: an unexpected message: {other:?}").into()),
+            Err(e) => break Err(format!("node {peer}: {e}").into()),
         };
+        // A reload may have retired the peer since its hello: its calls
+        // in flight are answered, and the connection closes (a new one is
+        // refused at hello).
+        if let Err(why) = admit(peer) {
+            break Err(Closed::NotAPeer { node: peer, why });
+        }
         // Stops reading while IN_FLIGHT_MAX calls are unanswered.
         let Ok(permit) = permits.clone().acquire_owned().await else {
             break Ok(());
@@ -1041,6 +1123,60 @@ mod tests {
                 assert!(why.contains("wrong cluster secret"), "{why}")
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// A node that is not a peer (retired, or not in the file) is refused
+    /// at hello with the reason, and one retired while its connection is
+    /// open has that connection closed at its next call.
+    #[tokio::test]
+    async fn a_node_that_is_not_a_peer_is_refused_at_hello_and_at_its_next_call() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let admit: Admit = {
+            let retired = retired.clone();
+            Arc::new(move |node| match node {
+                1 if !retired.load(Ordering::Acquire) => Ok(()),
+                1 => Err("node 1 is retired".into()),
+                n => Err(format!("node {n} is not in this node's cluster file")),
+            })
+        };
+        tokio::spawn(serve_node(listener, "s".into(), groups, None, admit, stop));
+        let vote = || Rpc::Vote(openraft_vote());
+        let stranger = Links::new(9, "s".into(), [(2, addr.clone())]);
+        match stranger.call(2, 0, vote(), Duration::from_secs(2)).await {
+            Err(CallError::Unreachable(why)) => assert!(
+                why.contains("refused this node: node 9 is not in this node's cluster file"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // A peer is served (the shard is not here: the group's answer).
+        let peer = Links::new(1, "s".into(), [(2, addr)]);
+        assert!(matches!(
+            peer.call(2, 7, vote(), Duration::from_secs(2)).await,
+            Err(CallError::Remote(_))
+        ));
+        // Retired: its open connection closes at its next call, and a new
+        // one is refused with the reason.
+        retired.store(true, Ordering::Release);
+        assert!(matches!(
+            peer.call(2, 7, vote(), Duration::from_secs(2)).await,
+            Err(CallError::Unreachable(_))
+        ));
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            match peer.call(2, 7, vote(), Duration::from_secs(2)).await {
+                Err(CallError::Unreachable(why)) if why.contains("node 1 is retired") => break,
+                other => assert!(
+                    Instant::now() < until,
+                    "not refused as retired within 10 s: {other:?}"
+                ),
+            }
+            tokio::time::sleep(RETRY_CONNECT_AFTER).await;
         }
     }
 

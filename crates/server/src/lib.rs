@@ -260,6 +260,32 @@ impl App {
             })
             .unwrap_or_default()
     }
+
+    /// Whether node `node` may make Raft calls to this node now
+    /// (`forkless_raftnet::Admit`): one of the running cluster's nodes
+    /// other than this one. A retired node that still runs gets no say in
+    /// a group here, nor a node this node's file does not list (yet).
+    pub fn admits_peer(&self, node: u64) -> Result<(), String> {
+        let cluster = self.cluster.read().unwrap_or_else(|e| e.into_inner());
+        let Some(r) = cluster.as_ref().and_then(|c| c.replication.as_ref()) else {
+            return Err("this node replicates no shards".into());
+        };
+        let id = forkless_types::NodeId::new(node);
+        if id == Some(self.cfg.node_id) {
+            return Err(format!("node {node} is this node"));
+        }
+        if id.is_some_and(|id| r.raft_addrs.contains_key(&id)) {
+            return Ok(());
+        }
+        if id.is_some_and(|id| r.retired.contains(&id)) {
+            return Err(format!(
+                "node {node} is retired (the cluster file's retired_nodes): it has no say in this node's groups"
+            ));
+        }
+        Err(format!(
+            "node {node} is not in this node's cluster file (if it was added, reload this node: SIGHUP or `forkless cluster reload`)"
+        ))
+    }
 }
 
 /// Logs each node the file retires that a group this node holds still
@@ -568,11 +594,16 @@ pub async fn run(
             addr,
             reason: format!("moving the listener to the groups' runtime: {e}"),
         })?;
-        raft_rt.spawn(forkless_raftnet::serve_joining(
+        let admit: forkless_raftnet::Admit = {
+            let app = app.clone();
+            Arc::new(move |node| app.admits_peer(node))
+        };
+        raft_rt.spawn(forkless_raftnet::serve_node(
             listener,
             app.secret.clone(),
             groups,
             join,
+            admit,
             stop_rx.clone(),
         ));
         tokio::spawn(follow_leaders(app.clone(), stop_rx.clone()));
