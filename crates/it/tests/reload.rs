@@ -383,3 +383,100 @@ fn a_reordered_pin_hands_its_shard_to_the_new_first_replica() {
         (leaders(&cl, 3) == [2, 2, 3, 1]).then_some(())
     });
 }
+
+/// A replica whose data directory was lost, back while its shard's leader
+/// cannot confirm with a quorum that it leads (the third replica is
+/// down), stays new and untold: the leader still takes it for level (it
+/// matched every entry before the loss) and its node answers the
+/// leader's heartbeat. Made the shard's preferred replica by a reload, it
+/// is handed nothing until it caught up: its node's answer to the
+/// heartbeat names the shards it cannot lead. Before, the leader handed
+/// it the shard, the new replica refused, and the shard had no leader
+/// until the third node came back (a new replica votes for no candidate
+/// with entries). With the third back, it catches up and is handed the
+/// shard.
+#[test]
+fn a_new_replica_is_handed_no_shard_before_it_caught_up() {
+    let _deadline = deadline("new replica handed nothing", Duration::from_secs(120));
+    let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
+    cl.start_all_replicated();
+    let file_name = config_name(&cl, 1);
+    let leaders = |cl: &Cluster, via: u16| cl.owners(via).iter().map(|o| o.0).collect::<Vec<_>>();
+    wait_until(
+        "every shard led by its preferred leader",
+        Duration::from_secs(30),
+        || (leaders(&cl, 1) == [1, 2, 3, 1]).then_some(()),
+    );
+    let n1 = format!("http://{}", cl.node(1).api);
+    let (code, placement, err) = run_cli(
+        &["cluster", "placement", "--server", &n1],
+        Duration::from_secs(30),
+    );
+    assert_eq!(
+        code,
+        Some(0),
+        "cluster placement failed: {placement}\n{err}"
+    );
+    let from = "shard = 0\nreplicas = [1, 2, 3]";
+    assert!(placement.contains(from), "{placement}");
+    // Shard 0 idle and quiet on node 1: every follower matched its last
+    // entry.
+    wait_until("shard 0 quiet on node 1", Duration::from_secs(30), || {
+        let v = cl.client(1).get("/api/cluster").json();
+        (v["shards"][0]["raft"]["quiet"] == true).then_some(())
+    });
+    cl.kill9(3);
+    std::fs::remove_dir_all(&cl.node(3).data_dir).expect("wiped node 3's data directory");
+    cl.kill9(2);
+    // Node 3 comes to be shard 0's preferred replica on node 1.
+    cl.file_tail = placement.replace(from, "shard = 0\nreplicas = [3, 1, 2]");
+    let file = cl.write_config(&file_name, &[]);
+    let (code, out) = cl.reload(&[1]);
+    assert_eq!(code, Some(0), "reload failed: {out}");
+    // Handovers node 1 tried (the first elections' winners hand shards to
+    // their preferred replicas at start). Shard 0 is the only one node 1
+    // could hand over from here on until node 2 is back: shard 3 prefers
+    // node 1, and shards 1 and 2 have no leader.
+    let (log1, log3) = (cl.node(1).log.clone(), cl.node(3).log.clone());
+    let handovers = || {
+        std::fs::read_to_string(&log1)
+            .unwrap_or_default()
+            .matches("handing the shard's leadership to its preferred replica")
+            .count()
+    };
+    let before = handovers();
+    cl.spawn(3, &file);
+    cl.wait_ready(3);
+    // Five balancer rounds (one a second) with node 3 answering node 1's
+    // heartbeat: no handover is tried.
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while std::time::Instant::now() < until {
+        assert_eq!(
+            handovers(),
+            before,
+            "node 1 handed shard 0 to node 3, new and not caught up\n{}",
+            cl.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let v = cl.client(3).get("/api/cluster").json();
+    assert_eq!(
+        v["shards"][0]["raft"]["fresh"], true,
+        "node 3 caught up with no quorum to confirm its leader: {v}"
+    );
+    assert_eq!(leaders(&cl, 1)[0], 1, "node 1 no longer leads shard 0");
+    // Node 2 back: node 1 confirms, node 3 catches up and is handed
+    // shard 0.
+    cl.spawn(2, &file);
+    cl.wait_ready(2);
+    wait_until("node 3 to lead shard 0", Duration::from_secs(30), || {
+        (leaders(&cl, 1)[0] == 3).then_some(())
+    });
+    assert!(
+        !std::fs::read_to_string(&log3)
+            .unwrap_or_default()
+            .contains("refused a leadership handover"),
+        "node 3 was handed a shard before it caught up\n{}",
+        cl.logs()
+    );
+}

@@ -448,6 +448,13 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
         installs >= SHARDS as usize,
         "node 3 installed {installs} snapshots; its log:\n{log}"
     );
+    // No leader handed node 3 a shard before it caught up (it looked
+    // level to them, from before its disk was lost; its node says which
+    // shards it cannot lead in answer to their heartbeats).
+    assert!(
+        !log.contains("refused a leadership handover"),
+        "a shard was handed to node 3 before it caught up; its log:\n{log}"
+    );
     for e in &execs {
         append(e, format!("{e}-after"));
     }

@@ -7,8 +7,10 @@
 //! it. A transfer costs its shard's writes a moment (they are refused as
 //! not executed while it runs; if the replica does not take it, until the
 //! followers elect once the leader's lease ran out), so it goes only to a
-//! replica that answered within [`HEARD_WITHIN_BEATS`] heartbeats and
-//! lacks at most [`TRANSFER_LAG_MAX`] entries, and one that did not take
+//! replica that answered within [`HEARD_WITHIN_BEATS`] heartbeats, lacks
+//! at most [`TRANSFER_LAG_MAX`] entries and did not say it cannot lead
+//! the shard (its node's answer to the node heartbeat: a new replica not
+//! caught up refuses a handover), and one that did not take
 //! is tried again only after [`TRANSFER_BACKOFF`], doubling with each
 //! failure in a row up to [`TRANSFER_BACKOFF_MAX`].
 //!
@@ -69,6 +71,12 @@ struct Link {
     node_heard_lately: bool,
     /// This node's connection to it broke, or could not be made, since.
     down: bool,
+    /// Its last answer to this node's heartbeat, within the window, said
+    /// it could not take the shard's leadership: it holds no replica of
+    /// it, or a new one (its data directory was) that has not caught up,
+    /// which refuses a handover (`forkless_store` `fresh`). The leader's
+    /// view of it may be level then: from before its disk was lost.
+    cannot_lead: bool,
 }
 
 /// Whether the shard's leadership, as its leader's status `s` shows it,
@@ -78,7 +86,9 @@ struct Link {
 /// nothing of their group's), this node's connection to it is not known
 /// to be down since (a node killed within the window resets it at once:
 /// a handover to it would leave the shard leaderless until the
-/// followers' election), and it is nearly level.
+/// followers' election), it did not say it cannot lead the shard (a new
+/// replica not caught up refuses, at the same cost), and it is nearly
+/// level.
 fn takes_over(
     s: &forkless_store::RaftStatus,
     want: u64,
@@ -92,7 +102,7 @@ fn takes_over(
     let heard = s.heard_ms_ago.iter().any(|(id, ago)| {
         *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
     }) || link.node_heard_lately;
-    level && heard && !link.down
+    level && heard && !link.down && !link.cannot_lead
 }
 
 /// The replica a shard's leadership goes to, given the replicas its
@@ -248,6 +258,7 @@ pub async fn run(
             let up = Link {
                 node_heard_lately: heard.within(want, heard_within),
                 down: peers.link_down(want),
+                cannot_lead: heard.cannot_lead(want, shard, heard_within),
             };
             if cut_off.is_none() && !takes_over(&s, want, heard_within, up) {
                 continue;
@@ -347,6 +358,7 @@ mod tests {
         let up = Link {
             node_heard_lately: false,
             down: false,
+            cannot_lead: false,
         };
         assert!(takes_over(&leader_of(100, 1, 95, 40), 1, within, up));
         // Too far behind.
@@ -356,6 +368,7 @@ mod tests {
         let node_heard = Link {
             node_heard_lately: true,
             down: false,
+            cannot_lead: false,
         };
         assert!(takes_over(
             &leader_of(100, 1, 100, 400),
@@ -368,8 +381,22 @@ mod tests {
         let broke = Link {
             node_heard_lately: true,
             down: true,
+            cannot_lead: false,
         };
         assert!(!takes_over(&leader_of(100, 1, 100, 40), 1, within, broke));
+        // Level as the leader saw it before its disk was lost, and its
+        // node answers: but it said its replica is new and not caught up
+        // (or that it holds none), and would refuse.
+        let new_replica = Link {
+            cannot_lead: true,
+            ..node_heard
+        };
+        assert!(!takes_over(
+            &leader_of(100, 1, 100, 400),
+            1,
+            within,
+            new_replica
+        ));
     }
 
     #[test]

@@ -48,7 +48,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
@@ -811,7 +811,13 @@ async fn serve_connection(
                             joins.open(peer, *shard);
                         }
                     }
-                    Ok(RpcReply::Beat)
+                    let cannot_lead = beat
+                        .led
+                        .iter()
+                        .copied()
+                        .filter(|s| groups(*s).is_none_or(|st| st.is_fresh()))
+                        .collect();
+                    Ok(RpcReply::Beat { cannot_lead })
                 }
                 // Only a node itself says that its data directory is new.
                 Rpc::Reverted { node } if node != peer => Err(format!(

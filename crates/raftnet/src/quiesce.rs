@@ -38,18 +38,20 @@ pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) {
     }
 }
 
-/// When each peer last answered this node's heartbeat: which peers are
-/// alive, for the leader balancer (a quiet group's followers answer
-/// nothing of their group's).
+/// When each peer last answered this node's heartbeat, and which of the
+/// groups this node led then it said it could not take the leadership
+/// of: which peers are alive, and which may be handed a shard, for the
+/// leader balancer (a quiet group's followers answer nothing of their
+/// group's, and a new replica's group says nothing of its being new).
 #[derive(Debug, Default)]
-pub struct PeersHeard(Mutex<HashMap<u64, Instant>>);
+pub struct PeersHeard(Mutex<HashMap<u64, (Instant, Vec<u32>)>>);
 
 impl PeersHeard {
-    fn heard(&self, peer: u64) {
+    pub(crate) fn heard(&self, peer: u64, cannot_lead: Vec<u32>) {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(peer, Instant::now());
+            .insert(peer, (Instant::now(), cannot_lead));
     }
 
     /// Whether `peer` answered a heartbeat within `within`.
@@ -58,7 +60,18 @@ impl PeersHeard {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
-            .is_some_and(|at| at.elapsed() <= within)
+            .is_some_and(|(at, _)| at.elapsed() <= within)
+    }
+
+    /// Whether `peer`'s last answer, within `within`, said it could not
+    /// take the leadership of `shard` (it held no replica of it, or a new
+    /// one not caught up). No answer within it says nothing.
+    pub fn cannot_lead(&self, peer: u64, shard: u32, within: Duration) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .is_some_and(|(at, cannot)| at.elapsed() <= within && cannot.contains(&shard))
     }
 }
 
@@ -99,10 +112,15 @@ pub async fn run(
         let mut quiet = Vec::new();
         // Each quiet group's members (voters and learners).
         let mut members = Vec::new();
+        // Every group this node leads, quiet or not.
+        let mut led = Vec::new();
         for st in &shards() {
             if let QuietAs::Leader { term } = st.quiesce_if_idle(idle) {
                 quiet.push((st.id().get(), term));
                 members.push(st.members());
+                led.push(st.id().get());
+            } else if st.leadership().is_some_and(|l| l.leader == Some(l.me)) {
+                led.push(st.id().get());
             }
         }
         for peer in peer_ids() {
@@ -115,14 +133,20 @@ pub async fn run(
             let beat = Rpc::Beat(Beat {
                 quiet: quiet.clone(),
                 yours,
+                led: led.clone(),
             });
             let call = peers.call(peer, 0, beat, every);
             // Not waited for: a slow peer must not delay the others' beats
             // (each call ends within `every`).
             let heard = heard.clone();
             tokio::spawn(async move {
-                if call.await.is_ok() {
-                    heard.heard(peer);
+                match call.await {
+                    Ok(forkless_store::RpcReply::Beat { cannot_lead }) => {
+                        heard.heard(peer, cannot_lead)
+                    }
+                    // An answer of another kind is still an answer.
+                    Ok(_) => heard.heard(peer, Vec::new()),
+                    Err(_) => {}
                 }
             });
         }

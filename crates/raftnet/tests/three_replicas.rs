@@ -6,7 +6,8 @@
 
 use forkless_raftnet::{serve, Groups, Links};
 use forkless_store::{
-    AppendRequest, NewEvent, RaftStatus, Replication, StartRequest, Store, StoreConfig, StoreError,
+    AppendRequest, NewEvent, RaftStatus, Replication, Rpc, StartRequest, Store, StoreConfig,
+    StoreError,
 };
 use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
 use std::collections::BTreeMap;
@@ -1063,6 +1064,23 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
     }
 }
 
+/// What node `to` answers a heartbeat from node `from` that names the
+/// shard among those `from` leads: the shards it says it cannot lead.
+async fn cannot_lead(nodes: &[Node], from: usize, to: usize) -> Vec<u32> {
+    let beat = forkless_store::Beat {
+        led: vec![SHARD.get()],
+        ..Default::default()
+    };
+    match nodes[from]
+        .peers
+        .call(nodes[to].id, 0, Rpc::Beat(beat), Duration::from_secs(2))
+        .await
+    {
+        Ok(forkless_store::RpcReply::Beat { cannot_lead }) => cannot_lead,
+        other => panic!("a heartbeat answered {other:?}"),
+    }
+}
+
 /// This process's CPU time so far (user plus system), from
 /// `/proc/self/stat`, in clock ticks.
 fn cpu_ticks() -> u64 {
@@ -1264,6 +1282,13 @@ async fn a_new_replica_does_not_help_a_deposed_leader_commit() {
         "the new replica took the deposed leader's word: {:?}",
         nodes[lost].status()
     );
+    // Its node says so in answer to a heartbeat naming the shard among
+    // those the sender leads: a leader's balancer hands it nothing.
+    assert_eq!(
+        cannot_lead(&nodes, old, lost).await,
+        vec![SHARD.get()],
+        "the new replica's node did not say it cannot lead"
+    );
     // Joined again: the new replica catches up from the newer leader, and
     // every acknowledged write is on every replica.
     heal(&nodes, old, new);
@@ -1278,6 +1303,11 @@ async fn a_new_replica_does_not_help_a_deposed_leader_commit() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert_eq!(
+        cannot_lead(&nodes, new, lost).await,
+        Vec::<u32>::new(),
+        "caught up, the replica's node still says it cannot lead"
+    );
     let l = leader(&nodes).await;
     write_soon(&nodes[l], 200, "a write after the heal").await;
     let index = nodes[l]

@@ -1227,11 +1227,19 @@ pub(crate) async fn handle(
             }
             // It may not stand for election (`Fresh::refuses_campaign`), so
             // it does not take the leadership handed to it.
-            crate::raft_net::Rpc::TransferLeader(_) => return Err(
-                "this replica's data directory is new and it has not caught up with its group: \
+            crate::raft_net::Rpc::TransferLeader(_) => {
+                // Costs the group an election's time of refused writes: a
+                // leader's balancer asks the node first (`Beat::led`).
+                tracing::warn!(
+                    shard = group.replica.group,
+                    "refused a leadership handover: this replica's data directory is new and it has not caught up"
+                );
+                return Err(
+                    "this replica's data directory is new and it has not caught up with its group: \
                      it does not take the leadership"
-                    .into(),
-            ),
+                        .into(),
+                );
+            }
             // With two voters the candidate is the other one, whose vote
             // every commit and every election needed: its log holds every
             // committed entry, and a vote this replica forgot elected no

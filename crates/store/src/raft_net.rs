@@ -104,6 +104,10 @@ pub struct Beat {
     /// learner): a replica it may not hold yet (a move added it, or its
     /// disk was lost), which a quiet leader sends nothing to.
     pub yours: Vec<u32>,
+    /// Every group the sender leads now, quiet or not: the receiver
+    /// answers which of them it could not take the leadership of
+    /// ([`RpcReply::Beat`]), for the sender's leader balancer.
+    pub led: Vec<u32>,
 }
 
 impl Rpc {
@@ -137,8 +141,13 @@ impl Rpc {
 pub enum RpcReply {
     AppendEntries(AppendEntriesResponse<GroupConfig>),
     Vote(VoteResponse<GroupConfig>),
-    /// A heartbeat was heard.
-    Beat,
+    /// A heartbeat was heard. `cannot_lead`: of the groups the beat's
+    /// sender leads ([`Beat::led`]), those the receiver could not take the
+    /// leadership of now: it holds no replica of them, or a new one that
+    /// has not caught up (`crate::fresh`: it refuses a handover).
+    Beat {
+        cannot_lead: Vec<u32>,
+    },
     TransferLeader(TransferLeaderResponse<GroupConfig>),
     /// A snapshot's chunk was staged (`None`), or the snapshot installed.
     Snapshot(Option<SnapshotResponse<GroupConfig>>),

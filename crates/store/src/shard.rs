@@ -965,6 +965,16 @@ impl ShardStore {
         })
     }
 
+    /// Whether this replica of the shard's replicated group is new (its
+    /// data directory was) and has not caught up with its group yet
+    /// (`crate::fresh`): it then takes no leadership handed to it.
+    pub fn is_fresh(&self) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.is_fresh())
+    }
+
     /// Who leads the shard's replicated Raft group, as this replica knows
     /// now (`None` if the shard is not replicated).
     pub fn leadership(&self) -> Option<raft_group::Leadership> {
