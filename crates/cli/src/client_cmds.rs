@@ -87,6 +87,28 @@ pub enum ClusterVerb {
     /// one JSON object per node; exit 1 if any node refused or did not
     /// answer.
     Reload(ReloadArgs),
+    /// An override for a shard that cannot elect: its replica on the node
+    /// named by --server lost its data directory and has not caught up
+    /// (it votes for no candidate with entries until it has), and a
+    /// replica the shard needs to elect without it is gone for good.
+    /// That replica is trusted as caught up, and the shard elects by
+    /// Raft's rules among the replicas that answer. An entry only the
+    /// lost disk and the gone replica held is lost: say so with
+    /// --accept-loss. Prints the node's answer.
+    TrustReplica(TrustReplicaArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct TrustReplicaArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// The shard whose replica on that node is trusted.
+    #[arg(long)]
+    shard: u32,
+    /// Required: an acknowledged entry only the lost disk and a replica
+    /// that is gone held may be lost.
+    #[arg(long)]
+    accept_loss: bool,
 }
 
 #[derive(clap::Args, Debug)]
@@ -400,6 +422,19 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
                 )
                 .into());
             }
+        }
+        Verb::Cluster(ClusterVerb::TrustReplica(a)) => {
+            if !a.accept_loss {
+                return Err(anyhow::anyhow!(
+                    "--accept-loss is required: a trusted replica may let its shard elect a leader without an entry that only its lost disk and a replica that is gone held"
+                )
+                .into());
+            }
+            let mut cfg = client_config(&a.server);
+            // This node's replica, not whichever node the map would pick.
+            cfg.routing = forkless_client::Routing::Fixed;
+            let answer = Client::with_config(cfg)?.trust_replica(a.shard).await?;
+            print(&answer)?;
         }
         Verb::Cluster(ClusterVerb::Placement(a)) => {
             let answer = client(&a.server)?.placement().await?;

@@ -34,6 +34,15 @@ pub struct DevClusterArgs {
 
 struct Nodes(Vec<(u16, Child)>);
 
+impl Nodes {
+    /// A node that has exited, and how.
+    fn exited(&mut self) -> Option<(u16, std::process::ExitStatus)> {
+        self.0
+            .iter_mut()
+            .find_map(|(id, c)| c.try_wait().ok().flatten().map(|s| (*id, s)))
+    }
+}
+
 impl Drop for Nodes {
     fn drop(&mut self) {
         for (_, c) in &mut self.0 {
@@ -131,18 +140,44 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
     for i in 1..=a.nodes {
         let addr = format!("127.0.0.1:{}", a.base_port + i - 1);
         while !ready(&addr) {
-            for (id, c) in &mut nodes.0 {
-                if let Ok(Some(status)) = c.try_wait() {
-                    bail!(
-                        "node {id} exited ({status}) during startup; see {}",
-                        a.data_dir.join(format!("node-{id}.log")).display()
-                    );
-                }
+            if let Some((id, status)) = nodes.exited() {
+                bail!(
+                    "node {id} exited ({status}) during startup; see {}",
+                    a.data_dir.join(format!("node-{id}.log")).display()
+                );
             }
             if Instant::now() > deadline {
                 bail!("node {i} at {addr} not ready after 30 s");
             }
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    if factor > 1 {
+        // Every shard led, and no replica still new: each replica of a new
+        // cluster starts careful (it cannot tell a new cluster from a lost
+        // disk), and one that did not vote for its shard's first leader
+        // takes it only once that leader confirmed with the others; a node
+        // killed before then leaves the shard waiting for it
+        // (`docs/replication.md`, "A replica whose data directory is new").
+        // A user told to kill a node once the cluster is up should find it
+        // settled.
+        for i in 1..=a.nodes {
+            let addr = format!("127.0.0.1:{}", a.base_port + i - 1);
+            while !settled(&addr) {
+                if let Some((id, status)) = nodes.exited() {
+                    bail!(
+                        "node {id} exited ({status}) during startup; see {}",
+                        a.data_dir.join(format!("node-{id}.log")).display()
+                    );
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "node {i} at {addr}: its shards did not all elect a leader and catch up within 30 s; see {}",
+                        a.data_dir.join(format!("node-{i}.log")).display()
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
         }
     }
     println!(
@@ -249,6 +284,40 @@ fn ready(addr: &str) -> bool {
     }
     let mut buf = [0u8; 16];
     matches!(s.read(&mut buf), Ok(n) if n >= 12 && &buf[9..12] == b"200")
+}
+
+/// Whether the node at `addr` knows a leader for every shard and holds no
+/// replica that is new and not caught up (`GET /api/cluster`).
+fn settled(addr: &str) -> bool {
+    use std::io::Write;
+    let Ok(mut s) = std::net::TcpStream::connect_timeout(
+        &addr.parse().expect("formatted above"),
+        Duration::from_millis(200),
+    ) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+    if s.write_all(b"GET /api/cluster HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    let mut answer = Vec::new();
+    if s.read_to_end(&mut answer).is_err() || !answer.starts_with(b"HTTP/1.1 200") {
+        return false;
+    }
+    let Some(body) = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .and_then(|at| serde_json::from_slice::<serde_json::Value>(&answer[at + 4..]).ok())
+    else {
+        return false;
+    };
+    body["shards"].as_array().is_some_and(|shards| {
+        shards
+            .iter()
+            .all(|s| !s["leader"].is_null() && s["raft"]["fresh"] != true)
+    })
 }
 
 fn random_secret() -> anyhow::Result<String> {

@@ -650,6 +650,23 @@ impl Client {
         .await
     }
 
+    /// Asks the node this client sends to (with [`Routing::Fixed`]) to
+    /// trust its new replica of `shard` as caught up: an operator's
+    /// override for a shard that cannot elect while a replica it needs is
+    /// gone for good (`POST /api/shards/{shard}/trust`).
+    pub async fn trust_replica(&self, shard: u32) -> Result<serde_json::Value, Error> {
+        self.json(Call {
+            method: Method::POST,
+            path: format!("/api/shards/{shard}/trust"),
+            body: Some(Self::body(&serde_json::json!({ "accept_loss": true }))?),
+            steer: Steer::Any,
+            // Asked again, a trusted replica answers that it is not new.
+            idempotent: false,
+            extra_timeout: Duration::ZERO,
+        })
+        .await
+    }
+
     pub async fn remove_node(
         &self,
         node: u16,

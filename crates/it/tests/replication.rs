@@ -554,3 +554,111 @@ fn a_wiped_replica_of_two_rejoins() {
     let counts = cl.stop_and_compare_replicas();
     eprintln!("replicas compared: {counts:?}");
 }
+
+/// A shard whose leader is gone for good while another replica is new
+/// (its data directory lost, back before it could catch up) cannot elect:
+/// the new replica votes for no candidate with entries, and the third
+/// replica refuses the new one's empty log. `forkless cluster
+/// trust-replica --accept-loss` on the new replica's node is the
+/// operator's way out: the shard elects and takes writes again, and every
+/// write acknowledged before (all of them on the third replica) is there.
+#[test]
+fn a_shard_stuck_behind_a_new_replica_elects_once_an_operator_trusts_it() {
+    let _deadline = deadline("replication: trust a replica", Duration::from_secs(120));
+    let mut cl = Cluster::start_replicated(NODES, 1, 3, PeerTiming::default());
+    let leader = cl.owners(1)[0].0;
+    let c = cl.client(leader);
+    let execs: Vec<String> = (0..10)
+        .map(|_| id_of(&c.start(&serde_json::json!({"workflow": "w"}))))
+        .collect();
+    cl.wait_replicas_level();
+    let others: Vec<u16> = (1..=NODES).filter(|n| *n != leader).collect();
+    let (new, third) = (others[0], others[1]);
+    cl.kill9(new);
+    std::fs::remove_dir_all(&cl.node(new).data_dir).expect("wiped the new replica's node");
+    cl.kill9(leader);
+    let cfg = cl.node(new).config.clone();
+    cl.spawn(new, &cfg);
+    cl.wait_ready(new);
+    let shard0 = |n: u16| cl.client(n).get("/api/cluster").json()["shards"][0].clone();
+    // Stuck: for several election timeouts, neither replica left leads
+    // (the third still names the dead leader: its pre-votes are refused,
+    // so its vote never moves on).
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until {
+        let (s3, sn) = (shard0(third), shard0(new));
+        assert!(
+            s3["raft"]["state"] != "leader"
+                && sn["raft"]["state"] != "leader"
+                && sn["raft"]["fresh"] == true,
+            "the shard elected with its leader gone and a new replica: {s3} {sn}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Refused: a replica that is not new, and no word that loss is taken.
+    let r = cl.client(third).post(
+        "/api/shards/0/trust",
+        &serde_json::json!({"accept_loss": true}),
+    );
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.json()["error"], "not_new", "{}", r.text());
+    let r = cl
+        .client(new)
+        .post("/api/shards/0/trust", &serde_json::json!({}));
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["field"], "accept_loss", "{}", r.text());
+    let server = format!("http://{}", cl.node(new).api);
+    let (code, out, err) = run_cli(
+        &[
+            "cluster",
+            "trust-replica",
+            "--shard",
+            "0",
+            "--server",
+            &server,
+        ],
+        Duration::from_secs(30),
+    );
+    assert_ne!(code, Some(0), "trusted without --accept-loss: {out}");
+    assert!(err.contains("--accept-loss is required"), "{err}");
+    assert_eq!(shard0(new)["raft"]["fresh"], true, "a refusal trusted it");
+    let (code, out, err) = run_cli(
+        &[
+            "cluster",
+            "trust-replica",
+            "--shard",
+            "0",
+            "--accept-loss",
+            "--server",
+            &server,
+        ],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "trust-replica failed: {out}\n{err}");
+    assert!(out.contains("\"trusted\":true"), "{out}");
+    // The shard elects, every acknowledged start is there, and it takes
+    // writes.
+    cl.wait_leaders_known(third, &[leader]);
+    let c3 = cl.client(third);
+    for e in &execs {
+        assert_eq!(c3.last_seq(e), 1, "{e}");
+    }
+    wait_until("a start on the shard", Duration::from_secs(20), || {
+        let r = c3
+            .try_req(
+                "POST",
+                "/api/executions",
+                &[],
+                Some(br#"{"workflow":"w"}"#),
+                Duration::from_secs(5),
+            )
+            .ok()?;
+        (r.status == 201).then_some(())
+    });
+    // Trusted once: asked again, nothing to trust.
+    let r = cl.client(new).post(
+        "/api/shards/0/trust",
+        &serde_json::json!({"accept_loss": true}),
+    );
+    assert_eq!(r.status, 409, "{}", r.text());
+}

@@ -77,6 +77,13 @@ struct Link {
     /// which refuses a handover (`forkless_store` `fresh`). The leader's
     /// view of it may be level then: from before its disk was lost.
     cannot_lead: bool,
+    /// The node heartbeat runs (`RaftTiming::quiesce`): then only a
+    /// replica whose node answered it within the window (and did not say
+    /// it cannot lead) is handed a shard. Its group's answers alone do
+    /// not do: a new replica's first answers to a leader it told come
+    /// before its node's first answer to a beat, while the leader still
+    /// takes it for level (a test saw a handover 17 ms after the word).
+    beats: bool,
 }
 
 /// Whether the shard's leadership, as its leader's status `s` shows it,
@@ -102,7 +109,12 @@ fn takes_over(
     let heard = s.heard_ms_ago.iter().any(|(id, ago)| {
         *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
     }) || link.node_heard_lately;
-    level && heard && !link.down && !link.cannot_lead
+    let can_lead = if link.beats {
+        link.node_heard_lately && !link.cannot_lead
+    } else {
+        true
+    };
+    level && heard && !link.down && can_lead
 }
 
 /// The replica a shard's leadership goes to, given the replicas its
@@ -212,12 +224,12 @@ pub async fn run(
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: Arc<dyn forkless_store::Peers>,
-    heartbeat: Duration,
-    election_timeout_max: Duration,
+    timing: forkless_store::RaftTiming,
     mut stop: watch::Receiver<bool>,
 ) {
-    let heard_within = heartbeat * HEARD_WITHIN_BEATS;
-    let silent_for = election_timeout_max * STEP_DOWN_SILENT_TIMEOUTS;
+    let heard_within = Duration::from_millis(timing.heartbeat_ms) * HEARD_WITHIN_BEATS;
+    let silent_for =
+        Duration::from_millis(timing.election_timeout_max_ms) * STEP_DOWN_SILENT_TIMEOUTS;
     // Each shard's last handover. One that took is forgotten (its watcher
     // sees the preferred replica lead within TAKES_WITHIN); one that did
     // not makes the next wait, longer after each failure in a row, so a
@@ -259,6 +271,7 @@ pub async fn run(
                 node_heard_lately: heard.within(want, heard_within),
                 down: peers.link_down(want),
                 cannot_lead: heard.cannot_lead(want, shard, heard_within),
+                beats: timing.quiesce,
             };
             if cut_off.is_none() && !takes_over(&s, want, heard_within, up) {
                 continue;
@@ -359,6 +372,7 @@ mod tests {
             node_heard_lately: false,
             down: false,
             cannot_lead: false,
+            beats: false,
         };
         assert!(takes_over(&leader_of(100, 1, 95, 40), 1, within, up));
         // Too far behind.
@@ -369,6 +383,7 @@ mod tests {
             node_heard_lately: true,
             down: false,
             cannot_lead: false,
+            beats: false,
         };
         assert!(takes_over(
             &leader_of(100, 1, 100, 400),
@@ -382,6 +397,7 @@ mod tests {
             node_heard_lately: true,
             down: true,
             cannot_lead: false,
+            beats: false,
         };
         assert!(!takes_over(&leader_of(100, 1, 100, 40), 1, within, broke));
         // Level as the leader saw it before its disk was lost, and its
@@ -389,6 +405,7 @@ mod tests {
         // (or that it holds none), and would refuse.
         let new_replica = Link {
             cannot_lead: true,
+            beats: true,
             ..node_heard
         };
         assert!(!takes_over(
@@ -396,6 +413,31 @@ mod tests {
             1,
             within,
             new_replica
+        ));
+        // With the node heartbeat on, its group's answer alone does not
+        // do (a new replica's group answers the leader it told before its
+        // node answers a beat): its node must have answered lately, saying
+        // it can lead.
+        let beats = Link { beats: true, ..up };
+        assert!(!takes_over(&leader_of(100, 1, 100, 40), 1, within, beats));
+        let beats_heard = Link {
+            beats: true,
+            ..node_heard
+        };
+        assert!(takes_over(
+            &leader_of(100, 1, 100, 40),
+            1,
+            within,
+            beats_heard
+        ));
+        assert!(!takes_over(
+            &leader_of(100, 1, 100, 40),
+            1,
+            within,
+            Link {
+                cannot_lead: true,
+                ..beats_heard
+            }
         ));
     }
 

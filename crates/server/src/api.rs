@@ -121,6 +121,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/cluster/remove-node", post(remove_node))
         .route("/api/cluster/reload", post(cluster_reload))
         .route("/api/shards/{shard}/replace", post(replace_replica))
+        .route("/api/shards/{shard}/trust", post(trust_replica))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -1369,6 +1370,90 @@ async fn by_key(
 /// How long a new replica may take to catch up as a learner before its
 /// replacement gives up (it stays a learner; asking again goes on).
 const CATCH_UP_WITHIN: Duration = Duration::from_secs(300);
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TrustBody {
+    /// Must be true: the operator accepts that an entry only the lost
+    /// disk and a replica that is gone held is lost.
+    #[serde(default)]
+    accept_loss: bool,
+}
+
+/// `POST /api/shards/{shard}/trust`: an operator's override for a shard
+/// that cannot elect because this node's replica is new (its data
+/// directory was lost) and has not caught up, while a replica it would
+/// need is gone for good (`docs/replication.md`, "A replica whose data
+/// directory is new"). This node's replica is trusted as caught up
+/// (durably) and votes and stands as any replica. This node's own
+/// replica only: never forwarded.
+async fn trust_replica(
+    State(app): AppState,
+    shard: Result<Path<String>, PathRejection>,
+    body: Body,
+) -> Response {
+    let run = async {
+        let raw = path_param(shard, "shard")?;
+        let n = app.dir.shard_count().get();
+        let shard = raw
+            .parse::<u32>()
+            .ok()
+            .filter(|s| *s < n)
+            .map(ShardId)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "shard",
+                    format!("{raw:?} is not a shard of this cluster (0 to {})", n - 1),
+                )
+            })?;
+        let bytes = read_body(&app, body).await?;
+        let b: TrustBody = parse(&bytes)?;
+        if !b.accept_loss {
+            return Err(ApiError::invalid(
+                "accept_loss",
+                "must be true: a trusted replica may let its group elect a leader without an entry that only its lost disk and a replica that is gone held",
+            ));
+        }
+        let Some(st) = app.store.shard(shard).filter(|st| st.is_replicated()) else {
+            return Err(ApiError::invalid(
+                "shard",
+                format!(
+                    "node {} holds no replica of shard {} (trust the replica on the node that holds it)",
+                    app.cfg.node_id,
+                    shard.get()
+                ),
+            ));
+        };
+        // (Whether the group can elect is not asked: a replica names the
+        // last leader it took, alive or not, and one gone for good is the
+        // case this is for.)
+        let trusted = st
+            .trust_replica()
+            .map_err(|e| ApiError::Internal(format!("recording the trust: {e}")))?;
+        if !trusted {
+            return Ok((shard, Err(("not_new", format!(
+                "shard: the replica of shard {} on node {} is not new (its data directory was never lost, or it caught up): nothing to trust",
+                shard.get(),
+                app.cfg.node_id
+            )))));
+        }
+        Ok((shard, Ok(())))
+    };
+    match run.await {
+        Ok((shard, Ok(()))) => Json(json!({
+            "shard": shard.get(),
+            "node": app.cfg.node_id.get(),
+            "trusted": true,
+        }))
+        .into_response(),
+        Ok((_, Err((code, message)))) => (
+            StatusCode::CONFLICT,
+            Json(json!({"error": code, "message": message, "field": "shard"})),
+        )
+            .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
 
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]

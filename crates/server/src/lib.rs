@@ -641,8 +641,7 @@ pub async fn run(
                     placed,
                     heard,
                     rep.peers.clone(),
-                    std::time::Duration::from_millis(rep.timing.heartbeat_ms),
-                    std::time::Duration::from_millis(rep.timing.election_timeout_max_ms),
+                    rep.timing,
                     stop_rx.clone(),
                 ));
             }

@@ -113,6 +113,11 @@ impl Fresh {
         }
     }
 
+    /// This replica's id.
+    pub(crate) fn me(&self) -> u64 {
+        self.me
+    }
+
     /// Whether it is still careful.
     pub(crate) fn active(&self) -> bool {
         !self.caught_up.load(Ordering::Acquire)
@@ -263,6 +268,13 @@ impl Fresh {
                 self.me, self.group
             )
         })
+    }
+
+    /// An operator's word that this replica is to be trusted as caught up
+    /// (`ShardStore::trust_replica`): it is careful no more. Whether it
+    /// was careful until now.
+    pub(crate) fn trust(&self) -> bool {
+        !self.caught_up.swap(true, Ordering::AcqRel)
     }
 
     /// Whether it caught up just now, having applied through `applied`

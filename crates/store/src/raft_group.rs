@@ -338,6 +338,24 @@ impl Replica {
         }
     }
 
+    /// An operator's override (`ShardStore::trust_replica`): this new
+    /// replica is careful no more, durably. Whether it was careful.
+    pub(crate) fn trust(&self) -> Result<bool, StoreError> {
+        let Some(f) = self.fresh.get() else {
+            return Ok(false);
+        };
+        if !f.trust() {
+            return Ok(false);
+        }
+        self.ks.meta.remove(crate::fresh::FRESH_KEY)?;
+        self.ks.db.persist(fjall::PersistMode::SyncData)?;
+        tracing::warn!(
+            group = self.group,
+            "an operator trusted this new replica as caught up: it votes and stands as any replica (entries only its lost disk and a dead replica held may be lost)"
+        );
+        Ok(true)
+    }
+
     /// A file to stage a snapshot being received in.
     pub(crate) fn stage(&self, stream: String) -> Result<crate::snapshot::Staging, StoreError> {
         let n = self.staged.fetch_add(1, Ordering::Relaxed);
@@ -1226,8 +1244,11 @@ pub(crate) async fn handle(
                 f.admit(c.vote.leader_id.voted_for, c.vote.leader_id.term, None)?
             }
             // It may not stand for election (`Fresh::refuses_campaign`), so
-            // it does not take the leadership handed to it.
-            crate::raft_net::Rpc::TransferLeader(_) => {
+            // it does not take the leadership handed to it. (A handover to
+            // another replica comes to every voter: passed on, it only
+            // lets this one's vote go to that replica, which it still
+            // refuses while careful.)
+            crate::raft_net::Rpc::TransferLeader(r) if *r.to_node_id() == f.me() => {
                 // Costs the group an election's time of refused writes: a
                 // leader's balancer asks the node first (`Beat::led`).
                 tracing::warn!(

@@ -975,6 +975,20 @@ impl ShardStore {
             .is_some_and(|g| g.is_fresh())
     }
 
+    /// An operator's override for a group that cannot elect: this replica,
+    /// new (its data directory was) and not caught up, is trusted as
+    /// caught up from now on, durably, and votes and stands as any
+    /// replica (`crate::fresh`). Its group then elects by Raft's own rules
+    /// among the replicas that answer; what it risks is an entry that only
+    /// the lost disk and a replica that is gone held, which the group then
+    /// no longer has. `Ok(false)` when it was not careful (nothing done).
+    pub fn trust_replica(&self) -> Result<bool, StoreError> {
+        match self.raft.as_ref().filter(|g| g.replicated) {
+            Some(g) => g.replica.trust(),
+            None => Err(StoreError::Invalid(self.not_replicated())),
+        }
+    }
+
     /// Who leads the shard's replicated Raft group, as this replica knows
     /// now (`None` if the shard is not replicated).
     pub fn leadership(&self) -> Option<raft_group::Leadership> {
