@@ -341,14 +341,16 @@ impl Replica {
     /// An operator's override (`ShardStore::trust_replica`): this new
     /// replica is careful no more, durably. Whether it was careful.
     pub(crate) fn trust(&self) -> Result<bool, StoreError> {
-        let Some(f) = self.fresh.get() else {
+        let Some(f) = self.fresh.get().filter(|f| f.active()) else {
             return Ok(false);
         };
+        // On disk first: a failure leaves it careful, here and after a
+        // restart.
+        self.ks.meta.remove(crate::fresh::FRESH_KEY)?;
+        self.ks.db.persist(fjall::PersistMode::SyncData)?;
         if !f.trust() {
             return Ok(false);
         }
-        self.ks.meta.remove(crate::fresh::FRESH_KEY)?;
-        self.ks.db.persist(fjall::PersistMode::SyncData)?;
         tracing::warn!(
             group = self.group,
             "an operator trusted this new replica as caught up: it votes and stands as any replica (entries only its lost disk and a dead replica held may be lost)"
