@@ -607,6 +607,8 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 replicas,
                 r.map_or("-".to_string(), |r| if r.left_group {
                     "left the group".to_string()
+                } else if r.fresh {
+                    format!("{} (new)", r.state)
                 } else if r.quiet {
                     format!("{} (quiet)", r.state)
                 } else {
@@ -625,6 +627,16 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             writeln!(
                 out,
                 "* as the cluster file places them: node {} holds no replica of the shard and has not heard from its leader",
+                m.node
+            )?;
+        }
+        if m.shards
+            .iter()
+            .any(|s| s.raft.as_ref().is_some_and(|r| r.fresh))
+        {
+            writeln!(
+                out,
+                "(new): node {}'s replica is new (its data directory was lost) and catching up; it votes for no candidate with entries until it has. A shard that cannot elect meanwhile because a replica is gone for good: forkless cluster trust-replica --shard S --accept-loss",
                 m.node
             )?;
         }

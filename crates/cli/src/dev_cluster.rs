@@ -124,7 +124,9 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
     for i in 1..=a.nodes {
         let dir = a.data_dir.join(format!("node-{i}"));
         let log = std::fs::File::create(a.data_dir.join(format!("node-{i}.log")))?;
-        let child = Command::new(&exe)
+        let mut cmd = Command::new(&exe);
+        ends_with_this_process(&mut cmd);
+        let child = cmd
             .args(["serve", "--config"])
             .arg(&config)
             .args(["--node", &i.to_string(), "--data-dir"])
@@ -285,6 +287,34 @@ fn ready(addr: &str) -> bool {
     let mut buf = [0u8; 16];
     matches!(s.read(&mut buf), Ok(n) if n >= 12 && &buf[9..12] == b"200")
 }
+
+/// A node the dev cluster starts gets SIGTERM when the dev cluster's
+/// process ends, however it ends: a `kill -9` of the dev cluster (or of a
+/// test that ran it) would otherwise leave its nodes running, holding
+/// their ports (CI found two left from a failed test an hour later).
+#[cfg(target_os = "linux")]
+fn ends_with_this_process(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid is async-signal-safe.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: the closure runs in the child between fork and exec and
+    // calls only prctl, getppid and _exit, which are async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The dev cluster ended before the prctl took: end too.
+            if libc::getppid() != parent {
+                libc::_exit(0);
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn ends_with_this_process(_cmd: &mut Command) {}
 
 /// Whether the node at `addr` knows a leader for every shard and holds no
 /// replica that is new and not caught up (`GET /api/cluster`).

@@ -75,6 +75,11 @@ pub struct RaftInfo {
     /// longer counts this replica (its node was removed while away).
     #[serde(default)]
     pub left_group: bool,
+    /// This replica's data directory is new (a lost disk, back under its
+    /// id) and it has not caught up: it votes for no candidate with
+    /// entries yet.
+    #[serde(default)]
+    pub fresh: bool,
 }
 
 /// A follower's progress, as its leader knows it.

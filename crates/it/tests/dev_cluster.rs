@@ -6,8 +6,17 @@
 use forkless_it::*;
 use std::time::Duration;
 
+/// One dev cluster at a time: its ports are picked free but not held (the
+/// dev cluster binds them), and two picked at once came out overlapping.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn a_replicated_dev_cluster_outlives_a_killed_node_and_stops_on_sigterm() {
+    let _serial = one_at_a_time();
     let _deadline = deadline("dev-cluster", Duration::from_secs(120));
     let dir = tempfile::tempdir().expect("tempdir");
     let data = dir.path().join("dc");
@@ -44,21 +53,7 @@ fn a_replicated_dev_cluster_outlives_a_killed_node_and_stops_on_sigterm() {
     let r = start(&node(2));
     assert_eq!(r.status, 201, "{}", r.text());
 
-    // Node 1's process, found by its data directory.
-    let node_1_dir = data.join("node-1").display().to_string();
-    let pid = std::fs::read_dir("/proc")
-        .expect("/proc")
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
-        .find(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
-                let args: Vec<String> = c
-                    .split(|b| *b == 0)
-                    .map(|a| String::from_utf8_lossy(a).into_owned())
-                    .collect();
-                args.iter().any(|a| a == "serve") && args.contains(&node_1_dir)
-            })
-        })
-        .expect("node 1's process");
+    let pid = node_pid(&data, 1).expect("node 1's process");
     // SAFETY: kill(2) of a process the dev cluster started and still owns.
     unsafe {
         libc::kill(pid, libc::SIGKILL);
@@ -96,4 +91,69 @@ fn a_replicated_dev_cluster_outlives_a_killed_node_and_stops_on_sigterm() {
             "node {i} still serves after the dev cluster stopped"
         );
     }
+}
+
+/// The pid of the dev cluster's node `id`, found by its data directory
+/// under `data`, while it runs (a zombie does not count).
+fn node_pid(data: &std::path::Path, id: u16) -> Option<i32> {
+    let dir = data.join(format!("node-{id}")).display().to_string();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let args: Vec<String> = c
+                    .split(|b| *b == 0)
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                args.iter().any(|a| a == "serve") && args.contains(&dir)
+            })
+        })
+}
+
+/// A dev cluster killed with SIGKILL (it cannot stop its nodes itself)
+/// takes its nodes with it: each gets SIGTERM as its parent ends. Before,
+/// they ran on, holding their ports (CI found two left an hour after a
+/// failed test).
+#[test]
+fn a_killed_dev_cluster_takes_its_nodes_with_it() {
+    let _serial = one_at_a_time();
+    let _deadline = deadline("dev-cluster killed", Duration::from_secs(60));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("dc");
+    let base = free_port_block(&[0, 1, 2, 100, 101, 102, 200, 201, 202]);
+    let log = dir.path().join("dev-cluster.log");
+    let args: Vec<String> = [
+        "dev-cluster",
+        "--nodes",
+        "3",
+        "--shards",
+        "2",
+        "--data-dir",
+        &data.display().to_string(),
+        "--base-port",
+        &base.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut dc = Proc::spawn(&args, &log);
+    wait_until("the dev cluster to serve", Duration::from_secs(60), || {
+        let out = strip_ansi(&dc.log());
+        assert!(dc.try_exit().is_none(), "dev-cluster exited:\n{out}");
+        out.contains("press Ctrl-C").then_some(())
+    });
+    for id in 1..=3 {
+        assert!(node_pid(&data, id).is_some(), "node {id} is not running");
+    }
+    dc.kill9();
+    wait_until(
+        "every node to end with the dev cluster",
+        Duration::from_secs(20),
+        || {
+            (1..=3)
+                .all(|id| node_pid(&data, id).is_none())
+                .then_some(())
+        },
+    );
 }

@@ -608,6 +608,14 @@ fn a_shard_stuck_behind_a_new_replica_elects_once_an_operator_trusts_it() {
     assert_eq!(r.status, 400, "{}", r.text());
     assert_eq!(r.json()["field"], "accept_loss", "{}", r.text());
     let server = format!("http://{}", cl.node(new).api);
+    // `forkless status` on its node says the replica is new, and the way
+    // out.
+    let (code, out, err) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
+    assert_eq!(code, Some(0), "status failed: {out}\n{err}");
+    assert!(
+        out.contains("(new)") && out.contains("forkless cluster trust-replica"),
+        "{out}"
+    );
     let (code, out, err) = run_cli(
         &[
             "cluster",
