@@ -46,6 +46,11 @@ impl Nodes {
 impl Drop for Nodes {
     fn drop(&mut self) {
         for (_, c) in &mut self.0 {
+            // A node that exited already (killed by hand) is not signalled:
+            // `kill` said "No such process" for it.
+            if matches!(c.try_wait(), Ok(Some(_))) {
+                continue;
+            }
             // SIGTERM first, so each node shuts down gracefully.
             let _ = Command::new("kill")
                 .arg("-TERM")
