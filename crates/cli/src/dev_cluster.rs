@@ -276,21 +276,28 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
 }
 
 fn ready(addr: &str) -> bool {
+    get(addr, "/readyz", Duration::from_millis(500)).is_some()
+}
+
+/// The body of a `200` answer to `GET path` from the node at `addr`, read
+/// within `within`; `None` for any other answer or none.
+fn get(addr: &str, path: &str, within: Duration) -> Option<Vec<u8>> {
     use std::io::Write;
-    let Ok(mut s) = std::net::TcpStream::connect_timeout(
+    let mut s = std::net::TcpStream::connect_timeout(
         &addr.parse().expect("formatted above"),
         Duration::from_millis(200),
-    ) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
-    if s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
-        return false;
+    )
+    .ok()?;
+    let _ = s.set_read_timeout(Some(within));
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .ok()?;
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).ok()?;
+    if !answer.starts_with(b"HTTP/1.1 200") {
+        return None;
     }
-    let mut buf = [0u8; 16];
-    matches!(s.read(&mut buf), Ok(n) if n >= 12 && &buf[9..12] == b"200")
+    let at = answer.windows(4).position(|w| w == b"\r\n\r\n")?;
+    Some(answer.split_off(at + 4))
 }
 
 /// A node the dev cluster starts gets SIGTERM when the dev cluster's
@@ -324,27 +331,8 @@ fn ends_with_this_process(_cmd: &mut Command) {}
 /// Whether the node at `addr` knows a leader for every shard and holds no
 /// replica that is new and not caught up (`GET /api/cluster`).
 fn settled(addr: &str) -> bool {
-    use std::io::Write;
-    let Ok(mut s) = std::net::TcpStream::connect_timeout(
-        &addr.parse().expect("formatted above"),
-        Duration::from_millis(200),
-    ) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if s.write_all(b"GET /api/cluster HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut answer = Vec::new();
-    if s.read_to_end(&mut answer).is_err() || !answer.starts_with(b"HTTP/1.1 200") {
-        return false;
-    }
-    let Some(body) = answer
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .and_then(|at| serde_json::from_slice::<serde_json::Value>(&answer[at + 4..]).ok())
+    let Some(body) = get(addr, "/api/cluster", Duration::from_secs(2))
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
     else {
         return false;
     };

@@ -19,31 +19,7 @@ fn a_replicated_dev_cluster_outlives_a_killed_node_and_stops_on_sigterm() {
     let _serial = one_at_a_time();
     let _deadline = deadline("dev-cluster", Duration::from_secs(120));
     let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("dc");
-    // Node i: clients on base + i - 1, peers on base + 100 + i - 1, Raft
-    // on base + 200 + i - 1.
-    let base = free_port_block(&[0, 1, 2, 100, 101, 102, 200, 201, 202]);
-    let log = dir.path().join("dev-cluster.log");
-    let args: Vec<String> = [
-        "dev-cluster",
-        "--nodes",
-        "3",
-        "--shards",
-        "4",
-        "--data-dir",
-        &data.display().to_string(),
-        "--base-port",
-        &base.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut dc = Proc::spawn(&args, &log);
-    wait_until("the dev cluster to serve", Duration::from_secs(60), || {
-        let out = strip_ansi(&dc.log());
-        assert!(dc.try_exit().is_none(), "dev-cluster exited:\n{out}");
-        out.contains("press Ctrl-C").then_some(())
-    });
+    let (mut dc, data, base) = dev_cluster(dir.path(), 4);
     let node = |i: u16| Client::new(addr(base + i - 1));
     let start = |c: &Client| {
         settled(Duration::from_secs(20), || {
@@ -93,6 +69,33 @@ fn a_replicated_dev_cluster_outlives_a_killed_node_and_stops_on_sigterm() {
     }
 }
 
+/// `forkless dev-cluster --nodes 3 --shards <shards>` with its data under
+/// `dir`, once it serves: its process, its data directory and its base
+/// port (node i: clients on base + i - 1, peers on base + 100 + i - 1,
+/// Raft on base + 200 + i - 1).
+fn dev_cluster(dir: &std::path::Path, shards: u32) -> (Proc, std::path::PathBuf, u16) {
+    let data = dir.join("dc");
+    let base = free_port_block(&[0, 1, 2, 100, 101, 102, 200, 201, 202]);
+    let args: Vec<String> = vec![
+        "dev-cluster".to_string(),
+        "--nodes".into(),
+        "3".into(),
+        "--shards".into(),
+        shards.to_string(),
+        "--data-dir".into(),
+        data.display().to_string(),
+        "--base-port".into(),
+        base.to_string(),
+    ];
+    let mut dc = Proc::spawn(&args, &dir.join("dev-cluster.log"));
+    wait_until("the dev cluster to serve", Duration::from_secs(60), || {
+        let out = strip_ansi(&dc.log());
+        assert!(dc.try_exit().is_none(), "dev-cluster exited:\n{out}");
+        out.contains("press Ctrl-C").then_some(())
+    });
+    (dc, data, base)
+}
+
 /// The pid of the dev cluster's node `id`, found by its data directory
 /// under `data`, while it runs (a zombie does not count).
 fn node_pid(data: &std::path::Path, id: u16) -> Option<i32> {
@@ -120,29 +123,7 @@ fn a_killed_dev_cluster_takes_its_nodes_with_it() {
     let _serial = one_at_a_time();
     let _deadline = deadline("dev-cluster killed", Duration::from_secs(60));
     let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("dc");
-    let base = free_port_block(&[0, 1, 2, 100, 101, 102, 200, 201, 202]);
-    let log = dir.path().join("dev-cluster.log");
-    let args: Vec<String> = [
-        "dev-cluster",
-        "--nodes",
-        "3",
-        "--shards",
-        "2",
-        "--data-dir",
-        &data.display().to_string(),
-        "--base-port",
-        &base.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    let mut dc = Proc::spawn(&args, &log);
-    wait_until("the dev cluster to serve", Duration::from_secs(60), || {
-        let out = strip_ansi(&dc.log());
-        assert!(dc.try_exit().is_none(), "dev-cluster exited:\n{out}");
-        out.contains("press Ctrl-C").then_some(())
-    });
+    let (mut dc, data, _) = dev_cluster(dir.path(), 2);
     for id in 1..=3 {
         assert!(node_pid(&data, id).is_some(), "node {id} is not running");
     }

@@ -49,6 +49,29 @@ fn config_name(cl: &Cluster, id: u16) -> String {
         .to_string()
 }
 
+/// Each shard's leader as node `via` sees it.
+fn leaders(cl: &Cluster, via: u16) -> Vec<u16> {
+    cl.owners(via).iter().map(|o| o.0).collect()
+}
+
+/// Waits until every shard is led by its preferred replica (shard s is
+/// placed from the (s mod 3)-th node on: shards 0 to 3 prefer nodes 1, 2,
+/// 3, 1), and returns the placement `forkless cluster placement` prints.
+fn spread_and_placement(cl: &Cluster) -> String {
+    wait_until(
+        "every shard led by its preferred leader",
+        Duration::from_secs(30),
+        || (leaders(cl, 1) == [1, 2, 3, 1]).then_some(()),
+    );
+    let n1 = format!("http://{}", cl.node(1).api);
+    let (code, out, err) = run_cli(
+        &["cluster", "placement", "--server", &n1],
+        Duration::from_secs(30),
+    );
+    assert_eq!(code, Some(0), "cluster placement failed: {out}\n{err}");
+    out
+}
+
 /// Whether node `via` sees `peer` run with the same node list.
 fn same_nodes(cl: &Cluster, via: u16, peer: u64) -> Option<bool> {
     cl.client(via).get("/api/cluster").json()["nodes"]
@@ -344,20 +367,7 @@ fn a_reordered_pin_hands_its_shard_to_the_new_first_replica() {
     let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
     cl.start_all_replicated();
     let file_name = config_name(&cl, 1);
-    // Shard s is placed from the (s mod 3)-th node on: shards 0 to 3
-    // prefer nodes 1, 2, 3, 1 for leader.
-    let leaders = |cl: &Cluster, via: u16| cl.owners(via).iter().map(|o| o.0).collect::<Vec<_>>();
-    wait_until(
-        "every shard led by its preferred leader",
-        Duration::from_secs(30),
-        || (leaders(&cl, 1) == [1, 2, 3, 1]).then_some(()),
-    );
-    let n1 = format!("http://{}", cl.node(1).api);
-    let (code, out, err) = run_cli(
-        &["cluster", "placement", "--server", &n1],
-        Duration::from_secs(30),
-    );
-    assert_eq!(code, Some(0), "cluster placement failed: {out}\n{err}");
+    let out = spread_and_placement(&cl);
     let from = "shard = 0\nreplicas = [1, 2, 3]";
     assert!(out.contains(from), "{out}");
     cl.file_tail = out.replace(from, "shard = 0\nreplicas = [2, 1, 3]");
@@ -401,22 +411,7 @@ fn a_new_replica_is_handed_no_shard_before_it_caught_up() {
     let mut cl = Cluster::prepare_replicated(3, SHARDS, 3, PeerTiming::default());
     cl.start_all_replicated();
     let file_name = config_name(&cl, 1);
-    let leaders = |cl: &Cluster, via: u16| cl.owners(via).iter().map(|o| o.0).collect::<Vec<_>>();
-    wait_until(
-        "every shard led by its preferred leader",
-        Duration::from_secs(30),
-        || (leaders(&cl, 1) == [1, 2, 3, 1]).then_some(()),
-    );
-    let n1 = format!("http://{}", cl.node(1).api);
-    let (code, placement, err) = run_cli(
-        &["cluster", "placement", "--server", &n1],
-        Duration::from_secs(30),
-    );
-    assert_eq!(
-        code,
-        Some(0),
-        "cluster placement failed: {placement}\n{err}"
-    );
+    let placement = spread_and_placement(&cl);
     let from = "shard = 0\nreplicas = [1, 2, 3]";
     assert!(placement.contains(from), "{placement}");
     // Shard 0 idle and quiet on node 1: every follower matched its last

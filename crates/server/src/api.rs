@@ -1371,6 +1371,22 @@ async fn by_key(
 /// replacement gives up (it stays a learner; asking again goes on).
 const CATCH_UP_WITHIN: Duration = Duration::from_secs(300);
 
+/// The `{shard}` of a path: one of this cluster's shards.
+fn shard_param(app: &App, p: Result<Path<String>, PathRejection>) -> Result<ShardId, ApiError> {
+    let raw = path_param(p, "shard")?;
+    let n = app.dir.shard_count().get();
+    raw.parse::<u32>()
+        .ok()
+        .filter(|s| *s < n)
+        .map(ShardId)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "shard",
+                format!("{raw:?} is not a shard of this cluster (0 to {})", n - 1),
+            )
+        })
+}
+
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct TrustBody {
@@ -1393,19 +1409,7 @@ async fn trust_replica(
     body: Body,
 ) -> Response {
     let run = async {
-        let raw = path_param(shard, "shard")?;
-        let n = app.dir.shard_count().get();
-        let shard = raw
-            .parse::<u32>()
-            .ok()
-            .filter(|s| *s < n)
-            .map(ShardId)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "shard",
-                    format!("{raw:?} is not a shard of this cluster (0 to {})", n - 1),
-                )
-            })?;
+        let shard = shard_param(&app, shard)?;
         let bytes = read_body(&app, body).await?;
         let b: TrustBody = parse(&bytes)?;
         if !b.accept_loss {
@@ -1524,19 +1528,7 @@ async fn replace_replica(
 ) -> Response {
     let run = async {
         let hops = hops_taken(&app, &headers)?;
-        let raw = path_param(shard, "shard")?;
-        let n = app.dir.shard_count().get();
-        let shard = raw
-            .parse::<u32>()
-            .ok()
-            .filter(|s| *s < n)
-            .map(ShardId)
-            .ok_or_else(|| {
-                ApiError::invalid(
-                    "shard",
-                    format!("{raw:?} is not a shard of this cluster (0 to {})", n - 1),
-                )
-            })?;
+        let shard = shard_param(&app, shard)?;
         let bytes = read_body(&app, body).await?;
         let b: ReplaceBody = parse(&bytes)?;
         let from = cluster_node(&app, "from", b.from)?;
