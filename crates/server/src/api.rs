@@ -1434,25 +1434,26 @@ async fn trust_replica(
         let trusted = st
             .trust_replica()
             .map_err(|e| ApiError::Internal(format!("recording the trust: {e}")))?;
-        if !trusted {
-            return Ok((shard, Err(("not_new", format!(
-                "shard: the replica of shard {} on node {} is not new (its data directory was never lost, or it caught up): nothing to trust",
-                shard.get(),
-                app.cfg.node_id
-            )))));
-        }
-        Ok((shard, Ok(())))
+        Ok((shard, trusted))
     };
     match run.await {
-        Ok((shard, Ok(()))) => Json(json!({
+        Ok((shard, true)) => Json(json!({
             "shard": shard.get(),
             "node": app.cfg.node_id.get(),
             "trusted": true,
         }))
         .into_response(),
-        Ok((_, Err((code, message)))) => (
+        Ok((shard, false)) => (
             StatusCode::CONFLICT,
-            Json(json!({"error": code, "message": message, "field": "shard"})),
+            Json(json!({
+                "error": "not_new",
+                "message": format!(
+                    "shard: the replica of shard {} on node {} is not new (its data directory was never lost, or it caught up): nothing to trust",
+                    shard.get(),
+                    app.cfg.node_id
+                ),
+                "field": "shard",
+            })),
         )
             .into_response(),
         Err(e) => e.into_response(),

@@ -934,7 +934,11 @@ pub(crate) fn start_replicated(
     let fresh = held
         .is_fresh()?
         .then(|| held.fresh.get_or_init(careful).clone());
-    let (stopped, closing) = watch_stop(shard, &raft, Some(Arc::downgrade(&held)))?;
+    // Watched only while careful: whether it is is known by now (marked
+    // above, or from before this start), and only a trust or catching up
+    // changes it, to not careful.
+    let careful_replica = fresh.as_ref().map(|_| Arc::downgrade(&held));
+    let (stopped, closing) = watch_stop(shard, &raft, careful_replica)?;
     Ok(Group {
         raft,
         replicated: true,
@@ -1006,7 +1010,7 @@ pub(crate) struct AppendCounts {
 fn watch_stop(
     shard: forkless_types::ShardId,
     raft: &ShardRaft,
-    replica: Option<std::sync::Weak<Replica>>,
+    careful: Option<std::sync::Weak<Replica>>,
 ) -> Result<
     (
         Arc<std::sync::OnceLock<String>>,
@@ -1018,6 +1022,7 @@ fn watch_stop(
     let stopped: Arc<std::sync::OnceLock<String>> = Arc::default();
     let closing: Arc<std::sync::atomic::AtomicBool> = Arc::default();
     let (raft, out, shut) = (raft.clone(), stopped.clone(), closing.clone());
+    let mut careful = careful;
     runtime()?.spawn(async move {
         let mut rx = raft.metrics();
         let fatal = loop {
@@ -1029,9 +1034,11 @@ fn watch_stop(
                 (m.state == openraft::ServerState::Leader)
                     .then(|| m.last_applied.map(|l| l.index))
             };
-            if let (Some(applied), Some(r)) = (leading, replica.as_ref()) {
-                if let Some(r) = r.upgrade() {
-                    r.maybe_caught_up(applied, true);
+            if let (Some(applied), Some(r)) = (leading, careful.as_ref().and_then(|r| r.upgrade())) {
+                r.maybe_caught_up(applied, true);
+                // Caught up for good: nothing more to watch it for.
+                if r.fresh.get().is_none_or(|f| !f.active()) {
+                    careful = None;
                 }
             }
             if rx.changed().await.is_err() {
