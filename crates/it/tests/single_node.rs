@@ -228,6 +228,20 @@ fn happy_paths_of_every_endpoint() {
         !text.contains("forkless_store_log_sync_seconds_count{"),
         "no shard has a log of its own: {text}"
     );
+    // What the node log and each shard's database take on disk.
+    assert!(
+        parse_metric(&text, "forkless_store_node_log_bytes") > 0.0,
+        "{text}"
+    );
+    for shard in 0..4 {
+        assert!(
+            parse_metric(
+                &text,
+                &format!("forkless_store_shard_disk_bytes{{shard=\"{shard}\"}}")
+            ) > 0.0,
+            "{text}"
+        );
+    }
     // Checkpoints are counted per shard, their time by phase (these few
     // writes made none since the shards opened).
     for shard in 0..4 {

@@ -697,6 +697,9 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
 
     nodes[2].open().await;
     holds(&nodes, 2, 1..=100, index).await;
+    let log_bytes = |node: &Node| node.store.as_ref().expect("up").log_disk_bytes();
+    // What the whole shard took on its disk: it held nothing before.
+    let first_install = log_bytes(&nodes[2]);
     let late = nodes[2].status().expect("the late follower's status");
     assert!(
         late.snapshot.is_some_and(|s| s > 1),
@@ -719,6 +722,7 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
     // Away again while the log moves past it: a second snapshot, which
     // replaces the first.
     let had = nodes[2].status().and_then(|s| s.applied).expect("applied");
+    let held = log_bytes(&nodes[2]);
     nodes[2].stop();
     for n in 111..=160 {
         write(&nodes[l], n).await.expect("a write on the leader");
@@ -741,6 +745,13 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
     assert!(
         again.snapshot > first,
         "no second snapshot: {again:?} (first {first:?})"
+    );
+    // It kept the 110 writes it held where they lay: its log grew by the
+    // 50 it lacked, less than the 100 of the first install.
+    let grown = log_bytes(&nodes[2]) - held;
+    assert!(
+        grown < first_install,
+        "the second install grew the log by {grown} bytes, the first (100 writes) by {first_install}"
     );
 
     // It leads on it: a retried append (same idempotency key) applies

@@ -232,8 +232,10 @@ impl Metrics {
 /// log of its own, `forkless_store_node_log_sync_seconds` for the node
 /// log's rounds), and the log's
 /// checkpoints (`forkless_store_checkpoints_total{shard}`,
-/// `forkless_store_checkpoint_seconds_total{shard, phase}`), and which
-/// shards are out of service (`forkless_store_shard_failed{shard}`).
+/// `forkless_store_checkpoint_seconds_total{shard, phase}`), the bytes on
+/// disk (`forkless_store_node_log_bytes`,
+/// `forkless_store_shard_disk_bytes{shard}`), and which shards are out of
+/// service (`forkless_store_shard_failed{shard}`).
 pub struct StoreCollector(pub std::sync::Arc<forkless_store::Store>);
 
 impl std::fmt::Debug for StoreCollector {
@@ -433,6 +435,29 @@ impl Collector for StoreCollector {
                 sync.count(),
                 &sync.buckets,
                 None,
+            )?;
+        }
+        if self.0.node_log_sync_latency().is_some() {
+            let node_log = encoder.encode_descriptor(
+                "store_node_log",
+                "Bytes the node log holds: every shard's events and Raft entries since they moved to it (no space comes back yet: a snapshot's install adds the events the replica lacked, and a replica moved away leaves its events)",
+                Some(&Unit::Bytes),
+                MetricType::Gauge,
+            )?;
+            ConstGauge::new(i64::try_from(self.0.log_disk_bytes()).unwrap_or(i64::MAX))
+                .encode(node_log)?;
+        }
+        let mut disk = encoder.encode_descriptor(
+            "store_shard_disk",
+            "Bytes each shard's database takes on disk, with its own log of before if it has one (the node log's bytes are the node's: forkless_store_node_log_bytes)",
+            Some(&Unit::Bytes),
+            MetricType::Gauge,
+        )?;
+        for shard in self.0.hosted() {
+            ConstGauge::new(i64::try_from(shard.disk_bytes()).unwrap_or(i64::MAX)).encode(
+                disk.encode_family(&ShardLabel {
+                    shard: shard.id().get(),
+                })?,
             )?;
         }
         self.encode_raft(&mut encoder)?;

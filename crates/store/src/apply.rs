@@ -355,6 +355,11 @@ impl Applier {
         &self.ks
     }
 
+    /// The events indexed in memory since the last checkpoint.
+    pub(crate) fn tail(&self) -> &SharedTail {
+        &self.tail
+    }
+
     /// Where the shard's durable events are read from.
     pub(crate) fn events(&self) -> &EventFiles {
         &self.events

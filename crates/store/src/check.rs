@@ -406,6 +406,69 @@ impl LogScan {
         Some(events)
     }
 
+    /// Takes in a part naming runs of events an install found held
+    /// already (`node_log.rs`, kind 10), in the round that ends at `end`:
+    /// they count as the install's, in order with its imports (where they
+    /// lie is the events index's, checked with it). Returns the events
+    /// they are, or `None` after recording a malformed part.
+    pub(crate) fn kept(
+        &mut self,
+        r: &mut ShardReport,
+        body: &[u8],
+        segment: u32,
+        at: u64,
+        end: Position,
+    ) -> Option<u64> {
+        let runs = body.chunks_exact(crate::node_log::KEPT_RUN_BYTES);
+        if !runs.remainder().is_empty() {
+            r.problems.push(format!(
+                "node log segment {segment}, offset {at}: a part of kept events of {} bytes",
+                body.len()
+            ));
+            return None;
+        }
+        let mut events = 0u64;
+        for run in runs {
+            let mut f = crate::codec::Reader::new(run, "kept events");
+            let parsed = (|| -> Result<_, StoreError> {
+                let _partition = f.u32()?;
+                let id = f.u64()?;
+                let id = ExecutionId::new(id as i64)
+                    .map_err(|e| StoreError::Corrupt(format!("kept events: {e}")))?;
+                let first = f.u64()?;
+                let count = f.u32()?;
+                let status = ExecutionStatus::from_code(f.u8()?)
+                    .ok_or_else(|| StoreError::Corrupt("kept events: an unknown status".into()))?;
+                Ok((id, first, count, status))
+            })();
+            let (id, first, count, status) = match parsed {
+                Ok(run) if run.2 > 0 && run.1 > 0 => run,
+                Ok(_) => {
+                    r.problems.push(format!(
+                        "node log segment {segment}, offset {at}: an empty run of kept events"
+                    ));
+                    return None;
+                }
+                Err(e) => {
+                    r.problems
+                        .push(format!("node log segment {segment}, offset {at}: {e}"));
+                    return None;
+                }
+            };
+            let last = first + u64::from(count) - 1;
+            let prev = self.last.insert(id, (last, status)).map_or(0, |p| p.0);
+            if first != prev + 1 {
+                r.problems.push(format!(
+                    "node log segment {segment}, offset {at}: execution {id}'s kept events {first}..={last} follow event {prev}"
+                ));
+            }
+            events += u64::from(count);
+        }
+        self.imported += events;
+        self.import_end = Some(end);
+        Some(events)
+    }
+
     /// Checks the records of one group (a shard's log) or part (the node
     /// log): `payload` starts at `payload_at` of `segment`, in the group
     /// that starts at `at` (for messages). Returns the events it holds, or

@@ -166,6 +166,18 @@ pub(crate) fn scan(
                         }
                         continue;
                     }
+                    Ok((g, body_at, PartRead::Kept(body))) => {
+                        if let Some(shard) = held.get_mut(&g) {
+                            let r = &mut shard.report;
+                            match shard.scan.kept(r, body, segment, body_at, end) {
+                                Some(events) => r.events += events,
+                                None => return false,
+                            }
+                        } else if !strays.contains(&g) {
+                            strays.push(g);
+                        }
+                        continue;
+                    }
                     Ok((g, body_at, PartRead::Raft(kind, body))) => {
                         if let Some(shard) = held.get_mut(&g) {
                             if let Err(e) =

@@ -152,7 +152,7 @@ impl ExecutionStatus {
     pub fn is_terminal(self) -> bool {
         self != ExecutionStatus::Running
     }
-    fn code(self) -> u8 {
+    pub(crate) fn code(self) -> u8 {
         match self {
             ExecutionStatus::Running => 0,
             ExecutionStatus::Completed => 1,
@@ -160,7 +160,7 @@ impl ExecutionStatus {
             ExecutionStatus::Cancelled => 3,
         }
     }
-    fn from_code(c: u8) -> Option<ExecutionStatus> {
+    pub(crate) fn from_code(c: u8) -> Option<ExecutionStatus> {
         Some(match c {
             0 => ExecutionStatus::Running,
             1 => ExecutionStatus::Completed,

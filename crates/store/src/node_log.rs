@@ -18,12 +18,19 @@
 //!      | 7 | group u32 | len u32 | truncate                       (a Raft group's entries after an index are void)
 //!      | 8 | group u32 | len u32 | record*                        (the first events a snapshot's install imports)
 //!      | 9 | group u32 | len u32 | record*                        (more of them)
+//!      | 10 | group u32 | len u32 | kept*                         (events the install found held already)
+//! kept = partition u32 | execution u64 | first_seq u64 | count u32 | status u8
 //! ```
 //!
-//! An import (8, 9: `crate::snapshot`) is indexed by the install that
+//! An import (8, 9, 10: `crate::snapshot`) is indexed by the install that
 //! writes it, before the install's checkpoint; a replay never reads one
 //! (an install a crash cut short is done again from the start, and a part
 //! of kind 8 tells the offline check where an install's imports begin).
+//! A part of kind 10 names runs of events the replica held, byte for byte,
+//! when the install began: they keep the places they had (in parts written
+//! before the install's first), and the part tells the offline check that
+//! they are the install's too, in order with its imported events (`status`
+//! is what the run's last event leaves its execution, as in a record).
 //!
 //! The node log frames the Raft parts (5-7) and keeps them in order; what
 //! their bodies hold is [`crate::raft_log`]'s.
@@ -72,6 +79,10 @@ pub(crate) const TRUNCATE: u8 = 7;
 /// install, and the rest.
 pub(crate) const IMPORT_FIRST: u8 = 8;
 pub(crate) const IMPORT: u8 = 9;
+/// Runs of a snapshot's events the install found held already.
+pub(crate) const KEPT: u8 = 10;
+/// partition, execution, first seq, count, status.
+pub(crate) const KEPT_RUN_BYTES: usize = 4 + 8 + 8 + 4 + 1;
 /// kind, group, len.
 const PART_HEADER: usize = 1 + 4 + 4;
 /// kind, group, segment, offset.
@@ -448,9 +459,10 @@ impl NodeLog {
                 let (group, _, body) = part?;
                 let g = groups.entry(group).or_insert_with(fresh);
                 match body {
-                    PartRead::Records(_) | PartRead::Raft(..) | PartRead::Import(..) => {
-                        g.end = round.end
-                    }
+                    PartRead::Records(_)
+                    | PartRead::Raft(..)
+                    | PartRead::Import(..)
+                    | PartRead::Kept(_) => g.end = round.end,
                     PartRead::Cut(after) => {
                         g.end = after;
                         g.cuts.push((after, round.end));
@@ -668,6 +680,8 @@ pub(crate) enum PartRead<'a> {
     /// A snapshot's imported records, and whether they are the first of
     /// an install.
     Import(bool, &'a [u8]),
+    /// Runs of a snapshot's events its install found held already.
+    Kept(&'a [u8]),
 }
 
 /// Appends a Raft part of `kind` for `group` to `buf`, its body written
@@ -716,7 +730,7 @@ pub(crate) fn parts<'a>(
                 .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
         };
         let part = match rest[0] {
-            kind @ (PART | VOTE | ENTRY | TRUNCATE | IMPORT_FIRST | IMPORT) => {
+            kind @ (PART | VOTE | ENTRY | TRUNCATE | IMPORT_FIRST | IMPORT | KEPT) => {
                 let (Some(group), Some(len)) = (u32_at(1), u32_at(5)) else {
                     return Some(Err(bad("truncated part header")));
                 };
@@ -728,6 +742,7 @@ pub(crate) fn parts<'a>(
                 let read = match kind {
                     PART => PartRead::Records(body),
                     IMPORT_FIRST | IMPORT => PartRead::Import(kind == IMPORT_FIRST, body),
+                    KEPT => PartRead::Kept(body),
                     _ => PartRead::Raft(kind, body),
                 };
                 (group, at, read)
@@ -891,6 +906,20 @@ impl GroupLog {
     {
         let kind = if first { IMPORT_FIRST } else { IMPORT };
         self.send(|records| Body::Import(kind, records), Box::new(durable));
+    }
+
+    /// Writes `runs` (each [`KEPT_RUN_BYTES`], as the module docs say) as
+    /// a part naming events a snapshot's install found held already; the
+    /// records built since [`Log::begin`] stay for the next part.
+    /// `durable` as for [`Log::append`].
+    pub(crate) fn append_kept<F>(&mut self, runs: Vec<u8>, durable: F)
+    where
+        F: FnOnce(Result<Durable, StoreError>) + Send + 'static,
+    {
+        if self.failed {
+            return durable(Err(stopped()));
+        }
+        self.queue(Body::Import(KEPT, runs), Box::new(durable));
     }
 
     /// Queues the records built since [`Log::begin`] as the part `body`

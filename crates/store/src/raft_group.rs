@@ -295,7 +295,7 @@ impl Replica {
         &self,
         meta: &Meta,
         path: &std::path::Path,
-    ) -> Result<(), StoreError> {
+    ) -> Result<crate::snapshot::Imported, StoreError> {
         let mut applier = lock(&self.applier);
         let last = meta.last_log_id.expect("a snapshot as of an entry");
         let membership = serde_json::to_vec(&meta.last_membership).expect("json");
@@ -307,7 +307,6 @@ impl Replica {
             (last.leader_id.term, last.index),
             membership,
         )
-        .map(|_| ())
     }
 
     /// Whether this replica's data directory is new and it has not caught
@@ -368,7 +367,7 @@ impl Replica {
     /// docs): records the install, replaces the shard's state with the
     /// snapshot's, checkpoints, and only then forgets the install and the
     /// staged file.
-    fn install(&self, meta: &Meta, path: &std::path::Path) -> Result<(), StoreError> {
+    pub(crate) fn install(&self, meta: &Meta, path: &std::path::Path) -> Result<(), StoreError> {
         let mut applier = lock(&self.applier);
         let file = path
             .file_name()
@@ -415,6 +414,7 @@ impl Replica {
             snapshot = ?meta.last_log_id,
             applied = last.index,
             events = imported.events,
+            kept = imported.kept,
             took_ms = start.elapsed().as_millis() as u64,
             "installed a snapshot of the shard"
         );

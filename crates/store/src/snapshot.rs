@@ -26,27 +26,36 @@
 //! 1. records [`INSTALLING_KEY`] (the snapshot's meta and the staged
 //!    file's name) durably, before it changes anything;
 //! 2. empties the shard's keyspaces (leaving the replica's own meta: its
-//!    vote, its log checkpoint);
-//! 3. writes the snapshot's events into the node log as import parts of
-//!    the shard's group (`node_log.rs`, kinds 8 and 9: no event lies
-//!    elsewhere than in the node log), indexing each where it landed (the
-//!    index is written to the keyspaces every so many events, to bound
-//!    the install's memory, but never with a log checkpoint position: a
-//!    reopen after a crash must read the group's log, and its votes, from
-//!    the last real checkpoint), and its puts into the keyspaces;
+//!    vote, its log checkpoint), all but the events index, whose entries
+//!    go execution by execution as step 3 comes to them (and, at its end,
+//!    those of executions the snapshot does not hold);
+//! 3. indexes the snapshot's events: one the replica holds already, byte
+//!    for byte (read back at the place its index gave as the install
+//!    began: [`Held`]), keeps that place; the others are written into the
+//!    node log as import parts of the shard's group (`node_log.rs`, kinds 8
+//!    and 9: no event lies elsewhere than in the node log), each indexed
+//!    where it landed, and the kept ones are named, in runs, by parts of
+//!    kind 10, in order with the imports (the log alone then tells the
+//!    offline check what the install holds). The index is written to the
+//!    keyspaces every so many events, to bound the install's memory, but
+//!    never with a log checkpoint position: a reopen after a crash must
+//!    read the group's log, and its votes, from the last real checkpoint.
+//!    The snapshot's puts go into the keyspaces;
 //! 4. records the snapshot's entry as applied and its membership,
 //!    checkpoints (durably), and only then removes the marker and the
 //!    staged file.
 //!
 //! A crash anywhere in 2-4 leaves the marker: the next open installs the
-//! staged file again from the start (empties again, imports again) before
+//! staged file again from the start (empties again, and keeps what the
+//! index it left names, byte for byte, imports the rest again) before
 //! the group starts, so a replica never runs on half a snapshot, and never
 //! loses the state it acknowledged (what it had is only dropped once the
-//! snapshot that replaces it is durable here). The imports of an attempt
-//! that did not finish stay in the node log unreferenced (space only, and
-//! so do the events the replica held before an install: the node log
-//! reclaims no space yet, so each install grows the disk by the shard's
-//! size): a
+//! snapshot that replaces it is durable here). What an install keeps costs
+//! no space; the node log reclaims none yet, so what it imports (the
+//! events the replica lacked: the whole shard for a new one), the imports
+//! of an attempt that did not finish, and events the replica held that
+//! the snapshot does not hold, stay in the node log, the last two
+//! unreferenced. A
 //! replay never reads import parts (their events are in the index once
 //! the install's checkpoint is), and the offline check counts only the
 //! last install's (from its first part, kind 8), with the entries after
@@ -381,9 +390,12 @@ pub(crate) fn take_in(
     membership: Vec<u8>,
 ) -> Result<Imported, StoreError> {
     let ks = applier.keyspaces().clone();
+    // What this replica holds already, as the install begins (before it
+    // changes anything): an event of the snapshot found here, byte for
+    // byte, keeps its place instead of being written again.
+    let mut held = Held::new(applier);
     for k in [
         &ks.executions,
-        &ks.event_index,
         &ks.event_idem,
         &ks.routing_keys,
         &ks.start_idem,
@@ -414,7 +426,10 @@ pub(crate) fn take_in(
     let mut tail = crate::index::Tail::default();
     let mut import = Import::default();
     // The install's first part, empty: where the offline check sees its
-    // imports begin, whatever the snapshot holds.
+    // imports begin, whatever the snapshot holds. Once it is durable, so
+    // is every part written before it, and with them every event the
+    // replica held (a kept place is durable before the install indexes
+    // it).
     log.begin()?;
     import.write(log, &mut tail, true)?;
     let mut batch = ks.db.batch().durability(None);
@@ -429,16 +444,25 @@ pub(crate) fn take_in(
                     value,
                     ..
                 } => {
-                    if import.events == 0 {
-                        log.begin()?;
-                    }
-                    let at = log.event(partition, id, seq, value);
+                    let place = match held.place(partition, id, seq, value)? {
+                        Some(loc) => {
+                            import.keep(partition, id, seq, value)?;
+                            Place::Kept(loc)
+                        }
+                        None => {
+                            import.close_run();
+                            if import.events == 0 {
+                                log.begin()?;
+                            }
+                            import.events += 1;
+                            import.bytes += used;
+                            Place::Written(log.event(partition, id, seq, value))
+                        }
+                    };
                     import
                         .pending
-                        .push((partition, id, seq, at, codec::recorded_at(value)?));
-                    import.events += 1;
-                    import.bytes += used;
-                    if import.bytes >= IMPORT_PART_BYTES {
+                        .push((partition, id, seq, place, codec::recorded_at(value)?));
+                    if import.bytes >= IMPORT_PART_BYTES || import.pending.len() >= PENDING_MAX {
                         import.write(log, &mut tail, false)?;
                         if import.indexed >= INDEX_EVERY_EVENTS {
                             // The index so far into the keyspaces (not
@@ -478,9 +502,10 @@ pub(crate) fn take_in(
             Ok(())
         })
     })?;
-    if import.events > 0 {
+    if !import.pending.is_empty() {
         import.write(log, &mut tail, false)?;
     }
+    held.forget_the_rest()?;
     batch.insert(
         &ks.meta,
         crate::apply::APPLIED_KEY,
@@ -491,6 +516,7 @@ pub(crate) fn take_in(
     batch.commit()?;
     let outcome = Imported {
         events: import.total,
+        kept: import.kept,
     };
     applier.installed(tail)?;
     Ok(outcome)
@@ -499,49 +525,310 @@ pub(crate) fn take_in(
 /// What an install took in.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Imported {
+    /// Every event of the snapshot.
     pub(crate) events: u64,
+    /// Those of them the replica held already, which kept their places.
+    pub(crate) kept: u64,
 }
 
-/// Events written to the log and not yet known durable.
+/// Where an event of the snapshot goes in the index.
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    /// Into the import part being written, at this place within it.
+    Written(crate::log::Loc),
+    /// Where the replica held it already.
+    Kept(crate::log::Loc),
+}
+
+/// Events placed but not yet indexed (an imported one is indexed only
+/// once its part is durable, and the events of an execution go into the
+/// index in order, so a kept one waits behind them).
 #[derive(Default)]
 struct Import {
     pending: Vec<(
         forkless_types::PartitionId,
         forkless_types::ExecutionId,
         u64,
-        crate::log::Loc,
+        Place,
         u64,
     )>,
+    /// Events written into the part being built, and their bytes.
     events: u64,
     bytes: usize,
+    /// Runs of kept events not yet written (`node_log.rs`, part kind 10),
+    /// and the run being extended: partition, execution, first seq, count,
+    /// status.
+    runs: Vec<u8>,
+    run: Option<(
+        forkless_types::PartitionId,
+        forkless_types::ExecutionId,
+        u64,
+        u32,
+        crate::ExecutionStatus,
+    )>,
     /// Events in the tail since it was last written to the index.
     indexed: usize,
     total: u64,
+    kept: u64,
 }
 
 impl Import {
-    /// Writes the pending events' part (the install's first if `first`),
-    /// waits for it to be durable, and indexes them where they landed.
+    /// Counts event `seq` of `id` (whose bytes are `value`) as kept, in
+    /// the run being extended or a new one.
+    fn keep(
+        &mut self,
+        partition: forkless_types::PartitionId,
+        id: forkless_types::ExecutionId,
+        seq: u64,
+        value: &[u8],
+    ) -> Result<(), StoreError> {
+        let event = codec::decode_event(seq, value)?;
+        let status =
+            crate::terminal_status(&event.event_type).unwrap_or(crate::ExecutionStatus::Running);
+        match &mut self.run {
+            Some((p, i, first, count, last))
+                if *p == partition && *i == id && *first + u64::from(*count) == seq =>
+            {
+                *count += 1;
+                *last = status;
+            }
+            _ => {
+                self.close_run();
+                self.run = Some((partition, id, seq, 1, status));
+            }
+        }
+        self.kept += 1;
+        Ok(())
+    }
+
+    /// Ends the run of kept events being extended.
+    fn close_run(&mut self) {
+        if let Some((partition, id, first, count, status)) = self.run.take() {
+            self.runs.extend_from_slice(&partition.get().to_be_bytes());
+            self.runs
+                .extend_from_slice(&(id.get() as u64).to_be_bytes());
+            self.runs.extend_from_slice(&first.to_be_bytes());
+            self.runs.extend_from_slice(&count.to_be_bytes());
+            self.runs.push(status.code());
+        }
+    }
+
+    /// Writes the runs of kept events, then the part being built if it
+    /// holds events or is the install's first (`first`), in that order (an
+    /// execution's kept events come before any it imports), waits for
+    /// them to be durable, and indexes every pending event where it lies.
     fn write(
         &mut self,
         log: &mut GroupLog,
         tail: &mut crate::index::Tail,
         first: bool,
     ) -> Result<(), StoreError> {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        log.append_import(first, move |made| {
-            let _ = tx.send(made);
-        });
-        let durable = rx
-            .recv()
-            .map_err(|_| StoreError::Io("the node log's syncer stopped".into()))??;
-        for (partition, id, seq, at, recorded_at) in self.pending.drain(..) {
-            tail.push(partition, id, seq, durable.locate(at), recorded_at)?;
+        self.close_run();
+        let wait = |rx: std::sync::mpsc::Receiver<Result<crate::log::Durable, StoreError>>| {
+            rx.recv()
+                .map_err(|_| StoreError::Io("the node log's syncer stopped".into()))?
+        };
+        let kept = if self.runs.is_empty() {
+            None
+        } else {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            log.append_kept(std::mem::take(&mut self.runs), move |made| {
+                let _ = tx.send(made);
+            });
+            Some(rx)
+        };
+        let durable = if first || self.events > 0 {
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            log.append_import(first, move |made| {
+                let _ = tx.send(made);
+            });
+            Some(wait(rx)?)
+        } else {
+            None
+        };
+        if let Some(rx) = kept {
+            wait(rx)?;
         }
-        self.indexed += self.events as usize;
-        self.total += self.events;
+        let placed = self.pending.len();
+        for (partition, id, seq, place, recorded_at) in self.pending.drain(..) {
+            let loc = match (place, &durable) {
+                (Place::Kept(loc), _) => loc,
+                (Place::Written(at), Some(durable)) => durable.locate(at),
+                (Place::Written(_), None) => {
+                    return Err(StoreError::Invalid(
+                        "an install placed an event in a part it did not write".into(),
+                    ))
+                }
+            };
+            tail.push(partition, id, seq, loc, recorded_at)?;
+        }
+        self.indexed += placed;
+        self.total += placed as u64;
         self.events = 0;
         self.bytes = 0;
+        Ok(())
+    }
+}
+
+/// Events placed before the index takes them (an install of a shard this
+/// replica holds in full places every event without writing a part).
+const PENDING_MAX: usize = if cfg!(test) { 100 } else { 1 << 16 };
+/// Places looked up at a time, of one execution.
+const HELD_WINDOW: u64 = if cfg!(test) { 7 } else { 4096 };
+
+/// The events a replica held as an install began: its events index then
+/// (a database snapshot; the install rewrites the live index, execution
+/// by execution, as the snapshot's events come) and the events it
+/// indexed in memory since its last checkpoint (the tail the install
+/// replaces at its end).
+///
+/// An event is kept only if the replica's copy is the snapshot's byte for
+/// byte (read back, its checksum, execution and seq checked). A committed
+/// event is the same on every replica, so a replica that was behind keeps
+/// all it had; anything else it holds, or that its index names wrongly,
+/// is written anew. The places kept lie in parts written before the
+/// install's first part, durable once that part is.
+struct Held {
+    ks: Keyspaces,
+    view: fjall::Snapshot,
+    tail: crate::read::SharedTail,
+    events: EventFiles,
+    /// The execution the snapshot's events are at, and the places found
+    /// for its events from `from` on.
+    at: Option<forkless_types::ExecutionId>,
+    from: u64,
+    places: Vec<(u64, crate::log::Loc)>,
+    /// Whether an event of that execution was not found held: the rest of
+    /// it is written too (so that, in the log, an execution's kept events
+    /// come before its imported ones).
+    missed: bool,
+    /// The executions whose index entries were taken out of the live
+    /// index (the snapshot's events for them are indexed anew).
+    seen: std::collections::HashSet<[u8; 12]>,
+}
+
+impl Held {
+    fn new(applier: &Applier) -> Held {
+        let ks = applier.keyspaces().clone();
+        Held {
+            view: ks.db.snapshot(),
+            ks,
+            tail: applier.tail().clone(),
+            events: applier.events().clone(),
+            at: None,
+            from: 0,
+            places: Vec::new(),
+            missed: false,
+            seen: Default::default(),
+        }
+    }
+
+    /// Where the replica holds event `seq` of `id`, if it holds it with
+    /// exactly `value`. The snapshot's events come execution by execution
+    /// in seq order: at the first of an execution, its entries leave the
+    /// live index.
+    fn place(
+        &mut self,
+        partition: forkless_types::PartitionId,
+        id: forkless_types::ExecutionId,
+        seq: u64,
+        value: &[u8],
+    ) -> Result<Option<crate::log::Loc>, StoreError> {
+        if self.at != Some(id) {
+            self.at = Some(id);
+            self.places.clear();
+            self.missed = false;
+            let key = codec::execution_key(partition, id);
+            if self.seen.insert(key) {
+                let mut old = Vec::new();
+                for item in self.ks.event_index.prefix(key) {
+                    old.push(item.key()?);
+                }
+                for k in old {
+                    self.ks.event_index.remove(k)?;
+                }
+            }
+        }
+        if self.missed {
+            return Ok(None);
+        }
+        let found = seq
+            .checked_sub(self.from)
+            .and_then(|i| self.places.get(i as usize))
+            .filter(|(s, _)| *s == seq);
+        let loc = match found {
+            Some((_, loc)) => *loc,
+            None => {
+                self.from = seq;
+                self.places = self.look_up(id, seq);
+                match self.places.first() {
+                    Some((s, loc)) if *s == seq => *loc,
+                    _ => {
+                        self.missed = true;
+                        return Ok(None);
+                    }
+                }
+            }
+        };
+        Ok(match self.events.read_event(loc, id, seq) {
+            Ok(held) if held == value => Some(loc),
+            _ => {
+                self.missed = true;
+                None
+            }
+        })
+    }
+
+    /// The places of up to [`HELD_WINDOW`] events of `id` from `seq` on,
+    /// as the install began; none if it held no such event (or its index
+    /// does not say, which is the same to an install: it writes them).
+    fn look_up(&self, id: forkless_types::ExecutionId, seq: u64) -> Vec<(u64, crate::log::Loc)> {
+        let Some(after) = seq.checked_sub(1) else {
+            return Vec::new();
+        };
+        let tail = self.tail.read().unwrap_or_else(|e| e.into_inner()).view(
+            id,
+            after,
+            HELD_WINDOW as usize,
+        );
+        let Ok(Some((last, _))) = crate::index::last_event(&self.ks, &self.view, id, tail.as_ref())
+        else {
+            return Vec::new();
+        };
+        crate::index::locations(
+            &self.ks,
+            &self.view,
+            id,
+            after,
+            (after + HELD_WINDOW).min(last),
+            tail.as_ref(),
+        )
+        .unwrap_or_default()
+    }
+
+    /// Takes out of the live index every execution the snapshot does not
+    /// hold (a replica that held more than the snapshot, which a committed
+    /// state does not, or an index left by an install a crash cut short).
+    fn forget_the_rest(&mut self) -> Result<(), StoreError> {
+        let mut gone = Vec::new();
+        for item in self.view.iter(&self.ks.event_index) {
+            let k = item.key()?;
+            let unseen = k
+                .get(..12)
+                .and_then(|e| <[u8; 12]>::try_from(e).ok())
+                .is_none_or(|e| !self.seen.contains(&e));
+            if unseen {
+                gone.push(k);
+            }
+            if gone.len() >= 4096 {
+                for k in gone.drain(..) {
+                    self.ks.event_index.remove(k)?;
+                }
+            }
+        }
+        for k in gone {
+            self.ks.event_index.remove(k)?;
+        }
         Ok(())
     }
 }
@@ -734,5 +1021,140 @@ mod tests {
         let expected = 30 * 2 + 201;
         assert_eq!(report.shards[0].events, expected, "{report}");
         assert_eq!(report.shards[0].indexed_events, expected, "{report}");
+    }
+
+    /// Copies a closed store's data directory.
+    fn copy_dir(from: &Path, to: &Path) {
+        std::fs::create_dir_all(to).expect("dir");
+        for entry in std::fs::read_dir(from).expect("list") {
+            let entry = entry.expect("entry");
+            let dst = to.join(entry.file_name());
+            if entry.file_type().expect("type").is_dir() {
+                copy_dir(&entry.path(), &dst);
+            } else {
+                std::fs::copy(entry.path(), dst).expect("copied");
+            }
+        }
+    }
+
+    /// Stages `snapshot` on `replica`'s node.
+    fn staged(replica: &crate::raft_group::Replica, snapshot: &Source) -> PathBuf {
+        let mut staging = replica.stage("test".into()).expect("stage");
+        let mut cursor = Cursor::default();
+        while let Some(chunk) = snapshot.next_chunk(&mut cursor, 2048).expect("chunk") {
+            staging.write(&chunk).expect("staged");
+        }
+        staging.finish().expect("finished")
+    }
+
+    /// A replica that was behind (it holds the first events of every
+    /// execution, byte for byte) installs a snapshot of the whole shard:
+    /// the events it held keep their places, so its node log grows by what
+    /// it lacked (against the whole shard on a replica that held nothing);
+    /// an event it wrote on its own that the snapshot has otherwise, and
+    /// an execution the snapshot lacks, are replaced and gone. The install
+    /// cut short by a crash and done again at open keeps them too, and the
+    /// offline check finds the replica whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_install_keeps_the_events_the_replica_held_already() {
+        let (from, to, bare) = (
+            tempfile::tempdir().expect("dir"),
+            tempfile::tempdir().expect("dir"),
+            tempfile::tempdir().expect("dir"),
+        );
+        let source = open(from.path());
+        for n in 1..=60 {
+            start(&source, n, &format!("s{n}")).await;
+            append(&source, n, 1, 20).await;
+        }
+        drop(source);
+        copy_dir(from.path(), to.path());
+        let source = open(from.path());
+        for n in 1..=60 {
+            append(&source, n, 21, 5).await;
+        }
+        for n in 61..=70 {
+            start(&source, n, &format!("s{n}")).await;
+            append(&source, n, 1, 3).await;
+        }
+        let replica = source.shard(SHARD).expect("shard").replica().expect("raft");
+        replica.checkpoint().expect("checkpoint");
+        let (meta, snapshot) = replica.current_source().expect("a snapshot");
+        let total = 60 * 26 + 10 * 4;
+
+        // What the whole shard takes, installed on a replica holding none.
+        let empty = open(bare.path());
+        let theirs = empty.shard(SHARD).expect("shard").replica().expect("raft");
+        let path = staged(&theirs, &snapshot);
+        let before = empty.log_disk_bytes();
+        theirs.install(&meta, &path).expect("installed");
+        let whole = empty.log_disk_bytes() - before;
+        drop((theirs, empty));
+
+        // The replica that was behind, with writes of its own since.
+        let target = open(to.path());
+        let st = target.shard(SHARD).expect("shard");
+        st.append(AppendRequest {
+            epoch: Epoch(1),
+            id: id(7),
+            events: vec![NewEvent {
+                event_type: "step".into(),
+                payload: b"{\"mine\":true}".to_vec(),
+                idempotency_key: Some("mine".into()),
+            }],
+            expected_last_seq: Some(21),
+        })
+        .await
+        .expect("an append of its own");
+        start(&target, 900, "t900").await;
+        let theirs = st.replica().expect("raft");
+        let path = staged(&theirs, &snapshot);
+        let before = target.log_disk_bytes();
+        let taken = theirs.take_in_only(&meta, &path).expect("taken in");
+        assert_eq!(taken.events, total);
+        // Every event of executions 1-60 up to seq 21 but execution 7's
+        // seq 22 (its own write) and after.
+        assert_eq!(taken.kept, 60 * 21, "{taken:?}");
+        // A crash before the install's checkpoint: done again at open.
+        let ks = theirs.keyspaces().clone();
+        Installing {
+            meta: meta.clone(),
+            file: path.file_name().expect("name").to_string_lossy().into(),
+        }
+        .record(&ks)
+        .expect("marker");
+        ks.db
+            .persist(fjall::PersistMode::SyncData)
+            .expect("persist");
+        drop((ks, theirs, st));
+        drop(target);
+        let target = open(to.path());
+        let grown = target.log_disk_bytes() - before;
+        assert!(
+            grown * 2 < whole,
+            "the installs grew the node log by {grown} bytes, the whole shard takes {whole}"
+        );
+        let st = target.shard(SHARD).expect("shard");
+        for n in 1..=70 {
+            let (meta, events) = st.read_events(id(n), 0, 100).expect("read").expect("there");
+            let last = if n <= 60 { 26 } else { 4 };
+            assert_eq!(meta.last_seq, last, "execution {n}");
+            assert_eq!(events.len() as u64, last, "execution {n}");
+            for (i, e) in events.iter().enumerate().skip(1) {
+                assert_eq!(
+                    e.payload,
+                    format!("{{\"i\":{i}}}").into_bytes(),
+                    "execution {n} event {}",
+                    i + 1
+                );
+            }
+        }
+        assert!(st.read_events(id(900), 0, 10).expect("read").is_none());
+        drop(st);
+        drop(target);
+        let report = crate::check::check(to.path()).expect("check");
+        assert!(report.is_healthy(), "{report}");
+        assert_eq!(report.shards[0].events, total, "{report}");
+        assert_eq!(report.shards[0].indexed_events, total, "{report}");
     }
 }
