@@ -505,7 +505,7 @@ pub(crate) fn take_in(
     if !import.pending.is_empty() {
         import.write(log, &mut tail, false)?;
     }
-    held.forget_the_rest()?;
+    held.forget_through(None)?;
     batch.insert(
         &ks.meta,
         crate::apply::APPLIED_KEY,
@@ -702,9 +702,13 @@ struct Held {
     /// it is written too (so that, in the log, an execution's kept events
     /// come before its imported ones).
     missed: bool,
-    /// The executions whose index entries were taken out of the live
-    /// index (the snapshot's events for them are indexed anew).
-    seen: std::collections::HashSet<[u8; 12]>,
+    /// The last execution (`partition | execution`) whose index entries,
+    /// and those of every execution before it, were taken out of the live
+    /// index (the snapshot's events for them are indexed anew). A
+    /// snapshot's events come in the order of the sender's events index,
+    /// which is this one's key order, so one walk over the old entries
+    /// does it.
+    done_through: Option<[u8; 12]>,
 }
 
 impl Held {
@@ -719,7 +723,7 @@ impl Held {
             from: 0,
             places: Vec::new(),
             missed: false,
-            seen: Default::default(),
+            done_through: None,
         }
     }
 
@@ -739,15 +743,12 @@ impl Held {
             self.places.clear();
             self.missed = false;
             let key = codec::execution_key(partition, id);
-            if self.seen.insert(key) {
-                let mut old = Vec::new();
-                for item in self.ks.event_index.prefix(key) {
-                    old.push(item.key()?);
-                }
-                for k in old {
-                    self.ks.event_index.remove(k)?;
-                }
+            if self.done_through.is_some_and(|done| key <= done) {
+                return Err(StoreError::Corrupt(format!(
+                    "the snapshot's events of execution {id} come after those of a later one"
+                )));
             }
+            self.forget_through(Some(key))?;
         }
         if self.missed {
             return Ok(None);
@@ -806,20 +807,29 @@ impl Held {
         .unwrap_or_default()
     }
 
-    /// Takes out of the live index every execution the snapshot does not
-    /// hold (a replica that held more than the snapshot, which a committed
-    /// state does not, or an index left by an install a crash cut short).
-    fn forget_the_rest(&mut self) -> Result<(), StoreError> {
+    /// Takes out of the live index the old entries of every execution
+    /// after the last one done through `upto` (`partition | execution`;
+    /// `None`: to the end). Those before `upto` are executions the
+    /// snapshot does not hold (a replica that held more than the snapshot,
+    /// which a committed state does not, or an index left by an install a
+    /// crash cut short).
+    fn forget_through(&mut self, upto: Option<[u8; 12]>) -> Result<(), StoreError> {
+        let last_of = |execution: [u8; 12]| {
+            let mut k = [0xff; 20];
+            k[..12].copy_from_slice(&execution);
+            k
+        };
+        let from = match self.done_through {
+            Some(done) => std::ops::Bound::Excluded(last_of(done)),
+            None => std::ops::Bound::Unbounded,
+        };
+        let to = match upto {
+            Some(x) => std::ops::Bound::Included(last_of(x)),
+            None => std::ops::Bound::Unbounded,
+        };
         let mut gone = Vec::new();
-        for item in self.view.iter(&self.ks.event_index) {
-            let k = item.key()?;
-            let unseen = k
-                .get(..12)
-                .and_then(|e| <[u8; 12]>::try_from(e).ok())
-                .is_none_or(|e| !self.seen.contains(&e));
-            if unseen {
-                gone.push(k);
-            }
+        for item in self.view.range(&self.ks.event_index, (from, to)) {
+            gone.push(item.key()?);
             if gone.len() >= 4096 {
                 for k in gone.drain(..) {
                     self.ks.event_index.remove(k)?;
@@ -829,6 +839,7 @@ impl Held {
         for k in gone {
             self.ks.event_index.remove(k)?;
         }
+        self.done_through = upto;
         Ok(())
     }
 }
