@@ -153,6 +153,10 @@ pub fn preferred_replica(shard: ShardId, placed: &[u64], voters: &[u64]) -> u64 
 /// leadership away ([`steps_down_to`]).
 pub const STEP_DOWN_SILENT_TIMEOUTS: u32 = 2;
 
+/// How long, in those silences, a node's word that its replica of a
+/// shard cannot lead is heeded by a leader handing its leadership away.
+const CANNOT_LEAD_KEPT: u32 = 4;
+
 /// The voter a leader that no quorum has answered for `silent_for` hands
 /// its leadership to, if it should. A voter counts as answering if its
 /// group (`s.heard_ms_ago`) or its node (`node_heard`: the node
@@ -170,7 +174,10 @@ pub const STEP_DOWN_SILENT_TIMEOUTS: u32 = 2;
 /// partition), the transfer is lost and changes nothing; openraft
 /// refuses the leader's writes from the transfer on, which a leader no
 /// quorum answers could not commit anyway. The voter named is the one
-/// that matched the most entries (ties: the lowest id). A leader that
+/// that matched the most entries (ties: the lowest id), among those whose
+/// node did not say lately that its replica cannot lead (`cannot_lead`: a
+/// new replica not caught up refuses a handover to itself) if there is
+/// one. A leader that
 /// has led its term for less than `silent_for` (`led_for`) is never cut
 /// off: it has had no time to hear from anyone (a new leader's followers
 /// have no answers in its metrics yet).
@@ -179,6 +186,7 @@ pub fn steps_down_to(
     led_for: Duration,
     silent_for: Duration,
     node_heard: impl Fn(u64) -> bool,
+    cannot_lead: impl Fn(u64) -> bool,
 ) -> Option<u64> {
     if s.state != "leader"
         || s.leader != Some(s.me)
@@ -211,9 +219,10 @@ pub fn steps_down_to(
             .find(|(id, _)| *id == v)
             .and_then(|(_, m)| *m)
     };
+    let rank = |v: u64| (!cannot_lead(v), matched(v));
     others
         .into_iter()
-        .max_by(|a, b| matched(*a).cmp(&matched(*b)).then(b.cmp(a)))
+        .max_by(|a, b| rank(*a).cmp(&rank(*b)).then(b.cmp(a)))
 }
 
 /// Hands each of `shards` this node leads to its preferred replica
@@ -261,7 +270,15 @@ pub async fn run(
                 leading.remove(&shard);
                 Duration::ZERO
             };
-            let cut_off = steps_down_to(&s, led_for, silent_for, |v| heard.within(v, silent_for));
+            let cut_off = steps_down_to(
+                &s,
+                led_for,
+                silent_for,
+                |v| heard.within(v, silent_for),
+                // What a node said of its replicas a while ago still
+                // counts: a leader cut off has heard nothing lately.
+                |v| heard.cannot_lead(v, shard, silent_for * CANNOT_LEAD_KEPT),
+            );
             let want =
                 cut_off.unwrap_or_else(|| preferred_replica(st.id(), &placed(st.id()), &s.voters));
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
@@ -451,7 +468,7 @@ mod tests {
             let mut s = leader_of(100, 1, 90, 0);
             s.matched = vec![(1, Some(90)), (2, Some(95))];
             s.heard_ms_ago = vec![(1, heard1), (2, heard2)];
-            steps_down_to(&s, led, silent, node)
+            steps_down_to(&s, led, silent, node, |_| false)
         };
         // One follower answers: with the leader, a quorum of three.
         assert_eq!(check(Some(100), Some(5000), &nobody), None);
@@ -459,30 +476,38 @@ mod tests {
         // Neither answers: to voter 2, which matched more.
         assert_eq!(check(Some(900), Some(5000), &nobody), Some(2));
         assert_eq!(check(None, None, &nobody), Some(2));
+        // Unless voter 2's node said its replica cannot lead (a new one,
+        // not caught up, refuses it): to voter 1. If both said so, still
+        // by the entries matched.
+        let mut s = leader_of(100, 1, 90, 0);
+        s.matched = vec![(1, Some(90)), (2, Some(95))];
+        s.heard_ms_ago = vec![(1, None), (2, None)];
+        assert_eq!(steps_down_to(&s, led, silent, nobody, |v| v == 2), Some(1));
+        assert_eq!(steps_down_to(&s, led, silent, nobody, |_| true), Some(2));
         // A leader new in its term has heard from nobody yet: not cut off
         // until it has led for the silence's length.
         let mut s = leader_of(100, 1, 90, 0);
         s.heard_ms_ago = vec![(1, None), (2, None)];
         assert_eq!(
-            steps_down_to(&s, Duration::from_millis(10), silent, nobody),
+            steps_down_to(&s, Duration::from_millis(10), silent, nobody, nobody),
             None
         );
-        assert_eq!(steps_down_to(&s, silent, silent, nobody), Some(2));
+        assert_eq!(steps_down_to(&s, silent, silent, nobody, nobody), Some(2));
         // The group's answers are old, its node answers (a group just
         // woken from quiet): not cut off.
         assert_eq!(check(None, None, &|v| v == 1), None);
         // Quiet, a follower, or alone: never.
         let mut s = leader_of(100, 1, 90, 5000);
         s.heard_ms_ago = vec![(1, None), (2, None)];
-        assert_eq!(steps_down_to(&s, led, silent, nobody), Some(2));
+        assert_eq!(steps_down_to(&s, led, silent, nobody, nobody), Some(2));
         s.quiet = true;
-        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody, nobody), None);
         s.quiet = false;
         s.state = "follower";
-        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody, nobody), None);
         s.state = "leader";
         s.voters = vec![3];
-        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody, nobody), None);
         // Five voters: two answering of four others is a quorum with the
         // leader; one is not. Ties go to the lowest id.
         let mut s = leader_of(100, 1, 100, 0);
@@ -494,9 +519,9 @@ mod tests {
             (5, Some(100)),
         ];
         s.heard_ms_ago = vec![(1, Some(0)), (2, Some(0)), (4, None), (5, None)];
-        assert_eq!(steps_down_to(&s, led, silent, nobody), None);
+        assert_eq!(steps_down_to(&s, led, silent, nobody, nobody), None);
         s.heard_ms_ago = vec![(1, Some(0)), (2, None), (4, None), (5, None)];
-        assert_eq!(steps_down_to(&s, led, silent, nobody), Some(1));
+        assert_eq!(steps_down_to(&s, led, silent, nobody, nobody), Some(1));
     }
 
     #[test]
