@@ -281,6 +281,50 @@ fn a_killed_leader_of_quiet_groups_is_replaced() {
     assert!(counts.values().sum::<u64>() >= 4, "{counts:?}");
 }
 
+/// A follower killed while its groups are quiet (what it applied since
+/// its last checkpoint was not durable) applies its entries again once
+/// restarted, though no leader writes: it stays awake until it has, and
+/// its vote request wakes the quiet leader, whose heartbeat tells it the
+/// commit index. Before, it went quiet at its leaders' first node
+/// heartbeat and stayed behind its own log while the shards were idle
+/// (CI-like runs of the wiped-replica test, which restarts a follower,
+/// failed so in 1 of 4: an idle shard's replica at applied none, log 2).
+#[test]
+fn a_follower_killed_while_its_groups_are_quiet_applies_again_once_restarted() {
+    let _deadline = deadline(
+        "replication: quiet follower restarted",
+        Duration::from_secs(120),
+    );
+    let shards = 8;
+    let mut cl = Cluster::start_replicated(NODES, shards, 3, PeerTiming::default());
+    cl.wait_leaders_known(1, &[]);
+    let c = cl.client(1);
+    for s in 0..shards {
+        let key = key_on_shard(&format!("quiet-follower-{s}"), s, shards);
+        c.start(&json!({"workflow": "w", "routing_key": key}));
+    }
+    cl.wait_replicas_level();
+    for n in 1..=NODES {
+        let c = cl.client(n);
+        wait_until(
+            &format!("every group quiet on node {n}"),
+            Duration::from_secs(20),
+            || all_quiet(&c),
+        );
+    }
+    cl.kill9(3);
+    cl.spawn(3, &cl.node(3).config.clone());
+    cl.wait_ready(3);
+    cl.wait_leaders_known(3, &[]);
+    cl.wait_replicas_level();
+    let counts = cl.stop_and_compare_replicas();
+    assert_eq!(
+        counts.values().sum::<u64>(),
+        u64::from(shards),
+        "{counts:?}"
+    );
+}
+
 /// Each shard's leader as node `via` sees it, once it knows every one.
 fn leaders_via(c: &Client) -> Option<Vec<u16>> {
     let v = c
@@ -351,6 +395,9 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
 /// shard idle (its group quiet) the whole time catches up too; it
 /// then takes the writes after it, and its disk holds exactly what the
 /// other replicas' hold (`forkless store check` on every data directory).
+/// A replica that was only away (killed, its data kept) and comes back
+/// behind the leaders' logs catches up by a snapshot too, which keeps the
+/// events it held where they lie.
 #[test]
 fn a_wiped_replica_catches_up_by_a_snapshot() {
     let _deadline = deadline("replication: wiped replica", Duration::from_secs(180));
@@ -458,24 +505,56 @@ fn a_wiped_replica_catches_up_by_a_snapshot() {
     for e in &execs {
         append(e, format!("{e}-after"));
     }
+    // Node 2 away, its data kept, while the leaders' logs move past it
+    // (each round is 20 entries of each written shard; a snapshot every
+    // 20, 5 kept).
+    cl.wait_replicas_level();
+    cl.kill9(2);
+    for round in 0..3 {
+        for e in &execs {
+            append(e, format!("{e}-while-2-away-{round}"));
+        }
+    }
+    let cfg = cl.node(2).config.clone();
+    cl.spawn(2, &cfg);
+    cl.wait_ready(2);
     for e in &execs {
         let markers: Vec<String> = c
             .events(e)
             .iter()
             .filter_map(|v| v["payload"]["marker"].as_str().map(String::from))
             .collect();
-        assert_eq!(
-            markers,
-            vec![
-                format!("{e}-before"),
-                format!("{e}-while-away"),
-                format!("{e}-after")
-            ]
-        );
+        let mut expected = vec![
+            format!("{e}-before"),
+            format!("{e}-while-away"),
+            format!("{e}-after"),
+        ];
+        expected.extend((0..3).map(|round| format!("{e}-while-2-away-{round}")));
+        assert_eq!(markers, expected);
     }
     cl.wait_replicas_level();
+    // Node 2 installed a snapshot of a written shard, and kept what it
+    // held (the install's line: "kept=N", N > 0).
+    let log = std::fs::read_to_string(&cl.node(2).log).unwrap_or_default();
+    let kept: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("installed a snapshot of the shard"))
+        .filter_map(|l| {
+            let plain = strip_ansi(l);
+            let at = plain.find("kept=")? + "kept=".len();
+            plain[at..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        kept.iter().any(|k| *k > 0),
+        "node 2 installed no snapshot that kept what it held ({kept:?}); its log:\n{log}"
+    );
     let counts = cl.stop_and_compare_replicas();
-    assert_eq!(counts.values().sum::<u64>(), 40 * 4, "{counts:?}");
+    assert_eq!(counts.values().sum::<u64>(), 40 * 7, "{counts:?}");
 }
 
 /// Two replicas of each shard (`replication_factor = 2`), one wiped,
