@@ -193,6 +193,18 @@ fn all_quiet(c: &Client) -> Option<()> {
         .then_some(())
 }
 
+/// Waits until every node says every shard's group is quiet on it.
+fn every_group_quiet(cl: &Cluster) {
+    for n in 1..=NODES {
+        let c = cl.client(n);
+        wait_until(
+            &format!("every group quiet on node {n}"),
+            Duration::from_secs(20),
+            || all_quiet(&c),
+        );
+    }
+}
+
 /// Idle groups turn their timers off on every replica; when the node that
 /// leads them is killed, the other two notice its silence, elect, and take
 /// writes; written before and after, every replica holds the same events.
@@ -219,14 +231,7 @@ fn a_killed_leader_of_quiet_groups_is_replaced() {
     for e in &execs {
         append(&c, e, &format!("{e}-before")).expect(200);
     }
-    for n in 1..=NODES {
-        let c = cl.client(n);
-        wait_until(
-            &format!("every group quiet on node {n}"),
-            Duration::from_secs(20),
-            || all_quiet(&c),
-        );
-    }
+    every_group_quiet(&cl);
 
     let struck_at = Instant::now();
     cl.kill9(victim);
@@ -304,14 +309,7 @@ fn a_follower_killed_while_its_groups_are_quiet_applies_again_once_restarted() {
         c.start(&json!({"workflow": "w", "routing_key": key}));
     }
     cl.wait_replicas_level();
-    for n in 1..=NODES {
-        let c = cl.client(n);
-        wait_until(
-            &format!("every group quiet on node {n}"),
-            Duration::from_secs(20),
-            || all_quiet(&c),
-        );
-    }
+    every_group_quiet(&cl);
     cl.kill9(3);
     cl.spawn(3, &cl.node(3).config.clone());
     cl.wait_ready(3);
