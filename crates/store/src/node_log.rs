@@ -124,7 +124,8 @@ enum Body {
     /// group's entries, vote or truncation.
     Parts(Vec<u8>),
     /// Records a snapshot's install imports, as a part of this kind
-    /// ([`IMPORT_FIRST`] or [`IMPORT`]).
+    /// ([`IMPORT_FIRST`] or [`IMPORT`]), or the runs of events it kept
+    /// ([`KEPT`]).
     Import(u8, Vec<u8>),
 }
 
