@@ -288,12 +288,12 @@ fn a_killed_leader_of_quiet_groups_is_replaced() {
 
 /// A follower killed while its groups are quiet (what it applied since
 /// its last checkpoint was not durable) applies its entries again once
-/// restarted, though no leader writes: it stays awake until it has, and
-/// its vote request wakes the quiet leader, whose heartbeat tells it the
-/// commit index. Before, it went quiet at its leaders' first node
-/// heartbeat and stayed behind its own log while the shards were idle
-/// (CI-like runs of the wiped-replica test, which restarts a follower,
-/// failed so in 1 of 4: an idle shard's replica at applied none, log 2).
+/// restarted, though no leader writes: its node's answer to a leader's
+/// node heartbeat names the quiet groups it is behind in, and the leader
+/// wakes them; no election. Before, it went quiet at its leaders' first
+/// node heartbeat and stayed behind its own log while the shards were
+/// idle (the wiped-replica test, which restarts a follower, failed so in
+/// 1 of 4: an idle shard's replica at applied none, log 2).
 #[test]
 fn a_follower_killed_while_its_groups_are_quiet_applies_again_once_restarted() {
     let _deadline = deadline(
@@ -309,12 +309,39 @@ fn a_follower_killed_while_its_groups_are_quiet_applies_again_once_restarted() {
         c.start(&json!({"workflow": "w", "routing_key": key}));
     }
     cl.wait_replicas_level();
+    // Shard s prefers node s mod 3 + 1: each led by it, then quiet.
+    let preferred: Vec<u16> = (0..shards).map(|s| (s % 3) as u16 + 1).collect();
+    let spread = |cl: &Cluster| {
+        wait_until(
+            "every shard led by its preferred replica",
+            Duration::from_secs(30),
+            || {
+                let owners = cl.owners(1);
+                (owners.iter().map(|o| o.0).collect::<Vec<_>>() == preferred).then_some(owners)
+            },
+        )
+    };
+    spread(&cl);
     every_group_quiet(&cl);
+    let before = cl.owners(1);
     cl.kill9(3);
     cl.spawn(3, &cl.node(3).config.clone());
     cl.wait_ready(3);
     cl.wait_leaders_known(3, &[]);
     cl.wait_replicas_level();
+    // The shards nodes 1 and 2 lead had no election for it: the restarted
+    // replica did not stand (a build that kept it awake until it applied
+    // let it stand and win nearly every shard: its quiet leader granted
+    // its pre-vote).
+    let after = spread(&cl);
+    for (s, (b, a)) in before.iter().zip(&after).enumerate() {
+        if b.0 != 3 {
+            assert_eq!(
+                a, b,
+                "shard {s}: (leader, term) before {before:?}, after {after:?}"
+            );
+        }
+    }
     let counts = cl.stop_and_compare_replicas();
     assert_eq!(
         counts.values().sum::<u64>(),

@@ -48,7 +48,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
@@ -817,7 +817,13 @@ async fn serve_connection(
                         .copied()
                         .filter(|s| groups(*s).is_none_or(|st| st.is_fresh()))
                         .collect();
-                    Ok(RpcReply::Beat { cannot_lead })
+                    let wake = beat
+                        .quiet
+                        .iter()
+                        .map(|(s, _)| *s)
+                        .filter(|s| groups(*s).is_some_and(|st| st.quiet_and_behind()))
+                        .collect();
+                    Ok(RpcReply::Beat { cannot_lead, wake })
                 }
                 // Only a node itself says that its data directory is new.
                 Rpc::Reverted { node } if node != peer => Err(format!(

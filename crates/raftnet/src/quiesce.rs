@@ -138,11 +138,21 @@ pub async fn run(
             let call = peers.call(peer, 0, beat, every);
             // Not waited for: a slow peer must not delay the others' beats
             // (each call ends within `every`).
-            let heard = heard.clone();
+            let (heard, shards) = (heard.clone(), shards.clone());
             tokio::spawn(async move {
                 match call.await {
-                    Ok(forkless_store::RpcReply::Beat { cannot_lead }) => {
-                        heard.heard(peer, cannot_lead)
+                    Ok(forkless_store::RpcReply::Beat { cannot_lead, wake }) => {
+                        heard.heard(peer, cannot_lead);
+                        if !wake.is_empty() {
+                            for st in shards().iter().filter(|st| wake.contains(&st.id().get())) {
+                                st.hold_awake_for_a_follower();
+                            }
+                            tracing::info!(
+                                node = peer,
+                                shards = ?wake,
+                                "a follower's replicas are quiet behind their logs (restarted): their groups wake to tell them the commit"
+                            );
+                        }
                     }
                     // An answer of another kind is still an answer.
                     Ok(_) => heard.heard(peer, Vec::new()),

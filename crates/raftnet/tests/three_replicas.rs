@@ -1087,7 +1087,7 @@ async fn cannot_lead(nodes: &[Node], from: usize, to: usize) -> Vec<u32> {
         .call(nodes[to].id, 0, Rpc::Beat(beat), Duration::from_secs(2))
         .await
     {
-        Ok(forkless_store::RpcReply::Beat { cannot_lead }) => cannot_lead,
+        Ok(forkless_store::RpcReply::Beat { cannot_lead, .. }) => cannot_lead,
         other => panic!("a heartbeat answered {other:?}"),
     }
 }

@@ -180,14 +180,7 @@ impl Quiet {
 
     /// On a follower: node `leader` says it leads the group quietly at
     /// `term`. The follower goes quiet too if it knows that leader at that
-    /// term (it voted for it, or heard it), is not a leader itself, and has
-    /// applied every entry its log holds. One that has not (restarted after
-    /// a crash: what it applied since its last checkpoint was not durable,
-    /// and only its leader tells it the commit index again) stays awake:
-    /// quiet, it would hear nothing from its quiet leader and apply
-    /// nothing for as long as the group is idle. Awake, its election timer
-    /// asks for a vote, which wakes the quiet leader (the other followers,
-    /// quiet, refuse it), and the leader's heartbeat carries the commit.
+    /// term (it voted for it, or heard it), and is not a leader itself.
     pub(crate) fn follow<SM: RaftStateMachine<GroupConfig>>(
         &self,
         raft: &Raft<SM>,
@@ -200,8 +193,7 @@ impl Quiet {
         let knows = m.current_term == term
             && m.vote.leader_id.term == term
             && (m.current_leader == Some(leader) || m.vote.leader_id.voted_for == leader);
-        let behind = m.last_applied.map(|l| l.index) < m.last_log_index;
-        if !knows || behind || m.id == leader || m.state == openraft::ServerState::Leader {
+        if !knows || m.id == leader || m.state == openraft::ServerState::Leader {
             return false;
         }
         s.leader_heard = Some((leader, Instant::now()));
@@ -211,6 +203,21 @@ impl Quiet {
             raft.runtime_config().tick(false);
         }
         true
+    }
+
+    /// On a quiet follower: whether its log holds entries it has not
+    /// applied. A follower restarted after a crash lost what it applied
+    /// since its last checkpoint (that is not durable) and learns the
+    /// commit index again only from its leader, which, quiet, sends
+    /// nothing: its node asks the leader's node to wake the group
+    /// (`RpcReply::Beat::wake`).
+    pub(crate) fn behind<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
+        let s = self.lock();
+        let m = raft.metrics();
+        let m = m.borrow_watched();
+        s.quiet
+            && m.state != openraft::ServerState::Leader
+            && m.last_applied.map(|l| l.index) < m.last_log_index
     }
 
     /// On a quiet replica that does not lead: the leader it follows

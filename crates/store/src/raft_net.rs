@@ -144,9 +144,14 @@ pub enum RpcReply {
     /// A heartbeat was heard. `cannot_lead`: of the groups the beat's
     /// sender leads ([`Beat::led`]), those the receiver could not take the
     /// leadership of now: it holds no replica of them, or a new one that
-    /// has not caught up (`crate::fresh`: it refuses a handover).
+    /// has not caught up (`crate::fresh`: it refuses a handover). `wake`:
+    /// of the groups the sender leads quietly ([`Beat::quiet`]), those
+    /// whose replica here is quiet with entries it has not applied (its
+    /// node restarted after a crash): the sender wakes them, so that
+    /// their heartbeats tell it the commit index.
     Beat {
         cannot_lead: Vec<u32>,
+        wake: Vec<u32>,
     },
     TransferLeader(TransferLeaderResponse<GroupConfig>),
     /// A snapshot's chunk was staged (`None`), or the snapshot installed.

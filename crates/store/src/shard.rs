@@ -152,6 +152,11 @@ pub(crate) const LOG_DIR: &str = "eventlog";
 /// `partition | execution | seq`, with the same event values.
 const LEGACY_EVENTS: &str = "events";
 
+/// How long a leader's group stays awake when a follower's node asks for
+/// it (`ShardStore::hold_awake_for_a_follower`): heartbeats enough for the
+/// follower to hear the commit index and apply.
+const FOLLOWER_WAKE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Events moved from the legacy keyspace per log group while converting.
 const CONVERT_GROUP_BYTES: usize = 4 * 1024 * 1024;
 
@@ -1028,6 +1033,26 @@ impl ShardStore {
             return false;
         }
         g.quiet.follow(&g.raft, leader, term)
+    }
+
+    /// On a quiet follower: whether it holds entries it has not applied,
+    /// and needs its quiet leader to wake and tell it the commit index
+    /// (`Quiet::behind`).
+    pub fn quiet_and_behind(&self) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.quiet.behind(&g.raft))
+    }
+
+    /// On the leader: a follower's node asked for the group to be awake
+    /// (it is quiet and behind its own log): the group wakes, and stays
+    /// awake long enough for its heartbeats to reach that follower.
+    pub fn hold_awake_for_a_follower(&self) {
+        let leads = self.leadership().is_some_and(|l| l.leader == Some(l.me));
+        if let Some(g) = self.raft.as_ref().filter(|g| g.replicated && leads) {
+            g.quiet.hold_awake(&g.raft, FOLLOWER_WAKE);
+        }
     }
 
     /// The replicas of the shard's group (voters and learners) as this
