@@ -802,7 +802,7 @@ async fn serve_connection(
         tokio::spawn(async move {
             let result = match rpc {
                 Rpc::Beat(beat) => {
-                    quiesce::heard(peer, &beat, &groups);
+                    let wake = quiesce::heard(peer, &beat, &groups);
                     // A group of this node's, led quietly by the peer, that
                     // it holds no replica of: opened (it then tells the
                     // leader it starts from nothing, which wakes it).
@@ -816,12 +816,6 @@ async fn serve_connection(
                         .iter()
                         .copied()
                         .filter(|s| groups(*s).is_none_or(|st| st.is_fresh()))
-                        .collect();
-                    let wake = beat
-                        .quiet
-                        .iter()
-                        .map(|(s, _)| *s)
-                        .filter(|s| groups(*s).is_some_and(|st| st.quiet_and_behind()))
                         .collect();
                     Ok(RpcReply::Beat { cannot_lead, wake })
                 }

@@ -29,13 +29,18 @@ pub const IDLE_BEATS: u32 = 3;
 
 /// What a node does with a peer's heartbeat: each group the peer leads
 /// quietly goes quiet here too, if this replica follows that peer at that
-/// term.
-pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) {
+/// term. Returns those of them quiet here with entries not applied (the
+/// peer wakes them: `RpcReply::Beat::wake`).
+pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) -> Vec<u32> {
+    let mut behind = Vec::new();
     for (shard, term) in &beat.quiet {
         if let Some(st) = groups(*shard) {
-            st.follow_quietly(from, *term);
+            if st.follow_quietly(from, *term) == forkless_store::Followed::QuietBehind {
+                behind.push(*shard);
+            }
         }
     }
+    behind
 }
 
 /// When each peer last answered this node's heartbeat, and which of the

@@ -102,7 +102,7 @@ mod writer;
 pub use commit::CommitStats;
 pub use latency::LatencySnapshot;
 pub use openraft::BasicNode;
-pub use quiet::QuietAs;
+pub use quiet::{Followed, QuietAs};
 pub use raft_group::{runtime_handle as raft_runtime, Leadership, RaftStatus, RaftWatch};
 pub use raft_log::GroupConfig;
 pub use raft_net::{

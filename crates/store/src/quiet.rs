@@ -65,6 +65,17 @@ impl State {
     }
 }
 
+/// What a follower did when its leader's node said it leads quietly.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Followed {
+    /// It stays awake (it does not follow that leader at that term).
+    Awake,
+    /// It is quiet.
+    Quiet,
+    /// It is quiet, with entries in its log it has not applied.
+    QuietBehind,
+}
+
 /// What a replica did when asked to go quiet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum QuietAs {
@@ -181,12 +192,18 @@ impl Quiet {
     /// On a follower: node `leader` says it leads the group quietly at
     /// `term`. The follower goes quiet too if it knows that leader at that
     /// term (it voted for it, or heard it), and is not a leader itself.
+    /// Says whether it did, and whether its log then holds entries it has
+    /// not applied: a follower restarted after a crash lost what it
+    /// applied since its last checkpoint (that is not durable) and learns
+    /// the commit index again only from its leader, which, quiet, sends
+    /// nothing; its node asks the leader's node to wake the group
+    /// (`RpcReply::Beat::wake`).
     pub(crate) fn follow<SM: RaftStateMachine<GroupConfig>>(
         &self,
         raft: &Raft<SM>,
         leader: u64,
         term: u64,
-    ) -> bool {
+    ) -> Followed {
         let mut s = self.lock();
         let m = raft.metrics();
         let m = m.borrow_watched();
@@ -194,7 +211,7 @@ impl Quiet {
             && m.vote.leader_id.term == term
             && (m.current_leader == Some(leader) || m.vote.leader_id.voted_for == leader);
         if !knows || m.id == leader || m.state == openraft::ServerState::Leader {
-            return false;
+            return Followed::Awake;
         }
         s.leader_heard = Some((leader, Instant::now()));
         if !s.quiet {
@@ -202,22 +219,11 @@ impl Quiet {
             s.quiet_since = Instant::now();
             raft.runtime_config().tick(false);
         }
-        true
-    }
-
-    /// On a quiet follower: whether its log holds entries it has not
-    /// applied. A follower restarted after a crash lost what it applied
-    /// since its last checkpoint (that is not durable) and learns the
-    /// commit index again only from its leader, which, quiet, sends
-    /// nothing: its node asks the leader's node to wake the group
-    /// (`RpcReply::Beat::wake`).
-    pub(crate) fn behind<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
-        let s = self.lock();
-        let m = raft.metrics();
-        let m = m.borrow_watched();
-        s.quiet
-            && m.state != openraft::ServerState::Leader
-            && m.last_applied.map(|l| l.index) < m.last_log_index
+        if m.last_applied.map(|l| l.index) < m.last_log_index {
+            Followed::QuietBehind
+        } else {
+            Followed::Quiet
+        }
     }
 
     /// On a quiet replica that does not lead: the leader it follows

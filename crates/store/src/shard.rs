@@ -1019,30 +1019,21 @@ impl ShardStore {
 
     /// On a follower: node `leader` says it leads the group quietly at
     /// `term`; the follower turns its timers off too if it follows that
-    /// leader at that term. Says whether it did.
-    pub fn follow_quietly(&self, leader: u64, term: u64) -> bool {
+    /// leader at that term. Says whether it did, and whether it is behind
+    /// its own log (`Quiet::follow`).
+    pub fn follow_quietly(&self, leader: u64, term: u64) -> crate::Followed {
         // A new replica that has not caught up stays awake: quiet, and
         // knowing no leader, it would hear from nobody (its quiet leader
         // takes it for matched), and never catch up. It tells that leader
         // it starts from nothing, which wakes the leader's group.
         let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
-            return false;
+            return crate::Followed::Awake;
         };
         if g.is_fresh() {
             g.fresh_heard_of(leader);
-            return false;
+            return crate::Followed::Awake;
         }
         g.quiet.follow(&g.raft, leader, term)
-    }
-
-    /// On a quiet follower: whether it holds entries it has not applied,
-    /// and needs its quiet leader to wake and tell it the commit index
-    /// (`Quiet::behind`).
-    pub fn quiet_and_behind(&self) -> bool {
-        self.raft
-            .as_ref()
-            .filter(|g| g.replicated)
-            .is_some_and(|g| g.quiet.behind(&g.raft))
     }
 
     /// On the leader: a follower's node asked for the group to be awake
