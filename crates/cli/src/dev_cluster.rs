@@ -273,7 +273,19 @@ pub fn run(a: DevClusterArgs) -> anyhow::Result<()> {
             }
         }
     });
-    println!("stopping {} nodes", a.nodes);
+    let running = nodes
+        .0
+        .iter_mut()
+        .filter_map(|(_, c)| matches!(c.try_wait(), Ok(None)).then_some(()))
+        .count();
+    if running == nodes.0.len() {
+        println!("stopping {running} nodes");
+    } else {
+        println!(
+            "stopping {running} of its {} nodes (the others exited; a node started again by hand is not the dev cluster's to stop)",
+            nodes.0.len()
+        );
+    }
     drop(nodes);
     match stop {
         Some(why) => bail!("{why}; stopped the others"),
