@@ -148,13 +148,18 @@ pub async fn run(
                 match call.await {
                     Ok(forkless_store::RpcReply::Beat { cannot_lead, wake }) => {
                         heard.heard(peer, cannot_lead);
-                        if !wake.is_empty() {
-                            for st in shards().iter().filter(|st| wake.contains(&st.id().get())) {
-                                st.hold_awake_for_a_follower();
-                            }
+                        // Said once per wake, not at every beat until the
+                        // follower has applied.
+                        let woke: Vec<u32> = shards()
+                            .iter()
+                            .filter(|st| wake.contains(&st.id().get()))
+                            .filter(|st| st.hold_awake_for_a_follower())
+                            .map(|st| st.id().get())
+                            .collect();
+                        if !woke.is_empty() {
                             tracing::info!(
                                 node = peer,
-                                shards = ?wake,
+                                shards = ?woke,
                                 "a follower's replicas are quiet behind their logs (restarted): their groups wake to tell them the commit"
                             );
                         }

@@ -139,10 +139,10 @@ impl Quiet {
         &self,
         raft: &Raft<SM>,
         for_at_least: Duration,
-    ) {
+    ) -> bool {
         let mut s = self.lock();
         s.awake_until = Some(Instant::now() + for_at_least);
-        s.wake(raft);
+        s.wake(raft)
     }
 
     /// On the leader: goes quiet if nothing was proposed for `idle`, no

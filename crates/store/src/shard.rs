@@ -1038,12 +1038,14 @@ impl ShardStore {
 
     /// On the leader: a follower's node asked for the group to be awake
     /// (it is quiet and behind its own log): the group wakes, and stays
-    /// awake long enough for its heartbeats to reach that follower.
-    pub fn hold_awake_for_a_follower(&self) {
+    /// awake long enough for its heartbeats to reach that follower. Says
+    /// whether it was quiet.
+    pub fn hold_awake_for_a_follower(&self) -> bool {
         let leads = self.leadership().is_some_and(|l| l.leader == Some(l.me));
-        if let Some(g) = self.raft.as_ref().filter(|g| g.replicated && leads) {
-            g.quiet.hold_awake(&g.raft, FOLLOWER_WAKE);
-        }
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated && leads)
+            .is_some_and(|g| g.quiet.hold_awake(&g.raft, FOLLOWER_WAKE))
     }
 
     /// The replicas of the shard's group (voters and learners) as this
