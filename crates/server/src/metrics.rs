@@ -436,8 +436,6 @@ impl Collector for StoreCollector {
                 &sync.buckets,
                 None,
             )?;
-        }
-        if self.0.node_log_sync_latency().is_some() {
             let node_log = encoder.encode_descriptor(
                 "store_node_log",
                 "Bytes the node log holds: every shard's events and Raft entries since they moved to it (no space comes back yet: a snapshot's install adds the events the replica lacked, and a replica moved away leaves its events)",
