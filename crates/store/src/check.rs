@@ -419,42 +419,16 @@ impl LogScan {
         at: u64,
         end: Position,
     ) -> Option<u64> {
-        let runs = body.chunks_exact(crate::node_log::KEPT_RUN_BYTES);
-        if !runs.remainder().is_empty() {
-            r.problems.push(format!(
-                "node log segment {segment}, offset {at}: a part of kept events of {} bytes",
-                body.len()
-            ));
-            return None;
-        }
+        let runs = match crate::node_log::kept_runs(body) {
+            Ok(runs) => runs,
+            Err(e) => {
+                r.problems
+                    .push(format!("node log segment {segment}, offset {at}: {e}"));
+                return None;
+            }
+        };
         let mut events = 0u64;
-        for run in runs {
-            let mut f = crate::codec::Reader::new(run, "kept events");
-            let parsed = (|| -> Result<_, StoreError> {
-                let _partition = f.u32()?;
-                let id = f.u64()?;
-                let id = ExecutionId::new(id as i64)
-                    .map_err(|e| StoreError::Corrupt(format!("kept events: {e}")))?;
-                let first = f.u64()?;
-                let count = f.u32()?;
-                let status = ExecutionStatus::from_code(f.u8()?)
-                    .ok_or_else(|| StoreError::Corrupt("kept events: an unknown status".into()))?;
-                Ok((id, first, count, status))
-            })();
-            let (id, first, count, status) = match parsed {
-                Ok(run) if run.2 > 0 && run.1 > 0 => run,
-                Ok(_) => {
-                    r.problems.push(format!(
-                        "node log segment {segment}, offset {at}: an empty run of kept events"
-                    ));
-                    return None;
-                }
-                Err(e) => {
-                    r.problems
-                        .push(format!("node log segment {segment}, offset {at}: {e}"));
-                    return None;
-                }
-            };
+        for (id, first, count, status) in runs {
             let last = first + u64::from(count) - 1;
             let prev = self.last.insert(id, (last, status)).map_or(0, |p| p.0);
             if first != prev + 1 {

@@ -82,7 +82,55 @@ pub(crate) const IMPORT: u8 = 9;
 /// Runs of a snapshot's events the install found held already.
 pub(crate) const KEPT: u8 = 10;
 /// partition, execution, first seq, count, status.
-pub(crate) const KEPT_RUN_BYTES: usize = 4 + 8 + 8 + 4 + 1;
+const KEPT_RUN_BYTES: usize = 4 + 8 + 8 + 4 + 1;
+
+/// Appends one run of kept events to a [`KEPT`] part's body: `count`
+/// events of `id` from seq `first`, the last leaving it `status`.
+pub(crate) fn push_kept_run(
+    buf: &mut Vec<u8>,
+    partition: PartitionId,
+    id: ExecutionId,
+    first: u64,
+    count: u32,
+    status: crate::ExecutionStatus,
+) {
+    buf.extend_from_slice(&partition.get().to_be_bytes());
+    buf.extend_from_slice(&(id.get() as u64).to_be_bytes());
+    buf.extend_from_slice(&first.to_be_bytes());
+    buf.extend_from_slice(&count.to_be_bytes());
+    buf.push(status.code());
+}
+
+/// The runs of a [`KEPT`] part's body ([`push_kept_run`]): execution,
+/// first seq, count and status of each; or what is wrong with the body.
+pub(crate) fn kept_runs(
+    body: &[u8],
+) -> Result<Vec<(ExecutionId, u64, u32, crate::ExecutionStatus)>, String> {
+    let runs = body.chunks_exact(KEPT_RUN_BYTES);
+    if !runs.remainder().is_empty() {
+        return Err(format!("a part of kept events of {} bytes", body.len()));
+    }
+    runs.map(|run| {
+        let mut f = crate::codec::Reader::new(run, "kept events");
+        let parsed = (|| -> Result<_, StoreError> {
+            let _partition = f.u32()?;
+            let id = f.u64()?;
+            let id = ExecutionId::new(id as i64)
+                .map_err(|e| StoreError::Corrupt(format!("kept events: {e}")))?;
+            let first = f.u64()?;
+            let count = f.u32()?;
+            let status = crate::ExecutionStatus::from_code(f.u8()?)
+                .ok_or_else(|| StoreError::Corrupt("kept events: an unknown status".into()))?;
+            Ok((id, first, count, status))
+        })();
+        match parsed {
+            Ok(run) if run.2 > 0 && run.1 > 0 => Ok(run),
+            Ok(_) => Err("an empty run of kept events".to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .collect()
+}
 /// kind, group, len.
 const PART_HEADER: usize = 1 + 4 + 4;
 /// kind, group, segment, offset.

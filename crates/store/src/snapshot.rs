@@ -604,12 +604,7 @@ impl Import {
     /// Ends the run of kept events being extended.
     fn close_run(&mut self) {
         if let Some((partition, id, first, count, status)) = self.run.take() {
-            self.runs.extend_from_slice(&partition.get().to_be_bytes());
-            self.runs
-                .extend_from_slice(&(id.get() as u64).to_be_bytes());
-            self.runs.extend_from_slice(&first.to_be_bytes());
-            self.runs.extend_from_slice(&count.to_be_bytes());
-            self.runs.push(status.code());
+            crate::node_log::push_kept_run(&mut self.runs, partition, id, first, count, status);
         }
     }
 
