@@ -601,6 +601,69 @@ async fn an_idle_group_goes_quiet_wakes_for_a_write_and_replaces_a_dead_leader()
     after_the_leader_goes(&mut nodes, l, 7..=7).await;
 }
 
+/// A quiet leader whose calls to one follower fail (a one-way cut: the
+/// follower's own calls reach it) keeps its group. The follower, told
+/// nothing, wakes once the leader's node is silent to it and stands; its
+/// pre-vote reaches the leader. Quiet, the leader had heard no quorum,
+/// its lease had lapsed, and it granted the pre-vote and then the vote
+/// (the other follower, hearing the leader's node, does not answer), so
+/// the cut-off follower won the group from a live leader (a restarted
+/// node whose election timer runs out before the leader's node heartbeat
+/// comes does the same). The test failed so. Now the quiet leader
+/// confirms with the other follower before it answers, and refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_leader_cut_off_one_way_from_a_follower_keeps_its_group() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    write(&nodes[l], 1).await.expect("a write on the leader");
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    for i in 0..3 {
+        holds(&nodes, i, 1..=1, index).await;
+    }
+    for n in &nodes {
+        n.quiesce();
+    }
+    until_all(&nodes, "quiet", |s| s.quiet).await;
+    let led = nodes[l].status().expect("up");
+    let f = (l + 1) % 3;
+    // The leader's calls to the follower fail; the follower's reach it.
+    nodes[l].links.move_peer(nodes[f].id, NOWHERE.into());
+    // The follower wakes (its leader's node silent to it) within the
+    // election timeout's spread, and stands from then on: four election
+    // timeouts' max (600 ms) after it woke, the leader still leads at its
+    // term.
+    let until = Instant::now() + Duration::from_secs(10);
+    while nodes[f].status().is_some_and(|s| s.quiet) {
+        assert!(Instant::now() < until, "the cut-off follower stayed quiet");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let watch = Instant::now() + Duration::from_millis(2400);
+    while Instant::now() < watch {
+        for i in [l, (l + 2) % 3] {
+            let s = nodes[i].status().expect("up");
+            assert_eq!(
+                (s.leader, s.term),
+                (led.leader, led.term),
+                "a follower the leader could not reach took the group from it: {:?}",
+                nodes.iter().map(|n| n.status()).collect::<Vec<_>>()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Joined again, the follower follows the leader and takes its writes.
+    nodes[l].links.move_peer(nodes[f].id, nodes[f].addr.clone());
+    write(&nodes[l], 2).await.expect("a write after the heal");
+    let index = nodes[l]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    holds(&nodes, f, 1..=2, index).await;
+}
+
 /// A handover of the leadership to a replica that cannot take it (its
 /// node is down) leaves the old leader refusing writes (openraft's rule
 /// once it hands over) and sending no heartbeats: the group must stay

@@ -249,9 +249,10 @@ impl Quiet {
     /// group quiet, so it is alive and no election is needed. Not
     /// answering a vote is always safe; it only keeps a candidate that
     /// cannot hear a live leader from disrupting the group. A quiet leader
-    /// answers (it wakes first): it hears nothing while quiet, so it may
-    /// have been deposed without knowing, and refusing would keep the
-    /// group from electing.
+    /// answers (it wakes and confirms it leads first,
+    /// `raft_group::confirm_before_a_vote`): it hears nothing while quiet,
+    /// so it may have been deposed without knowing, and refusing would
+    /// keep the group from electing.
     pub(crate) fn refuses_vote(&self, fresh: Duration) -> Option<String> {
         let s = self.lock();
         if !s.quiet {

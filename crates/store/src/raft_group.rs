@@ -1476,7 +1476,13 @@ async fn handle_now(
             // Answered: an election is under way, which needs this
             // replica's timers (and a quiet leader's heartbeats, which
             // tell it whether it still leads).
-            group.quiet.wake(raft);
+            let leads = {
+                use openraft::async_runtime::WatchReceiver;
+                raft.metrics().borrow_watched().state == openraft::ServerState::Leader
+            };
+            if group.quiet.wake(raft) && leads {
+                confirm_before_a_vote(group).await;
+            }
         }
         _ => {}
     }
@@ -1506,6 +1512,34 @@ async fn handle_now(
             .map_err(|e| e.to_string()),
         crate::raft_net::Rpc::Snapshot(chunk) => receive_snapshot(group, chunk).await,
         crate::raft_net::Rpc::Reverted { node } => crate::fresh::reverted(raft, node).await,
+    }
+}
+
+/// A quiet leader asked for a vote or a pre-vote first confirms with a
+/// quorum that it still leads, within the election timeout's min, and
+/// the vote is answered after, whatever came of it. Quiet, it heard no
+/// quorum, so its lease had lapsed and openraft granted any candidate
+/// with as long a log: a follower that lost the leader's calls (a
+/// one-way cut, or a restarted node whose election timer ran out before
+/// the leader's node heartbeat came) won the group with the leader's
+/// own vote, an election an awake leader refuses. Confirmed, its lease
+/// is fresh and openraft refuses; deposed (a quorum answers with a newer
+/// term), it is a follower by then and votes by Raft's rules; not
+/// answered, its lease stays lapsed and it votes as before. Holding a
+/// vote back is always safe.
+async fn confirm_before_a_vote(group: &Group) {
+    let confirmed = tokio::time::timeout(
+        group.vote_fresh,
+        group
+            .raft
+            .ensure_linearizable(openraft::ReadPolicy::ReadIndex),
+    )
+    .await;
+    if !matches!(confirmed, Ok(Ok(_))) {
+        tracing::debug!(
+            shard = group.replica.group,
+            "a quiet leader asked for a vote could not confirm it leads; it answers as its lease says"
+        );
     }
 }
 
