@@ -566,6 +566,20 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             m.node
         )?;
     }
+    let placed_otherwise: Vec<String> = m
+        .nodes
+        .iter()
+        .filter(|n| n.same_placement == Some(false))
+        .map(|n| n.id.to_string())
+        .collect();
+    if !placed_otherwise.is_empty() {
+        writeln!(
+            out,
+            "node(s) {} run groups made with another placement than node {}'s: their Raft calls are refused and their leaders not taken (compare forkless cluster placement on each)",
+            placed_otherwise.join(", "),
+            m.node
+        )?;
+    }
     writeln!(out)?;
     let owner_text = |o: Option<u16>| {
         o.map_or_else(

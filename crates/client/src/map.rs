@@ -21,6 +21,11 @@ pub struct NodeInfo {
     /// node (`None`: not known yet, or an older server).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub same_nodes: Option<bool>,
+    /// Whether this node's groups were made with the same placement as the
+    /// answering node's (`None`: not known yet, not a replicated cluster,
+    /// or an older server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub same_placement: Option<bool>,
 }
 
 fn yes() -> bool {

@@ -163,3 +163,144 @@ fn a_node_added_to_the_file_joins_once_the_placement_is_pinned() {
     eprintln!("answers: {:?}", histogram(&batches));
     settle_verify_and_compare(&mut cl, &mut batches, &execs, 3, &[2, 3, 4, five], 400);
 }
+
+/// A node that skipped the start-up check of the placement takes no part
+/// in the cluster's groups. Node 3 lost its record of the placement and
+/// started while every other node was down, on a file with node 5 added
+/// and nothing pinned (the spread moved): with no record and no peer to
+/// ask, it recorded the file's placement, and node 5, asking node 3,
+/// agreed. The two then made new groups of the shards the new spread
+/// gives them, shard 7 among them (nodes 3, 4 and 5, where its group is
+/// on nodes 4, 1 and 2), and elected a leader of it between them: a
+/// second group of shard 7. Once nodes 1, 2 and 4 run again, their Raft
+/// transports refuse the two nodes' calls (their placements' fingerprints
+/// differ at hello), and their directories do not take the two nodes'
+/// word for who leads: every write is acknowledged by the cluster's own
+/// groups, and is there once nodes 3 and 5 are gone.
+#[test]
+fn a_node_placed_otherwise_takes_no_part_in_the_groups() {
+    let _deadline = deadline("a node placed otherwise", Duration::from_secs(240));
+    let mut cl = Cluster::prepare_replicated(4, SHARDS, 3, PeerTiming::default());
+    cl.start_all_replicated();
+    let first_file = cl.node(3).config.clone();
+    let execs = start_spread(&cl.client(1), "placed", 2 * SHARDS, SHARDS);
+    let shared = Shared::default();
+    let via: Vec<Client> = [1, 2, 4].iter().map(|n| cl.client(*n)).collect();
+    let writers = spawn_writers(&via, &execs, 4, 4, 4, &shared);
+    shared.wait_acks(200, "200 acknowledged writes before the outage");
+
+    // Every node down; node 3's record gone; node 3, then node 5, start
+    // on a file whose spread moved.
+    for n in 1..=4 {
+        cl.kill9(n);
+    }
+    std::fs::remove_file(cl.node(3).data_dir.join("placement.json")).expect("node 3's record");
+    let five = cl.add_node();
+    let unpinned = cl.write_config("cluster-v2-unpinned.toml", &[]);
+    cl.spawn(3, &unpinned);
+    cl.wait_ready(3);
+    cl.spawn(five, &unpinned);
+    cl.wait_ready(five);
+    // The second group of shard 7 elects a leader, on node 3 or 5.
+    let forked = |n: u16| {
+        let v = cl.client(n).get("/api/cluster").json();
+        (v["shards"][7]["raft"]["voters"] == serde_json::json!([3, 4, five]))
+            .then(|| v["shards"][7]["leader"].as_u64())
+            .flatten()
+            .filter(|l| [3, u64::from(five)].contains(l))
+    };
+    let fork_leader = wait_until(
+        "nodes 3 and 5 to elect a leader of their own group of shard 7",
+        Duration::from_secs(30),
+        || forked(3),
+    );
+    eprintln!("the second group of shard 7 is led by node {fork_leader}");
+
+    // The cluster's own nodes come back on the file they ran with.
+    for n in [1, 2, 4] {
+        cl.spawn(n, &first_file);
+    }
+    for n in [1, 2, 4] {
+        cl.wait_ready(n);
+    }
+    let before = shared.acks();
+    shared.wait_acks(before + 200, "200 acknowledged writes after the restart");
+    // Starts on shard 7 through each of the cluster's nodes: acknowledged
+    // by shard 7's own group (the second one, led by node 3 or 5, would
+    // acknowledge them too, and lose them with those nodes).
+    let started: Vec<String> = [1, 2, 4]
+        .iter()
+        .cycle()
+        .take(12)
+        .enumerate()
+        .map(|(i, n)| {
+            let key = key_on_shard(&format!("seven-{i}"), 7, SHARDS);
+            let body = serde_json::json!({"workflow": "w", "routing_key": key, "idempotency_key": format!("seven-{i}")});
+            let c = cl.client(*n);
+            let r = settled(Duration::from_secs(20), || c.post("/api/executions", &body));
+            assert!(r.status == 201 || r.status == 200, "start {body} through node {n}: {} {}", r.status, r.text());
+            r.json()["execution_id"].as_str().expect("id").to_string()
+        })
+        .collect();
+    for n in [1, 2, 4] {
+        let v = cl.client(n).get("/api/cluster").json();
+        let nodes = v["nodes"].as_array().expect("nodes");
+        for (peer, alike) in [(1, true), (2, true), (3, false), (4, true)] {
+            let seen = nodes.iter().find(|x| x["id"] == peer).expect("listed");
+            let same = wait_until(
+                "each node to have compared its peers' placements",
+                Duration::from_secs(10),
+                || {
+                    cl.client(n).get("/api/cluster").json()["nodes"]
+                        .as_array()
+                        .and_then(|ns| ns.iter().find(|x| x["id"] == peer).cloned())
+                        .and_then(|x| x["same_placement"].as_bool())
+                },
+            );
+            assert_eq!(same, alike, "node {n} on node {peer}: {seen}");
+        }
+        // Shard 7's leader, as each of the cluster's nodes has it, is one
+        // of its group's replicas.
+        let leader = v["shards"][7]["leader"].as_u64();
+        assert!(
+            leader.is_none_or(|l| [4, 1, 2].contains(&l)),
+            "node {n} routes shard 7 to node {leader:?}: {}",
+            v["shards"][7]
+        );
+    }
+    let refused = strip_ansi(&cl.node(4).proc().log());
+    assert!(
+        refused.contains("refused the Raft calls of a node that is not a peer")
+            && refused.contains("placement (fingerprint"),
+        "node 4 did not refuse the Raft calls of nodes 3 and 5 for their placement:\n{refused}"
+    );
+    let status = cl.status(1);
+    assert!(
+        status.contains("node(s) 3 run groups made with another placement than node 1's"),
+        "{status}"
+    );
+
+    // Nodes 3 and 5 go; every acknowledged write is in the cluster's own
+    // groups, and their replicas on nodes 1, 2 and 4 are alike.
+    cl.kill9(3);
+    cl.kill9(five);
+    let c1 = cl.client(1);
+    for e in &started {
+        let r = settled(Duration::from_secs(20), || {
+            c1.get(&format!("/api/executions/{e}"))
+        });
+        assert_eq!(r.status, 200, "{e}, started on shard 7: {}", r.text());
+    }
+    let mut batches = shared.finish(writers);
+    let answers = histogram(&batches);
+    eprintln!("answers: {answers:?}");
+    // An execution started and acknowledged is never not found: a node
+    // that routed a write to the second group of shard 7 got that answer.
+    assert!(
+        !answers
+            .iter()
+            .any(|(a, _)| a.contains("execution_not_found")),
+        "{answers:?}"
+    );
+    settle_verify_and_compare(&mut cl, &mut batches, &execs, 1, &[1, 2, 4], 400);
+}

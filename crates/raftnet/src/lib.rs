@@ -4,12 +4,13 @@
 //!
 //! ```text
 //! frame     = len u32 (big-endian) | postcard(message)          (tokio-util's length-delimited codec)
-//! to server = Hello { version, from, secret } | Call { id, group, rpc }
+//! to server = Hello { version, from, secret, placement } | Call { id, group, rpc }
 //! to client = Welcome | Refused(reason) | Answer { id, result }
 //! ```
 //!
-//! A connection begins with `Hello`, which carries the cluster secret;
-//! a server answers `Welcome` or `Refused` (and closes). A node's server
+//! A connection begins with `Hello`, which carries the cluster secret and
+//! a fingerprint of the placement the node's groups were made with
+//! ([`Handshake`]); a server answers `Welcome` or `Refused` (and closes). A node's server
 //! also refuses a peer that is not one of its cluster's nodes (retired, or
 //! not in its file: [`Admit`]), at hello and at every call after, so a
 //! node retired while it still runs gets no say in a group any more. Then the client
@@ -48,7 +49,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
@@ -80,6 +81,7 @@ enum ToServer {
         version: u32,
         from: u64,
         secret: String,
+        placement: u64,
     },
     Call {
         id: u64,
@@ -123,6 +125,32 @@ fn same_secret(a: &str, b: &str) -> bool {
 type Reply = oneshot::Sender<Result<RpcReply, CallError>>;
 type Outgoing = (u32, Rpc, Reply);
 
+/// What a node says at a connection's hello, and what its server takes
+/// from a peer's: the cluster's secret, and a fingerprint of the
+/// placement its groups were made with (each shard's first membership).
+/// A peer whose placement differs is refused: its groups were (or would
+/// be) made with another membership, and two such replicas of one shard
+/// could elect a leader of their own (a fork; `docs/replication.md`,
+/// "Adding a node: the placement is pinned first"). The start-up check
+/// refuses such a node before it opens a replica, but only against a
+/// record or a peer that answers; this check holds for every call.
+#[derive(Debug, Clone)]
+pub struct Handshake {
+    pub secret: String,
+    pub placement: u64,
+}
+
+impl Handshake {
+    /// A handshake with the secret alone (placement 0): for a transport
+    /// whose every node is made the same way (tests, tools).
+    pub fn secret(secret: String) -> Handshake {
+        Handshake {
+            secret,
+            placement: 0,
+        }
+    }
+}
+
 /// This node's connections to its peers: [`Peers`] for the store.
 #[derive(Clone)]
 pub struct Links {
@@ -131,7 +159,7 @@ pub struct Links {
 
 struct Inner {
     me: u64,
-    secret: String,
+    hello: Handshake,
     /// Grows when a node is added at run time ([`Links::add_peer`]).
     links: std::sync::RwLock<BTreeMap<u64, Arc<Link>>>,
     /// The runtime the connections are made and run on (the caller's when
@@ -165,7 +193,7 @@ impl Links {
     /// Connections from node `me` to each of `peers` (id → Raft address),
     /// made when first needed and again after one breaks.
     pub fn new(me: u64, secret: String, peers: impl IntoIterator<Item = (u64, String)>) -> Links {
-        Links::on(me, secret, peers, None)
+        Links::on(me, Handshake::secret(secret), peers, None)
     }
 
     /// [`Links::new`], each connection made and run on `runtime` (the
@@ -174,7 +202,7 @@ impl Links {
     /// caller's runtime when `None`.
     pub fn on(
         me: u64,
-        secret: String,
+        hello: Handshake,
         peers: impl IntoIterator<Item = (u64, String)>,
         runtime: Option<tokio::runtime::Handle>,
     ) -> Links {
@@ -186,11 +214,17 @@ impl Links {
         Links {
             inner: Arc::new(Inner {
                 me,
-                secret,
+                hello,
                 links: std::sync::RwLock::new(links),
                 runtime,
             }),
         }
+    }
+
+    /// What this node says at hello (and so what its server takes from a
+    /// peer's).
+    pub fn handshake(&self) -> Handshake {
+        self.inner.hello.clone()
     }
 
     /// Adds a peer the cluster file gained while this node ran (`forkless
@@ -341,10 +375,10 @@ impl Inner {
             }
         }
         let within = deadline.min(Instant::now() + CONNECT_WITHIN);
-        let (me, secret, addr) = (self.me, self.secret.clone(), link.addr.clone());
+        let (me, hello, addr) = (self.me, self.hello.clone(), link.addr.clone());
         let attempt = async move {
             let framed =
-                tokio::time::timeout_at(within, connect(me, &secret, target, &addr)).await?;
+                tokio::time::timeout_at(within, connect(me, &hello, target, &addr)).await?;
             Ok::<_, tokio::time::error::Elapsed>(framed.map(|framed| {
                 let (tx, rx) = mpsc::channel(IN_FLIGHT_MAX);
                 tokio::spawn(run_client(framed, rx, target));
@@ -407,7 +441,7 @@ impl<T> Drop for AbortOnDrop<T> {
 /// A connection to node `target` at `addr`, its hello answered welcome.
 async fn connect(
     me: u64,
-    secret: &str,
+    hello: &Handshake,
     target: u64,
     addr: &str,
 ) -> Result<Framed<TcpStream, LengthDelimitedCodec>, String> {
@@ -419,7 +453,8 @@ async fn connect(
     let hello = encode(&ToServer::Hello {
         version: PROTOCOL_VERSION,
         from: me,
-        secret: secret.to_string(),
+        secret: hello.secret.clone(),
+        placement: hello.placement,
     })?;
     framed
         .send(hello)
@@ -530,7 +565,15 @@ pub async fn serve(
     stop: watch::Receiver<bool>,
 ) {
     let anyone: Admit = Arc::new(|_| Ok(()));
-    serve_node(listener, secret, groups, None, anyone, stop).await
+    serve_node(
+        listener,
+        Handshake::secret(secret),
+        groups,
+        None,
+        anyone,
+        stop,
+    )
+    .await
 }
 
 /// [`serve`] for a node: only peers `admit` lets in are served, and a
@@ -540,7 +583,7 @@ pub async fn serve(
 /// it again).
 pub async fn serve_node(
     listener: TcpListener,
-    secret: String,
+    hello: Handshake,
     groups: Groups,
     join: Option<Join>,
     admit: Admit,
@@ -552,7 +595,7 @@ pub async fn serve_node(
     });
     let open = Arc::new(AtomicUsize::new(0));
     let refusals = Arc::new(Refusals::default());
-    let secret: Arc<str> = secret.into();
+    let hello = Arc::new(hello);
     loop {
         let accepted = tokio::select! {
             r = listener.accept() => r,
@@ -572,17 +615,17 @@ pub async fn serve_node(
             continue;
         }
         let _ = tcp.set_nodelay(true);
-        let (open, refusals, secret, groups, joins, admit, stop) = (
+        let (open, refusals, hello, groups, joins, admit, stop) = (
             open.clone(),
             refusals.clone(),
-            secret.clone(),
+            hello.clone(),
             groups.clone(),
             joins.clone(),
             admit.clone(),
             stop.clone(),
         );
         tokio::spawn(async move {
-            match serve_connection(tcp, &secret, groups, joins, admit, stop).await {
+            match serve_connection(tcp, &hello, groups, joins, admit, stop).await {
                 Ok(()) => {}
                 // Such a node tries again and again: said once a minute.
                 Err(Closed::NotAPeer { node, why }) if refusals.first_in_a_while(node) => {
@@ -693,24 +736,25 @@ impl From<String> for Closed {
 
 async fn serve_connection(
     tcp: TcpStream,
-    secret: &str,
+    hello: &Handshake,
     groups: Groups,
     joins: Arc<Joins>,
     admit: Admit,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Closed> {
     let mut framed = Framed::new(tcp, codec());
-    let hello = match tokio::time::timeout(HELLO_WITHIN, framed.next()).await {
+    let said = match tokio::time::timeout(HELLO_WITHIN, framed.next()).await {
         Err(_) => return Err(format!("no hello within {} s", HELLO_WITHIN.as_secs()).into()),
         Ok(None) => return Err(Closed::Other("closed before hello".into())),
         Ok(Some(Err(e))) => return Err(format!("reading hello: {e}").into()),
         Ok(Some(Ok(b))) => b,
     };
-    let peer = match decode::<ToServer>(&hello)? {
+    let peer = match decode::<ToServer>(&said)? {
         ToServer::Hello {
             version,
             from,
             secret: theirs,
+            placement,
         } => {
             // The secret first: who a peer says it is counts only once it
             // knows it.
@@ -718,8 +762,19 @@ async fn serve_connection(
                 Some(Closed::Other(format!(
                     "protocol version {version}; this node speaks {PROTOCOL_VERSION}"
                 )))
-            } else if !same_secret(&theirs, secret) {
+            } else if !same_secret(&theirs, &hello.secret) {
                 Some(Closed::Other("wrong cluster secret".to_string()))
+            } else if placement != hello.placement {
+                Some(Closed::NotAPeer {
+                    node: from,
+                    why: format!(
+                        "its groups' placement (fingerprint {placement:016x}) is not this node's ({:016x}): \
+                         their cluster files place some shard's replicas on other nodes, and a replica made with \
+                         another membership must not vote or replicate in this node's groups; compare \
+                         `forkless cluster placement` on both nodes",
+                        hello.placement
+                    ),
+                })
             } else {
                 admit(from)
                     .err()
@@ -1132,6 +1187,45 @@ mod tests {
         }
     }
 
+    /// A node whose groups' placement differs from this node's (it skipped
+    /// the start-up check: its record deleted, every peer down when it
+    /// started) is refused at hello, naming both fingerprints; one that
+    /// places alike is served.
+    #[tokio::test]
+    async fn a_node_placed_otherwise_is_refused_at_hello() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        let anyone: Admit = Arc::new(|_| Ok(()));
+        let placed = |placement| Handshake {
+            secret: "s".into(),
+            placement,
+        };
+        tokio::spawn(serve_node(
+            listener,
+            placed(0xab),
+            groups,
+            None,
+            anyone,
+            stop,
+        ));
+        let vote = || Rpc::Vote(openraft_vote());
+        let other = Links::on(1, placed(0xcd), [(2, addr.clone())], None);
+        match other.call(2, 7, vote(), Duration::from_secs(2)).await {
+            Err(CallError::Unreachable(why)) => assert!(
+                why.contains("refused this node: its groups' placement (fingerprint 00000000000000cd) is not this node's (00000000000000ab)"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        let alike = Links::on(1, placed(0xab), [(2, addr)], None);
+        assert!(matches!(
+            alike.call(2, 7, vote(), Duration::from_secs(2)).await,
+            Err(CallError::Remote(_))
+        ));
+    }
+
     /// A node that is not a peer (retired, or not in the file) is refused
     /// at hello with the reason, and one retired while its connection is
     /// open has that connection closed at its next call.
@@ -1150,7 +1244,14 @@ mod tests {
                 n => Err(format!("node {n} is not in this node's cluster file")),
             })
         };
-        tokio::spawn(serve_node(listener, "s".into(), groups, None, admit, stop));
+        tokio::spawn(serve_node(
+            listener,
+            Handshake::secret("s".into()),
+            groups,
+            None,
+            admit,
+            stop,
+        ));
         let vote = || Rpc::Vote(openraft_vote());
         let stranger = Links::new(9, "s".into(), [(2, addr.clone())]);
         match stranger.call(2, 0, vote(), Duration::from_secs(2)).await {

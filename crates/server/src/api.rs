@@ -1915,6 +1915,11 @@ async fn cluster(State(app): AppState) -> Response {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
+    let same_placement = app
+        .same_placement
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
     let nodes: Vec<_> = app
         .dir
         .nodes()
@@ -1928,6 +1933,9 @@ async fn cluster(State(app): AppState) -> Response {
                 "probe": if nd.id == app.cfg.node_id { "self" } else { app.dir.liveness().state(nd.id).as_str() },
                 // Unknown (null) until the peer answered a probe.
                 "same_nodes": if nd.id == app.cfg.node_id { Some(true) } else { same_nodes.get(&nd.id.get()).copied() },
+                // Null until the peer answered a probe, and in a cluster
+                // that does not replicate.
+                "same_placement": if nd.id == app.cfg.node_id { app.links.as_ref().map(|_| true) } else { same_placement.get(&nd.id.get()).copied() },
                 "self": nd.id == app.cfg.node_id,
             })
         })

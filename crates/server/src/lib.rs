@@ -79,6 +79,10 @@ pub struct App {
     /// as this node runs with: a peer not reloaded after the files were
     /// edited differs.
     pub same_nodes: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
+    /// Whether each peer answered its last probe with the fingerprint of
+    /// the placement this node's groups were made with (a replicated
+    /// cluster's): a peer placed otherwise is not learned from.
+    pub same_placement: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
     /// Held for a whole reload (reading the file, planning, applying), so
     /// that two reloads (a SIGHUP and a request) cannot apply out of the
     /// order they read the file in.
@@ -140,12 +144,17 @@ impl App {
             check_placement(&cfg, c, r).await?;
         }
         let replication = replicated.as_ref().map(|r| {
-            let secret = cfg
-                .cluster
-                .as_ref()
-                .map(|c| c.secret.clone())
-                .unwrap_or_default();
-            store_replication(cfg.node_id, r, secret)
+            let hello = forkless_raftnet::Handshake {
+                secret: cfg
+                    .cluster
+                    .as_ref()
+                    .map(|c| c.secret.clone())
+                    .unwrap_or_default(),
+                // The file's, which the check above found the same (as
+                // sets) as the recorded one; a reload keeps it so.
+                placement: placement::Placement::of(r, cfg.shard_count).fingerprint(),
+            };
+            store_replication(cfg.node_id, r, hello)
         });
         let (replication, links) = match replication.transpose()? {
             Some((r, l)) => (Some(r), Some(l)),
@@ -225,6 +234,7 @@ impl App {
             reload,
             links,
             same_nodes: Default::default(),
+            same_placement: Default::default(),
             reloading: Default::default(),
             move_targets: Default::default(),
             dir,
@@ -372,7 +382,7 @@ async fn check_placement(
 fn store_replication(
     me: forkless_types::NodeId,
     r: &config::Replicated,
-    secret: String,
+    hello: forkless_raftnet::Handshake,
 ) -> Result<(forkless_store::Replication, forkless_raftnet::Links), forkless_store::StoreError> {
     let addrs: std::collections::BTreeMap<u64, String> = r
         .raft_addrs
@@ -383,7 +393,7 @@ fn store_replication(
     let members = addrs.clone();
     let links = forkless_raftnet::Links::on(
         u64::from(me.get()),
-        secret,
+        hello,
         addrs,
         Some(forkless_store::raft_runtime()?),
     );
@@ -598,9 +608,15 @@ pub async fn run(
             let app = app.clone();
             Arc::new(move |node| app.admits_peer(node))
         };
+        // What its peers say at hello is checked against what this node
+        // says to them: the secret, and its groups' placement.
+        let hello = app.links.as_ref().map_or_else(
+            || forkless_raftnet::Handshake::secret(app.secret.clone()),
+            forkless_raftnet::Links::handshake,
+        );
         raft_rt.spawn(forkless_raftnet::serve_node(
             listener,
-            app.secret.clone(),
+            hello,
             groups,
             join,
             admit,

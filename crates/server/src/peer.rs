@@ -58,6 +58,7 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
         "map_version": app.dir.map_version(),
         "owned": shards,
         "nodes": node_ids(&app),
+        "placement": placement_fingerprint(&app),
     }))
     .into_response()
 }
@@ -70,10 +71,51 @@ fn node_ids(app: &App) -> Vec<u16> {
     app.dir.nodes().iter().map(|n| n.id.get()).collect()
 }
 
+/// The fingerprint of the placement this node's groups were made with
+/// (`placement::Placement::fingerprint`, as its Raft transport says it at
+/// hello), in hex; `None` in a cluster that does not replicate.
+fn placement_fingerprint(app: &App) -> Option<String> {
+    app.links
+        .as_ref()
+        .map(|l| format!("{:016x}", l.handshake().placement))
+}
+
+/// Whether peer `node`'s groups were made with the placement this node's
+/// were (`theirs` and `mine` their fingerprints), recording it and logging
+/// when that changes. A peer placed otherwise skipped the start-up check
+/// (its record deleted by hand, every peer down when it started without
+/// one): its Raft calls are refused at hello, and what it says it leads is
+/// not taken either, or this node would route writes to a second group of
+/// a shard, which such a node and another like it can make (a fork).
+fn compare_placements(app: &App, node: NodeId, theirs: &str, mine: &str) -> bool {
+    let same = theirs == mine;
+    let before = app
+        .same_placement
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(node.get(), same);
+    if before != Some(same) && (before.is_some() || !same) {
+        if same {
+            tracing::info!(peer = %node, "peer's groups were made with the same placement as this node's again");
+        } else {
+            tracing::warn!(
+                peer = %node, theirs, ours = mine,
+                "peer's groups were made with another placement than this node's (its cluster file places some shard on other nodes, and it did not start on this cluster's record): what it says it leads is not taken, and its Raft calls are refused; compare `forkless cluster placement` on both nodes"
+            );
+        }
+    }
+    same
+}
+
 #[derive(Deserialize)]
 struct PeerStatus {
     node: u16,
     owned: Vec<OwnedShard>,
+    /// The fingerprint of the placement the peer's groups were made with
+    /// (absent from an older build's answer, and in a cluster that does
+    /// not replicate).
+    #[serde(default)]
+    placement: Option<String>,
     /// The ids of the nodes the peer runs with (absent from an older
     /// build's answer).
     #[serde(default)]
@@ -109,6 +151,10 @@ pub(crate) fn forget_peer(app: &App, node: NodeId) {
         .peer_up
         .remove(&crate::metrics::NodeLabel { node: node.get() });
     app.same_nodes
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&node.get());
+    app.same_placement
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&node.get());
@@ -162,12 +208,21 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
             });
         }
         let mine = node_ids(&app);
+        let placed = placement_fingerprint(&app);
         while let Some(Ok((node, r))) = probes.join_next().await {
             let mut theirs = None;
             let alive = match r {
                 Ok(body) => match serde_json::from_slice::<PeerStatus>(&body) {
                     Ok(st) if st.node == node.get() => {
-                        learn(&app, node, &st).await;
+                        let alike = match (&st.placement, &placed) {
+                            (Some(theirs), Some(mine)) => {
+                                compare_placements(&app, node, theirs, mine)
+                            }
+                            _ => true,
+                        };
+                        if alike {
+                            learn(&app, node, &st).await;
+                        }
                         theirs = st.nodes;
                         true
                     }

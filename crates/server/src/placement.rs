@@ -77,6 +77,33 @@ impl Placement {
             .collect()
     }
 
+    /// A fingerprint of the placement as sets (the order of a shard's
+    /// replicas is not part of it, as it is not of [`Placement::moved_from`]),
+    /// said at every Raft connection's hello: a peer whose fingerprint
+    /// differs is refused, so a node that skipped the start-up check (its
+    /// record deleted by hand; every peer down when it started without
+    /// one) cannot take part in a group made with another membership.
+    /// FNV-1a over the shard count and each shard's sorted node ids: stable
+    /// across builds and machines, which a `Hasher` of std is not.
+    pub fn fingerprint(&self) -> u64 {
+        const PRIME: u64 = 0x0000_0100_0000_01b3;
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |x: u64| {
+            for b in x.to_le_bytes() {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(PRIME);
+            }
+        };
+        eat(u64::from(self.shard_count));
+        for replicas in &self.replicas {
+            let mut sorted = replicas.clone();
+            sorted.sort_unstable();
+            eat(sorted.len() as u64);
+            sorted.into_iter().for_each(&mut eat);
+        }
+        h
+    }
+
     /// The placement as `[[placement]]` entries of a cluster file.
     pub fn to_toml(&self) -> String {
         let mut s = String::new();
@@ -205,6 +232,35 @@ mod tests {
         assert!(
             why.contains("moves 2 shard(s)") && why.contains("shard 2 on [3, 4, 5], not [3, 4, 1]"),
             "{why}"
+        );
+    }
+
+    #[test]
+    fn the_fingerprint_is_of_the_sets_and_tells_moved_placements_apart() {
+        let recorded = p(&[&[1, 2, 3], &[2, 3, 4], &[3, 4, 1], &[4, 1, 2]]);
+        let f = recorded.fingerprint();
+        // Stable across builds: the hello of one version's nodes must match
+        // another's that places alike.
+        assert_eq!(f, 0x3c1a_2493_920c_b705, "{f:#x}");
+        assert_eq!(
+            p(&[&[2, 1, 3], &[2, 3, 4], &[1, 3, 4], &[4, 1, 2]]).fingerprint(),
+            f,
+            "the order of a shard's replicas is no move"
+        );
+        let moved = p(&[&[1, 2, 3], &[2, 3, 4], &[3, 4, 5], &[4, 5, 1]]);
+        assert_ne!(moved.fingerprint(), f);
+        // Shards swapped, and a shard's replicas split differently.
+        assert_ne!(
+            p(&[&[2, 3, 4], &[1, 2, 3], &[3, 4, 1], &[4, 1, 2]]).fingerprint(),
+            f
+        );
+        assert_ne!(
+            p(&[&[1, 2], &[3, 2, 3, 4]]).fingerprint(),
+            p(&[&[1, 2, 3], &[2, 3, 4]]).fingerprint()
+        );
+        assert_ne!(
+            p(&[&[1, 2, 3]]).fingerprint(),
+            p(&[&[1, 2, 3], &[]]).fingerprint()
         );
     }
 
