@@ -23,6 +23,9 @@
 //! entry itself until it is durable (openraft reads an entry as soon as
 //! `append` returns) and, within a small budget, after. A read of a range
 //! is then `pread`s at known places, never a scan of other groups' rounds.
+//! The entries out of memory, most of a long log, are held compactly
+//! (`Cold`: a place of 32 bytes each, and the term once per run of one
+//! term), so a log can keep many of them for a follower that was away.
 //!
 //! - **`append`** encodes the entries into parts, makes them readable, and
 //!   queues them for the syncer thread; the flush callback runs after the
@@ -47,7 +50,7 @@ use openraft::storage::{IOFlushed, LogState, RaftLogReader, RaftLogStorage};
 use openraft::type_config::alias::{EntryOf, LogIdOf, VoteOf};
 use openraft::vote::RaftLeaderId;
 use openraft::{EntryPayload, OptionalSend};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Debug;
 use std::io;
 use std::ops::RangeBounds;
@@ -160,9 +163,114 @@ struct Slot {
     bytes: usize,
 }
 
+/// The oldest entries of a group's log, each durable and out of memory:
+/// its place, by index from `first`, and the terms by runs. An entry here
+/// costs its [`At`], 32 bytes; a [`Slot`] is 136, 144 with its key in the
+/// map, before the map's own nodes. A log keeps up to
+/// `RaftLogLimits::kept` entries past its last snapshot, nearly all here.
+#[derive(Default)]
+struct Cold {
+    /// The index of `places[0]`.
+    first: u64,
+    places: VecDeque<At>,
+    /// (first index, term) of each run of entries of one term, in order;
+    /// the first run's index is `first` or before.
+    terms: VecDeque<(u64, u64)>,
+}
+
+impl Cold {
+    /// One past its last index (`first` when empty).
+    fn end(&self) -> u64 {
+        self.first + self.places.len() as u64
+    }
+
+    fn is_empty(&self) -> bool {
+        self.places.is_empty()
+    }
+
+    /// Takes in the entry right after its last (or its first).
+    fn push(&mut self, log_id: LogId, at: At) {
+        if self.places.is_empty() {
+            self.first = log_id.index;
+            self.terms.clear();
+        }
+        debug_assert_eq!(log_id.index, self.end());
+        let term = log_id.leader_id.term;
+        if self.terms.back().is_none_or(|(_, t)| *t != term) {
+            self.terms.push_back((log_id.index, term));
+        }
+        self.places.push_back(at);
+    }
+
+    fn get(&self, index: u64) -> Option<(LogId, At)> {
+        let at = *self
+            .places
+            .get(usize::try_from(index.checked_sub(self.first)?).ok()?)?;
+        Some((self.log_id(index), at))
+    }
+
+    /// The log id of `index`, which it holds.
+    fn log_id(&self, index: u64) -> LogId {
+        let run = self.terms.partition_point(|(from, _)| *from <= index);
+        let term = self.terms.get(run.saturating_sub(1)).map_or(0, |(_, t)| *t);
+        LogId::new(
+            openraft::vote::leader_id_std::CommittedLeaderId::new(term),
+            index,
+        )
+    }
+
+    fn last(&self) -> Option<LogId> {
+        (!self.is_empty()).then(|| self.log_id(self.end() - 1))
+    }
+
+    /// Drops every entry at `index` and after.
+    fn cut_from(&mut self, index: u64) {
+        if index <= self.first {
+            self.places.clear();
+            self.terms.clear();
+        } else if index < self.end() {
+            self.places.truncate((index - self.first) as usize);
+            while self.terms.back().is_some_and(|(from, _)| *from >= index) {
+                self.terms.pop_back();
+            }
+        }
+    }
+
+    /// Drops every entry at `index` and before.
+    fn purge_through(&mut self, index: u64) {
+        if index < self.first {
+            return;
+        }
+        if index + 1 >= self.end() {
+            self.places.clear();
+            self.terms.clear();
+            return;
+        }
+        self.places.drain(..(index + 1 - self.first) as usize);
+        self.first = index + 1;
+        while self
+            .terms
+            .get(1)
+            .is_some_and(|(from, _)| *from <= self.first)
+        {
+            self.terms.pop_front();
+        }
+    }
+
+    /// (log id, place) of each entry it holds from `from` to `to`
+    /// (exclusive).
+    fn range(&self, from: u64, to: u64) -> impl Iterator<Item = (LogId, At)> + '_ {
+        let lo = from.max(self.first);
+        let hi = to.min(self.end());
+        (lo..hi.max(lo)).filter_map(|i| self.get(i))
+    }
+}
+
 #[derive(Default)]
 struct Tail {
     purged: Option<LogId>,
+    /// The oldest entries, durable and out of memory; `entries` follow it.
+    cold: Cold,
     entries: BTreeMap<u64, Slot>,
     vote: Option<Vote>,
     /// Body bytes of the durable entries held in memory.
@@ -170,6 +278,10 @@ struct Tail {
     /// No entry below this index is held in memory once durable (where
     /// the next eviction looks first).
     evict_from: u64,
+    /// How many body bytes of durable entries may stay in memory
+    /// ([`CACHE_BYTES`]; a test sets 0, so that every durable entry goes
+    /// to the compact part at once).
+    cache_bytes: usize,
     appends: u64,
 }
 
@@ -177,6 +289,7 @@ impl Tail {
     /// Drops every entry at `index` and after.
     fn cut_from(&mut self, index: u64) {
         self.evict_from = self.evict_from.min(index);
+        self.cold.cut_from(index);
         for (_, slot) in self.entries.split_off(&index) {
             if slot.at.is_some() && slot.entry.is_some() {
                 self.cached -= slot.bytes;
@@ -188,28 +301,74 @@ impl Tail {
         self.entries
             .last_key_value()
             .map(|(_, s)| s.log_id)
+            .or_else(|| self.cold.last())
             .or(self.purged)
+    }
+
+    /// Where entry `index`'s body lies, once durable.
+    fn place(&self, index: u64) -> Option<At> {
+        match self.cold.get(index) {
+            Some((_, at)) => Some(at),
+            None => self.entries.get(&index)?.at,
+        }
+    }
+
+    /// Takes in a durable entry read back from the node log (at open):
+    /// into the compact part while it follows it, as it does in a log
+    /// read in order.
+    fn push_durable(&mut self, log_id: LogId, at: At) {
+        self.cut_from(log_id.index);
+        if self.entries.is_empty() && (self.cold.is_empty() || log_id.index == self.cold.end()) {
+            self.cold.push(log_id, at);
+            return;
+        }
+        self.entries.insert(
+            log_id.index,
+            Slot {
+                log_id,
+                at: Some(at),
+                entry: None,
+                append: 0,
+                bytes: at.len as usize,
+            },
+        );
+    }
+
+    /// Moves the oldest entries that are durable and out of memory from
+    /// the map to the compact part.
+    fn settle(&mut self) {
+        while let Some(entry) = self.entries.first_entry() {
+            let slot = entry.get();
+            let follows = self.cold.is_empty() || *entry.key() == self.cold.end();
+            let (Some(at), None, true) = (slot.at, &slot.entry, follows) else {
+                return;
+            };
+            let log_id = slot.log_id;
+            entry.remove();
+            self.cold.push(log_id, at);
+        }
     }
 
     /// Lets go of the oldest durable entries held in memory until the
     /// cache is within its budget.
     fn evict(&mut self) {
-        if self.cached <= CACHE_BYTES {
+        if self.cached <= self.cache_bytes {
             return;
         }
         for (index, slot) in self.entries.range_mut(self.evict_from..) {
             if slot.at.is_none() {
                 // Not durable yet, nor is anything after it.
-                return;
+                break;
             }
             self.evict_from = index + 1;
             if slot.entry.take().is_some() {
                 self.cached -= slot.bytes;
-                if self.cached <= CACHE_BYTES {
-                    return;
+                if self.cached <= self.cache_bytes {
+                    break;
                 }
             }
         }
+        self.settle();
     }
 }
 
@@ -236,6 +395,7 @@ impl RaftReplay {
             tail: Tail {
                 purged: start.purged,
                 vote: start.vote,
+                cache_bytes: CACHE_BYTES,
                 ..Tail::default()
             },
             failed: None,
@@ -270,20 +430,13 @@ impl RaftReplay {
                 if tail.purged.is_some_and(|p| log_id.index <= p.index) {
                     return;
                 }
-                tail.cut_from(log_id.index);
-                tail.entries.insert(
-                    log_id.index,
-                    Slot {
-                        log_id,
-                        at: Some(At {
-                            segment: at.segment,
-                            offset: at.offset,
-                            len: body.len() as u32,
-                            round,
-                        }),
-                        entry: None,
-                        append: 0,
-                        bytes: body.len(),
+                tail.push_durable(
+                    log_id,
+                    At {
+                        segment: at.segment,
+                        offset: at.offset,
+                        len: body.len() as u32,
+                        round,
                     },
                 );
             }),
@@ -400,8 +553,7 @@ impl RaftLogRead {
     /// Where entry `index`'s proposal lies (segment, offset), once the
     /// entry is durable here.
     pub(crate) fn proposal_place(&self, index: u64) -> Option<(u32, u64)> {
-        let t = lock(&self.tail);
-        let at = t.entries.get(&index)?.at?;
+        let at = lock(&self.tail).place(index)?;
         Some((at.segment, at.offset + ENTRY_HEADER as u64 + 1))
     }
 
@@ -431,8 +583,12 @@ impl RaftLogRead {
     /// them, if one is durable (else none is, and the log's end will do).
     pub(crate) fn replay_from(&self, applied: Option<u64>) -> Option<crate::log::Position> {
         let t = lock(&self.tail);
+        let from = applied.map_or(0, |i| i + 1);
+        if let Some((_, at)) = t.cold.range(from, u64::MAX).next() {
+            return Some(at.round);
+        }
         t.entries
-            .range(applied.map_or(0, |i| i + 1)..)
+            .range(from..)
             .next()
             .and_then(|(_, slot)| slot.at)
             .map(|at| at.round)
@@ -492,7 +648,22 @@ fn read_entries<RB: RangeBounds<u64>>(
     }
     let got: Vec<Got> = {
         let t = lock(tail);
-        t.entries
+        let from = match range.start_bound() {
+            std::ops::Bound::Included(i) => *i,
+            std::ops::Bound::Excluded(i) => i.saturating_add(1),
+            std::ops::Bound::Unbounded => 0,
+        };
+        let to = match range.end_bound() {
+            std::ops::Bound::Included(i) => i.saturating_add(1),
+            std::ops::Bound::Excluded(i) => *i,
+            std::ops::Bound::Unbounded => u64::MAX,
+        };
+        let cold = t
+            .cold
+            .range(from, to)
+            .map(|(log_id, at)| Ok(Got::Disk(log_id, at)));
+        let hot = t
+            .entries
             .range(range)
             .map(|(_, slot)| match (&slot.entry, slot.at) {
                 (Some(e), _) => Ok(Got::Memory(e.clone())),
@@ -501,8 +672,8 @@ fn read_entries<RB: RangeBounds<u64>>(
                     "entry {} is neither in memory nor placed",
                     slot.log_id.index
                 ))),
-            })
-            .collect::<Result<_, _>>()?
+            });
+        cold.chain(hot).collect::<Result<_, _>>()?
     };
     got.into_iter()
         .map(|g| match g {
@@ -707,6 +878,7 @@ impl RaftLogStorage<GroupConfig> for RaftLog {
 
     async fn purge(&mut self, log_id: LogId) -> Result<(), io::Error> {
         let mut t = lock(&self.tail);
+        t.cold.purge_through(log_id.index);
         let kept = t.entries.split_off(&(log_id.index + 1));
         for (_, slot) in std::mem::replace(&mut t.entries, kept) {
             if slot.at.is_some() && slot.entry.is_some() {
@@ -929,7 +1101,9 @@ mod tests {
         }
     }
 
-    struct Builder;
+    /// Builds each case's log; `Builder(true)` keeps no durable entry in
+    /// memory, so every read after a flush goes by the compact part.
+    struct Builder(bool);
 
     impl StoreBuilder<GroupConfig, RaftLog, SuiteMachine, tempfile::TempDir> for Builder {
         async fn build(
@@ -945,6 +1119,9 @@ mod tests {
             other.append(|_| {});
             let log = RaftLog::open(&node, 7, RaftStart::default_at(node_log::START))
                 .expect("the group's log opens");
+            if self.0 {
+                lock(&log.tail).cache_bytes = 0;
+            }
             Ok((tmp, log, SuiteMachine::default()))
         }
     }
@@ -960,7 +1137,165 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn openraft_s_storage_suite_passes() {
-        Suite::test_all(Builder).await.expect("the suite passes");
+        Suite::test_all(Builder(false))
+            .await
+            .expect("the suite passes");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn openraft_s_storage_suite_passes_with_every_durable_entry_out_of_memory() {
+        Suite::test_all(Builder(true))
+            .await
+            .expect("the suite passes");
+    }
+
+    /// The compact part's own rules: contiguous places, terms by runs,
+    /// cuts and purges at either end and inside a run.
+    #[test]
+    fn the_compact_part_keeps_places_and_terms_by_runs() {
+        let at = |i: u64| At {
+            segment: 1,
+            offset: i * 100,
+            len: 10,
+            round: crate::log::Position {
+                segment: 1,
+                offset: i * 100,
+            },
+        };
+        let mut c = Cold::default();
+        assert!(c.is_empty() && c.last().is_none() && c.get(0).is_none());
+        // Entries 5 to 14: terms 1 (5-7), 2 (8-11), 4 (12-14).
+        for i in 5..15 {
+            let term = match i {
+                5..=7 => 1,
+                8..=11 => 2,
+                _ => 4,
+            };
+            c.push(log_id(term, i), at(i));
+        }
+        assert_eq!((c.first, c.end(), c.terms.len()), (5, 15, 3));
+        assert_eq!(c.last(), Some(log_id(4, 14)));
+        for (i, term) in [(5, 1), (7, 1), (8, 2), (11, 2), (12, 4), (14, 4)] {
+            let (id, place) = c.get(i).expect("held");
+            assert_eq!((id, place.offset), (log_id(term, i), i * 100));
+        }
+        assert!(c.get(4).is_none() && c.get(15).is_none());
+        let ids: Vec<u64> = c.range(0, 9).map(|(id, _)| id.index).collect();
+        assert_eq!(ids, vec![5, 6, 7, 8]);
+        assert_eq!(c.range(20, 30).count(), 0);
+        assert_eq!(c.range(9, 7).count(), 0);
+        // A cut inside a run, then the same index in a newer term.
+        c.cut_from(10);
+        assert_eq!((c.end(), c.last()), (10, Some(log_id(2, 9))));
+        c.push(log_id(5, 10), at(10));
+        assert_eq!(c.get(10).map(|(id, _)| id), Some(log_id(5, 10)));
+        assert_eq!(c.get(9).map(|(id, _)| id), Some(log_id(2, 9)));
+        // A cut at a run's first index drops the run.
+        c.cut_from(8);
+        assert_eq!((c.terms.len(), c.last()), (1, Some(log_id(1, 7))));
+        for i in 8..12 {
+            c.push(log_id(3, i), at(i));
+        }
+        // A purge inside the first run, then past it.
+        c.purge_through(6);
+        assert_eq!(
+            (c.first, c.get(7).map(|(id, _)| id)),
+            (7, Some(log_id(1, 7)))
+        );
+        c.purge_through(8);
+        assert_eq!((c.first, c.terms.len()), (9, 1));
+        assert_eq!(c.get(9).map(|(id, _)| id), Some(log_id(3, 9)));
+        assert_eq!(c.get(11).map(|(id, _)| id), Some(log_id(3, 11)));
+        c.purge_through(3);
+        assert_eq!(c.first, 9, "a purge before it changes nothing");
+        c.purge_through(11);
+        assert!(c.is_empty());
+        // Empty, it starts again wherever it is given.
+        c.push(log_id(6, 40), at(40));
+        assert_eq!((c.first, c.last()), (40, Some(log_id(6, 40))));
+        c.cut_from(0);
+        assert!(c.is_empty());
+    }
+
+    /// A long log of small entries is held compactly past the cache, read
+    /// back whole (from memory and from the places), cut and purged across
+    /// the boundary, and read back the same way at a reopen.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_log_is_held_compactly_and_reads_back_whole() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let (node, mut log) = open(tmp.path(), RaftStart::default_at(node_log::START));
+        let body = "y".repeat(900);
+        let mut batch = Vec::new();
+        for i in 1..=5_000u64 {
+            // A new term every 1,000 entries.
+            batch.push(normal(1 + i / 1_000, i, &format!("{i}:{body}")));
+            if batch.len() == 250 {
+                append(&mut log, std::mem::take(&mut batch)).await;
+            }
+        }
+        {
+            let t = lock(&log.tail);
+            assert!(
+                t.cold.places.len() >= 3_000 && t.cold.first == 1,
+                "{} entries compact, from {}; {} in the map",
+                t.cold.places.len(),
+                t.cold.first,
+                t.entries.len()
+            );
+            assert_eq!(t.cold.end(), *t.entries.keys().next().expect("a hot part"));
+            assert_eq!(t.cold.terms.len(), 6.min(t.cold.places.len() / 1_000 + 1));
+        }
+        let check = |got: Vec<(u64, u64, String)>, from: u64, to: u64| {
+            assert_eq!(got.len() as u64, to - from + 1);
+            for (k, (term, index, text)) in got.into_iter().enumerate() {
+                let i = from + k as u64;
+                assert_eq!((term, index), (1 + i / 1_000, i));
+                assert_eq!(text, format!("{i}:{body}"));
+            }
+        };
+        check(held(&mut log).await, 1, 5_000);
+        let first_hot = *lock(&log.tail).entries.keys().next().expect("hot");
+        // A cut inside the compact part drops the map; entries after it
+        // come back at a newer term.
+        log.truncate_after(Some(log_id(3, 2_500)))
+            .await
+            .expect("cut");
+        assert!(lock(&log.tail).entries.is_empty());
+        assert!(first_hot > 2_500);
+        append(&mut log, vec![normal(9, 2_501, "after the cut")]).await;
+        let state = log.get_log_state().await.expect("state");
+        assert_eq!(state.last_log_id, Some(log_id(9, 2_501)));
+        log.purge(log_id(2, 1_200)).await.expect("purged");
+        let got = log.try_get_log_entries(1_199..1_203).await.expect("read");
+        assert_eq!(
+            got.iter().map(|e| e.log_id).collect::<Vec<_>>(),
+            vec![log_id(2, 1_201), log_id(2, 1_202)]
+        );
+        {
+            let t = lock(&log.tail);
+            assert_eq!(
+                t.place(1_201).map(|at| at.offset),
+                t.cold.get(1_201).map(|(_, at)| at.offset)
+            );
+        }
+        // Read back from the node log at a reopen: the same entries, in
+        // the compact part.
+        drop(log);
+        drop(node);
+        let start = RaftStart {
+            from: node_log::START,
+            purged: Some(log_id(2, 1_200)),
+            vote: None,
+        };
+        let (_node, mut log) = open(tmp.path(), start);
+        {
+            let t = lock(&log.tail);
+            assert_eq!((t.cold.first, t.cold.end()), (1_201, 2_502));
+            assert!(t.entries.is_empty());
+        }
+        let got = held(&mut log).await;
+        assert_eq!(got.last(), Some(&(9, 2_501, "after the cut".to_string())));
+        check(got[..got.len() - 1].to_vec(), 1_201, 2_500);
     }
 
     fn log_id(term: u64, index: u64) -> LogId {
@@ -1123,7 +1458,10 @@ mod tests {
         let cached = lock(&log.tail).cached;
         assert!(cached <= CACHE_BYTES, "the cache holds {cached} bytes");
         assert!(
-            lock(&log.tail).entries[&1].entry.is_none(),
+            lock(&log.tail)
+                .entries
+                .get(&1)
+                .is_none_or(|s| s.entry.is_none()),
             "the oldest entries were let go"
         );
         let got = held(&mut log).await;
@@ -1133,7 +1471,7 @@ mod tests {
             assert_eq!(body, &format!("{index}:{big}"));
         }
         // One flipped byte in entry 1's body, on disk: its checksum says so.
-        let at = lock(&log.tail).entries[&1].at.expect("placed");
+        let at = lock(&log.tail).place(1).expect("placed");
         let path = crate::log::segment_path(tmp.path(), at.segment);
         let file = std::fs::OpenOptions::new()
             .write(true)

@@ -241,13 +241,16 @@ pub struct RaftLogLimits {
 }
 
 impl Default for RaftLogLimits {
-    /// A group's log then holds at most about 30,000 entries' places in
-    /// memory, however long it runs; a follower away for up to 10,000
-    /// entries catches up from the log.
+    /// A group's log then holds at most about 120,000 entries' places in
+    /// memory however long it runs (32 bytes each once out of its 1 MiB
+    /// cache: under 4 MiB), and a follower away for up to 100,000 entries
+    /// (about 40 s of one shard's writes at full speed on the 2-core
+    /// bench machine, `BENCHMARKS.md`) catches up from the log rather than
+    /// by a snapshot of the whole shard.
     fn default() -> Self {
         RaftLogLimits {
             snapshot_every: 20_000,
-            kept: 10_000,
+            kept: 100_000,
         }
     }
 }
