@@ -244,9 +244,10 @@ impl Default for RaftLogLimits {
     /// A group's log then holds at most about 120,000 entries' places in
     /// memory however long it runs (32 bytes each once out of its 1 MiB
     /// cache: under 4 MiB), and a follower away for up to 100,000 entries
-    /// (about 40 s of one shard's writes at full speed on the 2-core
-    /// bench machine, `BENCHMARKS.md`) catches up from the log rather than
-    /// by a snapshot of the whole shard.
+    /// (about 24 s of one shard's writes from 16 clients on the 2-core
+    /// bench machine, `BENCHMARKS.md`, "A follower away catches up from
+    /// the log") catches up from the log rather than by a snapshot of the
+    /// whole shard.
     fn default() -> Self {
         RaftLogLimits {
             snapshot_every: 20_000,
