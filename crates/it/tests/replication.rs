@@ -174,6 +174,14 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
     for n in 1..=NODES {
         let report = verify(&cl.client(n), &execs, &batches);
         assert!(report.acked >= 500, "{report:?}");
+        // Each replica's log, and the memory it holds (`/metrics`).
+        let c = cl.client(n);
+        let held = c.metric("forkless_raft_log_held_entries{shard=\"0\"}");
+        let bytes = c.metric("forkless_raft_log_memory_bytes{shard=\"0\"}");
+        assert!(
+            held >= 1.0 && bytes > 0.0 && bytes < 64.0 * 1024.0 * 1024.0,
+            "node {n}: shard 0's log holds {held} entries in {bytes} bytes"
+        );
     }
     // Every replica holds the same events, read offline from its disk.
     let counts = cl.stop_and_compare_replicas();

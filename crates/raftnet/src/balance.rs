@@ -379,6 +379,8 @@ mod tests {
             fresh: false,
             appends_taken: 0,
             appends_taken_behind_others: 0,
+            log_held_entries: 0,
+            log_memory_bytes: 0,
         }
     }
 

@@ -633,9 +633,9 @@ async fn a_quiet_leader_cut_off_one_way_from_a_follower_keeps_its_group() {
     // The leader's calls to the follower fail; the follower's reach it.
     nodes[l].links.move_peer(nodes[f].id, NOWHERE.into());
     // The follower wakes (its leader's node silent to it) within the
-    // election timeout's spread, and stands from then on: four election
-    // timeouts' max (600 ms) after it woke, the leader still leads at its
-    // term.
+    // election timeout's spread, and stands from then on: six election
+    // timeouts' max (400 ms by default) after it woke, the leader still
+    // leads at its term.
     let until = Instant::now() + Duration::from_secs(10);
     while nodes[f].status().is_some_and(|s| s.quiet) {
         assert!(Instant::now() < until, "the cut-off follower stayed quiet");

@@ -163,6 +163,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Replica {
+    /// Entries the group's log holds here, and the memory they cost
+    /// (`RaftLogRead::held`).
+    pub(crate) fn log_held(&self) -> (u64, u64) {
+        self.log.held()
+    }
+
     pub(crate) fn new(
         applier: Applier,
         node: NodeLog,
@@ -1121,6 +1127,10 @@ pub struct RaftStatus {
     /// stream was unanswered (the leader pipelines them).
     pub appends_taken: u64,
     pub appends_taken_behind_others: u64,
+    /// Entries this replica's log holds (after its purge mark), and the
+    /// bytes of memory they cost (their places and the bodies cached).
+    pub log_held_entries: u64,
+    pub log_memory_bytes: u64,
 }
 
 impl RaftStatus {
@@ -1177,6 +1187,8 @@ impl RaftStatus {
             fresh: false,
             appends_taken: 0,
             appends_taken_behind_others: 0,
+            log_held_entries: 0,
+            log_memory_bytes: 0,
         }
     }
 }
@@ -1476,11 +1488,8 @@ async fn handle_now(
             // Answered: an election is under way, which needs this
             // replica's timers (and a quiet leader's heartbeats, which
             // tell it whether it still leads).
-            let leads = {
-                use openraft::async_runtime::WatchReceiver;
-                raft.metrics().borrow_watched().state == openraft::ServerState::Leader
-            };
-            if group.quiet.wake(raft) && leads {
+            group.quiet.wake(raft);
+            if lease_lapsed(group) {
                 confirm_before_a_vote(group).await;
             }
         }
@@ -1515,21 +1524,39 @@ async fn handle_now(
     }
 }
 
-/// A quiet leader asked for a vote or a pre-vote first confirms with a
-/// quorum that it still leads, within the election timeout's min, and
-/// the vote is answered after, whatever came of it. Quiet, it heard no
-/// quorum, so its lease had lapsed and openraft granted any candidate
-/// with as long a log: a follower that lost the leader's calls (a
-/// one-way cut, or a restarted node whose election timer ran out before
-/// the leader's node heartbeat came) won the group with the leader's
-/// own vote, an election an awake leader refuses. Confirmed, its lease
-/// is fresh and openraft refuses; deposed (a quorum answers with a newer
-/// term), it is a follower by then and votes by Raft's rules; not
-/// answered, its lease stays lapsed and it votes as before. Holding a
-/// vote back is always safe.
+/// Whether this replica leads and no quorum has answered it for the
+/// election timeout's min (`vote_fresh`): a leader that was quiet (it
+/// sends nothing, so hears nothing), or one cut off. openraft's lease
+/// (the election timeout's max since a quorum's last answer) has lapsed,
+/// or soon will.
+fn lease_lapsed(group: &Group) -> bool {
+    use openraft::async_runtime::WatchReceiver;
+    let m = group.raft.metrics();
+    let m = m.borrow_watched();
+    m.state == openraft::ServerState::Leader
+        && m.last_quorum_acked
+            .as_ref()
+            .is_none_or(|at| openraft::Instant::elapsed(&**at) > group.vote_fresh)
+}
+
+/// A leader asked for a vote or a pre-vote while no quorum answered it
+/// lately ([`lease_lapsed`]) first confirms with a quorum that it still
+/// leads, within half the election timeout's min (the candidate waits
+/// the min for its answer), and the vote is answered after, whatever came
+/// of it. A quiet leader heard no quorum, so its lease had lapsed and
+/// openraft granted any candidate with as long a log: a follower that
+/// lost the leader's calls (a one-way cut, or a restarted node whose
+/// election timer ran out before the leader's node heartbeat came) won
+/// the group with the leader's own vote, an election an awake leader
+/// refuses. Confirmed, its lease is fresh and openraft refuses; deposed
+/// (a quorum answers with a newer term), it is a follower by then and
+/// votes by Raft's rules; not answered in time, its lease stays lapsed
+/// and it votes as before, still within the candidate's time. Every
+/// vote that finds the lease lapsed confirms, so two candidates at once
+/// both wait for a confirmation. Holding a vote back is always safe.
 async fn confirm_before_a_vote(group: &Group) {
     let confirmed = tokio::time::timeout(
-        group.vote_fresh,
+        group.vote_fresh / 2,
         group
             .raft
             .ensure_linearizable(openraft::ReadPolicy::ReadIndex),

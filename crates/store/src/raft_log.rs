@@ -244,17 +244,28 @@ impl Cold {
         if index + 1 >= self.end() {
             self.places.clear();
             self.terms.clear();
-            return;
+        } else {
+            self.places.drain(..(index + 1 - self.first) as usize);
+            self.first = index + 1;
+            while self
+                .terms
+                .get(1)
+                .is_some_and(|(from, _)| *from <= self.first)
+            {
+                self.terms.pop_front();
+            }
         }
-        self.places.drain(..(index + 1 - self.first) as usize);
-        self.first = index + 1;
-        while self
-            .terms
-            .get(1)
-            .is_some_and(|(from, _)| *from <= self.first)
-        {
-            self.terms.pop_front();
+        // A burst's capacity is given back once the log is much shorter.
+        let keep = self.places.len().max(4096);
+        if self.places.capacity() > 4 * keep {
+            self.places.shrink_to(2 * keep);
         }
+    }
+
+    /// The bytes it holds in memory.
+    fn memory(&self) -> usize {
+        self.places.capacity() * std::mem::size_of::<At>()
+            + self.terms.capacity() * std::mem::size_of::<(u64, u64)>()
     }
 
     /// (log id, place) of each entry it holds from `from` to `to`
@@ -315,13 +326,16 @@ impl Tail {
 
     /// Takes in a durable entry read back from the node log (at open):
     /// into the compact part while it follows it, as it does in a log
-    /// read in order.
-    fn push_durable(&mut self, log_id: LogId, at: At) {
+    /// read in order. Says whether it did (else the log has a gap there,
+    /// which no write makes: the entry goes into the map, and so does
+    /// every entry after it, at a map slot's cost).
+    fn push_durable(&mut self, log_id: LogId, at: At) -> bool {
         self.cut_from(log_id.index);
         if self.entries.is_empty() && (self.cold.is_empty() || log_id.index == self.cold.end()) {
             self.cold.push(log_id, at);
-            return;
+            return true;
         }
+        let gap = self.entries.is_empty();
         self.entries.insert(
             log_id.index,
             Slot {
@@ -332,6 +346,7 @@ impl Tail {
                 bytes: at.len as usize,
             },
         );
+        !gap
     }
 
     /// Moves the oldest entries that are durable and out of memory from
@@ -430,15 +445,20 @@ impl RaftReplay {
                 if tail.purged.is_some_and(|p| log_id.index <= p.index) {
                     return;
                 }
-                tail.push_durable(
-                    log_id,
-                    At {
-                        segment: at.segment,
-                        offset: at.offset,
-                        len: body.len() as u32,
-                        round,
-                    },
-                );
+                let place = At {
+                    segment: at.segment,
+                    offset: at.offset,
+                    len: body.len() as u32,
+                    round,
+                };
+                if !tail.push_durable(log_id, place) {
+                    tracing::warn!(
+                        group,
+                        index = log_id.index,
+                        after = tail.cold.end().saturating_sub(1),
+                        "a group's log read back has a gap before this entry: its places are held in the map from here"
+                    );
+                }
             }),
             VOTE => decode_vote(body).map(|v| tail.vote = Some(v)),
             TRUNCATE => decode_truncate(body).map(|after| match after {
@@ -605,6 +625,24 @@ impl RaftLogRead {
     /// The group's vote.
     pub(crate) fn vote(&self) -> Option<Vote> {
         lock(&self.tail).vote
+    }
+
+    /// How many entries the log holds (after its purge mark), and the
+    /// bytes of memory that costs: their places (compact, or a map's
+    /// slots) and the bodies held in memory.
+    pub(crate) fn held(&self) -> (u64, u64) {
+        let t = lock(&self.tail);
+        let slots = t.entries.len() * (std::mem::size_of::<Slot>() + std::mem::size_of::<u64>());
+        let bodies: usize = t
+            .entries
+            .values()
+            .filter(|s| s.entry.is_some())
+            .map(|s| s.bytes)
+            .sum();
+        (
+            (t.cold.places.len() + t.entries.len()) as u64,
+            (t.cold.memory() + slots + bodies) as u64,
+        )
     }
 }
 

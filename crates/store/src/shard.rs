@@ -966,6 +966,7 @@ impl ShardStore {
             status.fresh = g.is_fresh();
             status.appends_taken = g.appends.taken.load(Ordering::Relaxed);
             status.appends_taken_behind_others = g.appends.behind_others.load(Ordering::Relaxed);
+            (status.log_held_entries, status.log_memory_bytes) = g.replica.log_held();
             status
         })
     }
