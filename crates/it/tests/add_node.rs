@@ -274,6 +274,14 @@ fn a_node_placed_otherwise_takes_no_part_in_the_groups() {
             && refused.contains("placement (fingerprint"),
         "node 4 did not refuse the Raft calls of nodes 3 and 5 for their placement:\n{refused}"
     );
+    // And the node placed otherwise says in its own log that it is
+    // refused, and why.
+    let told = strip_ansi(&cl.node(3).proc().log());
+    assert!(
+        told.contains("a peer refused this node's Raft connection")
+            && told.contains("refused this node: its groups' placement"),
+        "node 3's log does not say that its peers refuse it:\n{told}"
+    );
     let status = cl.status(1);
     assert!(
         status.contains("node(s) 3 run groups made with another placement than node 1's"),

@@ -187,6 +187,8 @@ struct Conn {
     tx: Option<mpsc::Sender<Outgoing>>,
     /// The last connect that failed, and why.
     failed: Option<(Instant, String)>,
+    /// When this node last logged that the peer refused it at hello.
+    refusal_said: Option<Instant>,
 }
 
 impl Links {
@@ -390,9 +392,9 @@ impl Inner {
             // connect nobody waits for must not go on beside the next
             // caller's, nor skip the pause after a failed one.
             Some(rt) => AbortOnDrop(rt.spawn(attempt)).await.unwrap_or_else(|e| {
-                Ok(Err(format!(
+                Ok(Err(Connect::failed(format!(
                     "connecting to node {target}: the connecting task ended: {e}"
-                )))
+                ))))
             }),
             None => attempt.await,
         };
@@ -402,7 +404,19 @@ impl Inner {
                 conn.tx = Some(tx.clone());
                 Ok(tx)
             }
-            Ok(Err(why)) => {
+            Ok(Err(Connect { why, refused })) => {
+                // A refusal is the peer's word on this node (its secret,
+                // protocol version, placement, or its place in the
+                // cluster): said here too, once a minute, since this
+                // node's groups cannot reach that peer until it changes.
+                if refused
+                    && conn
+                        .refusal_said
+                        .is_none_or(|at| at.elapsed() >= REFUSAL_SAID_EVERY)
+                {
+                    conn.refusal_said = Some(Instant::now());
+                    tracing::warn!(peer = target, reason = %why, "a peer refused this node's Raft connection (said once a minute while it goes on)");
+                }
                 conn.failed = Some((Instant::now(), why.clone()));
                 Err(CallError::Unreachable(why))
             }
@@ -438,13 +452,35 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// Why a connect failed, and whether the peer refused this node at
+/// hello (rather than not being reached).
+struct Connect {
+    why: String,
+    refused: bool,
+}
+
+impl Connect {
+    fn failed(why: String) -> Connect {
+        Connect {
+            why,
+            refused: false,
+        }
+    }
+}
+
+impl From<String> for Connect {
+    fn from(why: String) -> Connect {
+        Connect::failed(why)
+    }
+}
+
 /// A connection to node `target` at `addr`, its hello answered welcome.
 async fn connect(
     me: u64,
     hello: &Handshake,
     target: u64,
     addr: &str,
-) -> Result<Framed<TcpStream, LengthDelimitedCodec>, String> {
+) -> Result<Framed<TcpStream, LengthDelimitedCodec>, Connect> {
     let tcp = TcpStream::connect(addr)
         .await
         .map_err(|e| format!("connecting to node {target} at {addr}: {e}"))?;
@@ -463,11 +499,14 @@ async fn connect(
     match framed.next().await {
         Some(Ok(b)) => match decode::<ToClient>(&b)? {
             ToClient::Welcome => Ok(framed),
-            ToClient::Refused(why) => Err(format!("node {target} refused this node: {why}")),
-            other => Err(format!("node {target} answered hello with {other:?}")),
+            ToClient::Refused(why) => Err(Connect {
+                why: format!("node {target} refused this node: {why}"),
+                refused: true,
+            }),
+            other => Err(format!("node {target} answered hello with {other:?}").into()),
         },
-        Some(Err(e)) => Err(format!("node {target}'s answer to hello: {e}")),
-        None => Err(format!("node {target} closed the connection at hello")),
+        Some(Err(e)) => Err(format!("node {target}'s answer to hello: {e}").into()),
+        None => Err(format!("node {target} closed the connection at hello").into()),
     }
 }
 
