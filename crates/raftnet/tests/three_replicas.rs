@@ -601,20 +601,11 @@ async fn an_idle_group_goes_quiet_wakes_for_a_write_and_replaces_a_dead_leader()
     after_the_leader_goes(&mut nodes, l, 7..=7).await;
 }
 
-/// A quiet leader whose calls to one follower fail (a one-way cut: the
-/// follower's own calls reach it) keeps its group. The follower, told
-/// nothing, wakes once the leader's node is silent to it and stands; its
-/// pre-vote reaches the leader. Quiet, the leader had heard no quorum,
-/// its lease had lapsed, and it granted the pre-vote and then the vote
-/// (the other follower, hearing the leader's node, does not answer), so
-/// the cut-off follower won the group from a live leader (a restarted
-/// node whose election timer runs out before the leader's node heartbeat
-/// comes does the same). The test failed so. Now the quiet leader
-/// confirms with the other follower before it answers, and refuses.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_quiet_leader_cut_off_one_way_from_a_follower_keeps_its_group() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let nodes = cluster(dir.path()).await;
+/// Three nodes, one write held by every replica, and the group quiet on
+/// every one (each node's heartbeat running); returns the nodes and the
+/// leader's index.
+async fn quiet_after_a_write(dir: &std::path::Path) -> (Vec<Node>, usize) {
+    let nodes = cluster(dir).await;
     let l = leader(&nodes).await;
     write(&nodes[l], 1).await.expect("a write on the leader");
     let index = nodes[l]
@@ -628,6 +619,23 @@ async fn a_quiet_leader_cut_off_one_way_from_a_follower_keeps_its_group() {
         n.quiesce();
     }
     until_all(&nodes, "quiet", |s| s.quiet).await;
+    (nodes, l)
+}
+
+/// A quiet leader whose calls to one follower fail (a one-way cut: the
+/// follower's own calls reach it) keeps its group. The follower, told
+/// nothing, wakes once the leader's node is silent to it and stands; its
+/// pre-vote reaches the leader. Quiet, the leader had heard no quorum,
+/// its lease had lapsed, and it granted the pre-vote and then the vote
+/// (the other follower, hearing the leader's node, does not answer), so
+/// the cut-off follower won the group from a live leader (a restarted
+/// node whose election timer runs out before the leader's node heartbeat
+/// comes does the same). The test failed so. Now the quiet leader
+/// confirms with the other follower before it answers, and refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_leader_cut_off_one_way_from_a_follower_keeps_its_group() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, l) = quiet_after_a_write(dir.path()).await;
     let led = nodes[l].status().expect("up");
     let f = (l + 1) % 3;
     // The leader's calls to the follower fail; the follower's reach it.
@@ -673,20 +681,7 @@ async fn a_quiet_leader_cut_off_one_way_from_a_follower_keeps_its_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handover_to_a_dead_replica_does_not_leave_the_group_stuck() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut nodes = cluster(dir.path()).await;
-    let l = leader(&nodes).await;
-    write(&nodes[l], 1).await.expect("a write on the leader");
-    let index = nodes[l]
-        .status()
-        .and_then(|s| s.last_log_index)
-        .expect("log");
-    for i in 0..3 {
-        holds(&nodes, i, 1..=1, index).await;
-    }
-    for n in &nodes {
-        n.quiesce();
-    }
-    until_all(&nodes, "quiet", |s| s.quiet).await;
+    let (mut nodes, l) = quiet_after_a_write(dir.path()).await;
     let dead = (l + 1) % 3;
     let dead_id = nodes[dead].id;
     nodes[dead].stop();

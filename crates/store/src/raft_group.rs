@@ -1565,7 +1565,7 @@ async fn confirm_before_a_vote(group: &Group) {
     if !matches!(confirmed, Ok(Ok(_))) {
         tracing::debug!(
             shard = group.replica.group,
-            "a quiet leader asked for a vote could not confirm it leads; it answers as its lease says"
+            "a leader no quorum answered lately, asked for a vote, could not confirm it leads in time; it answers as its lease says"
         );
     }
 }

@@ -241,9 +241,10 @@ pub struct RaftLogLimits {
 }
 
 impl Default for RaftLogLimits {
-    /// A group's log then holds at most about 120,000 entries' places in
-    /// memory however long it runs (32 bytes each once out of its 1 MiB
-    /// cache: under 4 MiB), and a follower away for up to 100,000 entries
+    /// A group's log then holds about 120,000 entries' places in memory
+    /// however long it runs (32 bytes each once out of its 1 MiB cache:
+    /// about 4 MiB; a purge openraft delays while it replicates may hold
+    /// more for a while), and a follower away for up to 100,000 entries
     /// (about 24 s of one shard's writes from 16 clients on the 2-core
     /// bench machine, `BENCHMARKS.md`, "A follower away catches up from
     /// the log") catches up from the log rather than by a snapshot of the
