@@ -552,12 +552,15 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             owned
         )?;
     }
-    let differ: Vec<String> = m
-        .nodes
-        .iter()
-        .filter(|n| n.same_nodes == Some(false))
-        .map(|n| n.id.to_string())
-        .collect();
+    // The nodes the answering node found differing from it in one thing.
+    let differing = |agrees: fn(&forkless_client::NodeInfo) -> Option<bool>| -> Vec<String> {
+        m.nodes
+            .iter()
+            .filter(|n| agrees(n) == Some(false))
+            .map(|n| n.id.to_string())
+            .collect()
+    };
+    let differ = differing(|n| n.same_nodes);
     if !differ.is_empty() {
         writeln!(
             out,
@@ -566,12 +569,7 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             m.node
         )?;
     }
-    let placed_otherwise: Vec<String> = m
-        .nodes
-        .iter()
-        .filter(|n| n.same_placement == Some(false))
-        .map(|n| n.id.to_string())
-        .collect();
+    let placed_otherwise = differing(|n| n.same_placement);
     if !placed_otherwise.is_empty() {
         writeln!(
             out,

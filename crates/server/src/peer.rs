@@ -89,12 +89,7 @@ fn placement_fingerprint(app: &App) -> Option<String> {
 /// a shard, which such a node and another like it can make (a fork).
 fn compare_placements(app: &App, node: NodeId, theirs: &str, mine: &str) -> bool {
     let same = theirs == mine;
-    let before = app
-        .same_placement
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(node.get(), same);
-    if before != Some(same) && (before.is_some() || !same) {
+    if record_sameness(&app.same_placement, node, same) {
         if same {
             tracing::info!(peer = %node, "peer's groups were made with the same placement as this node's again");
         } else {
@@ -127,12 +122,7 @@ struct PeerStatus {
 /// the operator did not reload after editing the files.
 fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
     let same = theirs == mine;
-    let before = app
-        .same_nodes
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(node.get(), same);
-    if before != Some(same) && (before.is_some() || !same) {
+    if record_sameness(&app.same_nodes, node, same) {
         if same {
             tracing::info!(peer = %node, "peer runs with the same node list as this node again");
         } else {
@@ -144,20 +134,32 @@ fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
     }
 }
 
+/// Records in `seen` whether peer `node` agrees with this node on one
+/// thing (`same`: its node list, its placement), and says whether that is
+/// worth a log line: a change, or a first answer that differs.
+fn record_sameness(
+    seen: &std::sync::Mutex<std::collections::HashMap<u16, bool>>,
+    node: NodeId,
+    same: bool,
+) -> bool {
+    let before = seen
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(node.get(), same);
+    before != Some(same) && (before.is_some() || !same)
+}
+
 /// Drops what this node reports of peer `node` (its `forkless_peer_up`
 /// gauge and whether it runs with the same node list): it retired.
 pub(crate) fn forget_peer(app: &App, node: NodeId) {
     app.metrics
         .peer_up
         .remove(&crate::metrics::NodeLabel { node: node.get() });
-    app.same_nodes
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&node.get());
-    app.same_placement
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .remove(&node.get());
+    for seen in [&app.same_nodes, &app.same_placement] {
+        seen.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&node.get());
+    }
 }
 
 #[derive(Deserialize)]
