@@ -241,6 +241,13 @@ fn happy_paths_of_every_endpoint() {
             ) > 0.0,
             "{text}"
         );
+        // What each shard's writes hold in memory until a flush (these few
+        // writes: some, far under the node's budget).
+        let held = parse_metric(
+            &text,
+            &format!("forkless_store_write_buffer_bytes{{shard=\"{shard}\"}}"),
+        );
+        assert!(held > 0.0 && held < (1 << 20) as f64, "{held}: {text}");
     }
     // Checkpoints are counted per shard, their time by phase (these few
     // writes made none since the shards opened).

@@ -127,6 +127,8 @@ impl PeerTiming {
 /// The lowest `store.journal_bytes_max` accepted: the storage engine's own
 /// minimum (64 MiB), which it would otherwise raise the value to silently.
 pub use forkless_store::JOURNAL_BYTES_MIN;
+/// The lowest `store.write_buffer_bytes` accepted (1 MiB).
+pub const WRITE_BUFFER_BYTES_MIN: u64 = 1024 * 1024;
 /// The lowest `store.cache_bytes_per_shard` accepted (1 MiB).
 pub const CACHE_BYTES_MIN: u64 = 1024 * 1024;
 /// The most nice steps `store.background_nice` may lower the storage
@@ -147,6 +149,10 @@ pub struct StoreSettings {
     /// Journal bytes kept before memtables are flushed, bytes: bounds how
     /// much a restart after a crash replays.
     pub journal_bytes_max: u64,
+    /// The most bytes all shards' write buffers (memtables not yet
+    /// flushed into tables) hold together on this node, bytes; past it the
+    /// largest are flushed.
+    pub write_buffer_bytes: u64,
     /// How many nice steps below the request path the storage engine's
     /// flush and compaction threads run (0: the same priority). Linux only.
     pub background_nice: i32,
@@ -173,6 +179,7 @@ impl Default for StoreSettings {
         StoreSettings {
             cache_bytes_per_shard: d.cache_bytes_per_shard,
             journal_bytes_max: d.journal_bytes_max,
+            write_buffer_bytes: d.write_buffer_bytes,
             background_nice: d.background_nice,
             writer_priority: d.writer_priority,
             raft: d.raft,
@@ -206,6 +213,12 @@ impl StoreSettings {
             return bad(format!(
                 "store.journal_bytes_max must be at least {JOURNAL_BYTES_MIN} (64 MiB, the storage engine's minimum), not {}",
                 self.journal_bytes_max
+            ));
+        }
+        if self.write_buffer_bytes < WRITE_BUFFER_BYTES_MIN {
+            return bad(format!(
+                "store.write_buffer_bytes must be at least {WRITE_BUFFER_BYTES_MIN} (1 MiB; the shards' memtables held in memory on this node), not {}",
+                self.write_buffer_bytes
             ));
         }
         if self.cache_bytes_per_shard < CACHE_BYTES_MIN {
@@ -1536,9 +1549,10 @@ peer_addr = "127.0.0.1:7172"
         assert_eq!(d.store, StoreSettings::default());
         assert_eq!(d.store.background_nice, 10);
         assert_eq!(d.store.writer_priority, 5);
+        assert_eq!(d.store.write_buffer_bytes, 256 << 20);
         assert!(!d.store.raft, "Raft groups are not the default yet");
         let c = check(
-            "[store]\nbackground_nice = 0\nwriter_priority = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\nraft = true\n",
+            "[store]\nbackground_nice = 0\nwriter_priority = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\nwrite_buffer_bytes = 16777216\nraft = true\n",
             None,
             None,
         )
@@ -1548,6 +1562,7 @@ peer_addr = "127.0.0.1:7172"
             StoreSettings {
                 cache_bytes_per_shard: 1 << 20,
                 journal_bytes_max: 128 << 20,
+                write_buffer_bytes: 16 << 20,
                 background_nice: 0,
                 writer_priority: 0,
                 raft: true,
@@ -1613,6 +1628,10 @@ peer_addr = "127.0.0.1:7172"
             (
                 "cache_bytes_per_shard = 0",
                 "store.cache_bytes_per_shard must be at least 1048576",
+            ),
+            (
+                "write_buffer_bytes = 1048575",
+                "store.write_buffer_bytes must be at least 1048576",
             ),
         ] {
             check(&format!("[store]\n{bad}\n"), None, Some(field));

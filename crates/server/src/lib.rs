@@ -166,6 +166,7 @@ impl App {
             StoreConfig {
                 cache_bytes_per_shard: cfg.store.cache_bytes_per_shard,
                 journal_bytes_max: cfg.store.journal_bytes_max,
+                write_buffer_bytes: cfg.store.write_buffer_bytes,
                 background_nice: cfg.store.background_nice,
                 writer_priority: cfg.store.writer_priority,
                 // A replicated shard is a Raft group whatever the setting.

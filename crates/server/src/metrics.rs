@@ -234,7 +234,8 @@ impl Metrics {
 /// checkpoints (`forkless_store_checkpoints_total{shard}`,
 /// `forkless_store_checkpoint_seconds_total{shard, phase}`), the bytes on
 /// disk (`forkless_store_node_log_bytes`,
-/// `forkless_store_shard_disk_bytes{shard}`), and which shards are out of
+/// `forkless_store_shard_disk_bytes{shard}`), the bytes held in memory
+/// (`forkless_store_write_buffer_bytes{shard}`), and which shards are out of
 /// service (`forkless_store_shard_failed{shard}`).
 pub struct StoreCollector(pub std::sync::Arc<forkless_store::Store>);
 
@@ -456,6 +457,19 @@ impl Collector for StoreCollector {
         for shard in self.0.hosted() {
             ConstGauge::new(i64::try_from(shard.disk_bytes()).unwrap_or(i64::MAX)).encode(
                 disk.encode_family(&ShardLabel {
+                    shard: shard.id().get(),
+                })?,
+            )?;
+        }
+        let mut buffered = encoder.encode_descriptor(
+            "store_write_buffer",
+            "Bytes of each shard's writes its database holds in memory (memtables, active and sealed, not yet flushed into tables); the node holds them all to store.write_buffer_bytes",
+            Some(&Unit::Bytes),
+            MetricType::Gauge,
+        )?;
+        for shard in self.0.hosted() {
+            ConstGauge::new(i64::try_from(shard.write_buffer_bytes()).unwrap_or(i64::MAX)).encode(
+                buffered.encode_family(&ShardLabel {
                     shard: shard.id().get(),
                 })?,
             )?;

@@ -54,6 +54,18 @@ impl Keyspaces {
         })
     }
 
+    /// Every keyspace of the shard.
+    pub(crate) fn all(&self) -> [&Keyspace; 6] {
+        [
+            &self.meta,
+            &self.executions,
+            &self.event_index,
+            &self.event_idem,
+            &self.routing_keys,
+            &self.start_idem,
+        ]
+    }
+
     /// The keyspace a put in the log names.
     pub(crate) fn by_id(&self, id: u8) -> Option<&Keyspace> {
         use keyspace_id::*;

@@ -111,6 +111,7 @@ pub use raft_net::{
 };
 pub use shard::{
     ReadConfirm, Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT,
+    WRITE_BUFFER_BYTES,
 };
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;
@@ -423,7 +424,8 @@ const SWEEP_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
 /// when it writes, so an idle shard is asked to checkpoint once the log has
 /// written [`StoreConfig::log_checkpoint_bytes`] since its last one (which
 /// costs it a sync of its database, with nothing to move into its index).
-/// Stops when dropped.
+/// It also holds the shards' write buffers to
+/// [`StoreConfig::write_buffer_bytes`] ([`to_seal`]). Stops when dropped.
 struct Sweep {
     stop: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -434,6 +436,7 @@ impl Sweep {
         node: node_log::NodeLog,
         shards: Arc<RwLock<BTreeMap<ShardId, Arc<ShardStore>>>>,
         bytes: u64,
+        write_buffer_bytes: u64,
     ) -> Result<Sweep, StoreError> {
         let stop = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
         let stopped = stop.clone();
@@ -460,9 +463,10 @@ impl Sweep {
                         .values()
                         .cloned()
                         .collect();
-                    for shard in hosted {
+                    for shard in &hosted {
                         shard.checkpoint_if_behind(written, bytes);
                     }
+                    bound_write_buffers(&hosted, write_buffer_bytes);
                 }
             })
             .map_err(|e| StoreError::Io(format!("spawning the checkpoint sweep: {e}")))?;
@@ -471,6 +475,42 @@ impl Sweep {
             thread: Some(thread),
         })
     }
+}
+
+/// Seals the memtables of the shards [`to_seal`] names, so that fjall's
+/// workers flush them.
+fn bound_write_buffers(hosted: &[Arc<ShardStore>], budget: u64) {
+    let held: Vec<u64> = hosted.iter().map(|s| s.write_buffer_bytes()).collect();
+    for i in to_seal(&held, budget) {
+        let shard = &hosted[i];
+        if let Err(e) = shard.seal_write_buffer() {
+            tracing::warn!(shard = shard.id().get(), error = %e, "sealing a shard's write buffer to keep the node's under store.write_buffer_bytes failed");
+        }
+    }
+}
+
+/// Which shards' write buffers to seal, given what each holds (`held[i]`
+/// bytes): none while they hold `budget` or less together; past it, the
+/// largest first until the rest hold at most three quarters of it, so
+/// that the next sweeps find room and a busy node does not seal every
+/// second. Sealed memtables still count until they are flushed.
+fn to_seal(held: &[u64], budget: u64) -> Vec<usize> {
+    let mut total: u64 = held.iter().sum();
+    if total <= budget {
+        return Vec::new();
+    }
+    let aim = budget / 4 * 3;
+    let mut order: Vec<usize> = (0..held.len()).filter(|&i| held[i] > 0).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(held[i]));
+    let mut seal = Vec::new();
+    for i in order {
+        if total <= aim {
+            break;
+        }
+        total -= held[i];
+        seal.push(i);
+    }
+    seal
 }
 
 impl Drop for Sweep {
@@ -675,6 +715,7 @@ impl Store {
             node.clone(),
             self.shards.clone(),
             self.config.log_checkpoint_bytes.max(1),
+            self.config.write_buffer_bytes,
         )?);
         self.node = Some(node);
         Ok(())
@@ -857,4 +898,34 @@ pub fn write_file_durably(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
         log::sync_dir(parent)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod write_buffer_tests {
+    use super::to_seal;
+
+    #[test]
+    fn the_largest_write_buffers_are_sealed_until_the_rest_fit_three_quarters() {
+        let cases: &[(&[u64], u64, &[usize])] = &[
+            // Within the budget: nothing.
+            (&[], 100, &[]),
+            (&[40, 60], 100, &[]),
+            // Past it: the largest, until the rest hold at most 75.
+            (&[40, 61], 100, &[1]),
+            (&[30, 30, 30, 30], 100, &[0, 1]),
+            (&[10, 80, 20], 100, &[1]),
+            (&[50, 50, 50], 100, &[0, 1]),
+            // One shard over it alone: that one.
+            (&[0, 500, 0], 100, &[1]),
+            // Empty ones are never named, even when all are sealed.
+            (&[0, 200, 0, 10], 0, &[1, 3]),
+        ];
+        for (held, budget, want) in cases {
+            assert_eq!(
+                to_seal(held, *budget),
+                *want,
+                "held {held:?}, budget {budget}"
+            );
+        }
+    }
 }

@@ -33,6 +33,12 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// `StoreConfig::journal_bytes_max` below it is raised to it.
 pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
 
+/// [`StoreConfig::write_buffer_bytes`]'s default: a shard alone fills its
+/// keyspaces' memtables to 64 MiB each as before, nearly (its six together
+/// past this are sealed at once), and a node of 64 shards holds 4 MiB of
+/// each shard's writes in memory, not up to 64 MiB a keyspace.
+pub const WRITE_BUFFER_BYTES: u64 = 256 * 1024 * 1024;
+
 /// How long a read on a replicated shard waits for a quorum to confirm
 /// this node's leadership ([`ShardStore::linearize`]).
 pub const READ_CONFIRM_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
@@ -63,8 +69,22 @@ pub struct StoreConfig {
     pub worker_threads_per_shard: usize,
     /// Journal bytes kept before memtables are flushed; bounds how much a
     /// restart after a crash replays (fjall's minimum is 64 MiB; its default
-    /// of 512 MiB made a crashed shard take seconds to reopen).
+    /// of 512 MiB made a crashed shard take seconds to reopen). fjall looks
+    /// at it only when a memtable is flushed, which it does by itself only
+    /// once one holds 64 MiB: [`StoreConfig::write_buffer_bytes`] is what
+    /// makes the flushes happen on a node of many shards.
     pub journal_bytes_max: u64,
+    /// The most bytes every shard's write buffer (fjall's memtables,
+    /// active and sealed, not yet flushed into tables) may hold together
+    /// on this node, give or take a second of writes. fjall bounds them
+    /// per keyspace (a memtable is flushed at 64 MiB), so a node of many
+    /// shards, each of its keyspaces filling slowly, held up to shards x
+    /// keyspaces x 64 MiB; and its journals, not rotated without a flush,
+    /// grew with them. Once a second the node log's sweep seals the
+    /// memtables of the shards holding the most until the rest fit in
+    /// three quarters of this, and fjall's workers flush them
+    /// (`crate::Store`, `bound_write_buffers`). Only with `node_log`.
+    pub write_buffer_bytes: u64,
     /// How many requests the process is serving right now, counted by the
     /// caller (the API edge). A shard commits on a caller's own thread only
     /// while this says the caller is alone; without it, only the shard's
@@ -131,6 +151,7 @@ impl Default for StoreConfig {
             cache_bytes_per_shard: 32 * 1024 * 1024,
             worker_threads_per_shard: 1,
             journal_bytes_max: JOURNAL_BYTES_MIN,
+            write_buffer_bytes: WRITE_BUFFER_BYTES,
             requests_in_progress: None,
             background_nice: 10,
             log_segment_bytes: log::SEGMENT_BYTES,
@@ -1469,6 +1490,27 @@ impl ShardStore {
         if self.tx.try_send(Command::Checkpoint(reply)).is_ok() {
             shared.submitted(ticket);
         }
+    }
+
+    /// Bytes in this shard's write buffer: its database's memtables,
+    /// active and sealed, not yet flushed into tables.
+    pub fn write_buffer_bytes(&self) -> u64 {
+        self.ks.db.write_buffer_size()
+    }
+
+    /// Seals the memtable of every keyspace of the shard that holds writes
+    /// and has none sealed already, and queues their flush to fjall's
+    /// workers. A keyspace with a sealed memtable still unflushed is left
+    /// alone: sealing more would not free memory sooner, and fjall stalls
+    /// the writer at four. Whether any was sealed.
+    pub(crate) fn seal_write_buffer(&self) -> Result<bool, StoreError> {
+        let mut sealed = false;
+        for ks in self.ks.all() {
+            if ks.sealed_memtable_count() == 0 {
+                sealed |= ks.rotate_memtable()?;
+            }
+        }
+        Ok(sealed)
     }
 
     /// How this shard's commits were made since it was opened.

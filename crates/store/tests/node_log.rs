@@ -9,6 +9,7 @@ use forkless_store::*;
 use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The small sizes, on the node log.
@@ -377,4 +378,114 @@ async fn a_failed_round_takes_every_shard_out_of_service() {
         assert_eq!(events.len() as u64, meta.last_seq);
         assert!(appended(&s, x, 10).await.is_ok(), "writes go on");
     }
+}
+
+/// Every shard's write buffer (fjall's memtables) is held to the node's
+/// budget: fjall flushes a keyspace's memtable by itself only at 64 MiB,
+/// so a node of many shards, each filling slowly, kept everything they
+/// wrote in memory (and in journals never rotated). The sweep seals the
+/// largest, fjall's workers flush them, and what was written reads back,
+/// reopened too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shards_write_buffers_are_held_to_the_nodes_budget() {
+    const SHARDS: u32 = 4;
+    const BUDGET: u64 = 192 * 1024;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let count = ShardCount::new(SHARDS.into()).expect("4 shards");
+    let config = || StoreConfig {
+        write_buffer_bytes: BUDGET,
+        ..node()
+    };
+    let store = Store::open(dir.path(), count, config()).expect("opens");
+    let shards: Vec<_> = (0..SHARDS)
+        .map(|s| store.open_shard(ShardId(s), Epoch(1)).expect("opens"))
+        .collect();
+    let mut on: Vec<Vec<ExecutionId>> = vec![Vec::new(); SHARDS as usize];
+    for n in 1.. {
+        let x = id(n);
+        let s = x.partition().get() as usize % SHARDS as usize;
+        if on[s].len() < 4 {
+            on[s].push(x);
+        }
+        if on.iter().all(|v| v.len() == 4) {
+            break;
+        }
+    }
+    for (s, xs) in shards.iter().zip(&on) {
+        for x in xs {
+            started(s, *x).await;
+        }
+    }
+    // Each event carries a 187-byte idempotency key, which the shard
+    // keeps in a keyspace of its own: with the rest, the shards' write
+    // buffers held 543 KB in all without the bound, nearly three times
+    // the budget.
+    let key = |x: ExecutionId, n: u64| format!("{x}-{n:0>160}");
+    let mut written = 0u64;
+    for round in 0..20u64 {
+        for (s, xs) in shards.iter().zip(&on) {
+            let x = xs[(round % 4) as usize];
+            let events = (0..25)
+                .map(|i| NewEvent {
+                    event_type: "step".into(),
+                    payload: b"{}".to_vec(),
+                    idempotency_key: Some(key(x, round * 100 + i)),
+                })
+                .collect();
+            s.append(AppendRequest {
+                epoch: Epoch(1),
+                id: x,
+                events,
+                expected_last_seq: None,
+            })
+            .await
+            .expect("append");
+            written += 25;
+        }
+    }
+    let held = || shards.iter().map(|s| s.write_buffer_bytes()).sum::<u64>();
+    until(
+        "the shards' write buffers fit the node's budget",
+        Duration::from_secs(20),
+        || held() <= BUDGET,
+    )
+    .await;
+    let events = |shards: &[Arc<ShardStore>]| {
+        let mut n = 0u64;
+        for (s, xs) in shards.iter().zip(&on) {
+            for x in xs {
+                let (meta, evs) = s.read_events(*x, 0, 10_000).expect("read").expect("exists");
+                assert_eq!(meta.last_seq as usize, evs.len());
+                n += meta.last_seq - 1;
+            }
+        }
+        n
+    };
+    assert_eq!(events(&shards), written);
+    drop((shards, store));
+    let store = Store::open(dir.path(), count, config()).expect("reopens");
+    let shards: Vec<_> = (0..SHARDS)
+        .map(|s| store.open_shard(ShardId(s), Epoch(1)).expect("opens"))
+        .collect();
+    assert_eq!(events(&shards), written, "reopened");
+    // An idempotency key kept through the flush still deduplicates.
+    let x = on[0][0];
+    let again = shards[0]
+        .append(AppendRequest {
+            epoch: Epoch(1),
+            id: x,
+            events: vec![NewEvent {
+                event_type: "step".into(),
+                payload: b"{}".to_vec(),
+                idempotency_key: Some(key(x, 0)),
+            }],
+            expected_last_seq: None,
+        })
+        .await
+        .expect("a retry");
+    assert!(again.deduplicated, "{again:?}");
+    assert_eq!(
+        again.first_seq, 2,
+        "the retry is the first append's first event"
+    );
 }
