@@ -728,6 +728,7 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
     let log = forkless_store::RaftLogLimits {
         snapshot_every: 40,
         kept: 5,
+        ..forkless_store::RaftLogLimits::default()
     };
     let mut nodes = cluster_of(dir.path(), &[3], log).await;
     let l = leader(&nodes).await;
@@ -917,6 +918,7 @@ async fn snapshot_catch_up() {
     let log = forkless_store::RaftLogLimits {
         snapshot_every: 200,
         kept: 10,
+        ..forkless_store::RaftLogLimits::default()
     };
     let mut nodes = cluster_of(dir.path(), &[3], log).await;
     let l = leader(&nodes).await;
@@ -1028,6 +1030,7 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
     let log = forkless_store::RaftLogLimits {
         snapshot_every: 10,
         kept: 0,
+        ..forkless_store::RaftLogLimits::default()
     };
     let mut nodes = cluster_of(dir.path(), &[], log).await;
     let l = leader(&nodes).await;

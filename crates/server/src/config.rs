@@ -144,8 +144,8 @@ pub const WRITER_PRIORITY_MAX: i32 = 20;
 #[serde(deny_unknown_fields, default)]
 pub struct StoreSettings {
     /// Block cache per shard, bytes (for reads of tables already flushed
-    /// from memory).
-    pub cache_bytes_per_shard: u64,
+    /// from memory). Left out: [`StoreSettings::cache_bytes_per_shard_for`].
+    pub cache_bytes_per_shard: Option<u64>,
     /// Journal bytes kept before memtables are flushed, bytes: bounds how
     /// much a restart after a crash replays.
     pub journal_bytes_max: u64,
@@ -177,7 +177,7 @@ impl Default for StoreSettings {
     fn default() -> Self {
         let d = forkless_store::StoreConfig::default();
         StoreSettings {
-            cache_bytes_per_shard: d.cache_bytes_per_shard,
+            cache_bytes_per_shard: None,
             journal_bytes_max: d.journal_bytes_max,
             write_buffer_bytes: d.write_buffer_bytes,
             background_nice: d.background_nice,
@@ -221,15 +221,35 @@ impl StoreSettings {
                 self.write_buffer_bytes
             ));
         }
-        if self.cache_bytes_per_shard < CACHE_BYTES_MIN {
+        if let Some(c) = self.cache_bytes_per_shard.filter(|c| *c < CACHE_BYTES_MIN) {
             return bad(format!(
-                "store.cache_bytes_per_shard must be at least {CACHE_BYTES_MIN} (1 MiB), not {}",
-                self.cache_bytes_per_shard
+                "store.cache_bytes_per_shard must be at least {CACHE_BYTES_MIN} (1 MiB), not {c}"
             ));
         }
         Ok(())
     }
+
+    /// The block cache of each of a node's `shards` shards: as set, or
+    /// else 32 MiB a shard while the node holds 8 shards or fewer, and
+    /// [`CACHE_BYTES_NODE`] shared among them past that (1 MiB a shard at
+    /// the least). Each shard's database has a cache of its own (fjall's
+    /// caches cannot be shared: their keys do not name the database), so
+    /// a fixed size a shard made the node's grow with its shards: 2 GiB at
+    /// 64.
+    pub fn cache_bytes_per_shard_for(&self, shards: usize) -> u64 {
+        self.cache_bytes_per_shard.unwrap_or_else(|| {
+            let shards = u64::try_from(shards.max(1)).unwrap_or(u64::MAX);
+            (CACHE_BYTES_NODE / shards).clamp(CACHE_BYTES_MIN, CACHE_BYTES_SHARD)
+        })
+    }
 }
+
+/// The block caches of a node's shards together, by default
+/// ([`StoreSettings::cache_bytes_per_shard_for`]).
+pub const CACHE_BYTES_NODE: u64 = 256 * 1024 * 1024;
+/// The most a shard's block cache takes by default (what it took before
+/// the default was shared: fjall's tables of one shard rarely need more).
+pub const CACHE_BYTES_SHARD: u64 = 32 * 1024 * 1024;
 
 /// The file as written. Every field is optional; flags override it.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -295,8 +315,9 @@ pub struct RaftTimingFile {
     /// A group snapshots (checkpoints) every this many entries...
     pub snapshot_every_entries: u64,
     /// ...and its log then forgets (from memory) the entries more than
-    /// this many behind: a follower further behind gets a snapshot.
-    pub log_kept_entries: u64,
+    /// this many behind: a follower further behind gets a snapshot. Left
+    /// out: `RaftLogLimits::for_groups`, by the groups the node holds.
+    pub log_kept_entries: Option<u64>,
 }
 
 impl Default for RaftTimingFile {
@@ -308,15 +329,15 @@ impl Default for RaftTimingFile {
             election_timeout_max_ms: d.election_timeout_max_ms,
             quiesce: d.quiesce,
             snapshot_every_entries: forkless_store::RaftLogLimits::default().snapshot_every,
-            log_kept_entries: forkless_store::RaftLogLimits::default().kept,
+            log_kept_entries: None,
         }
     }
 }
 
 impl RaftTimingFile {
-    fn validate(
-        &self,
-    ) -> Result<(forkless_store::RaftTiming, forkless_store::RaftLogLimits), ConfigError> {
+    /// The timers, and the log's limits: the snapshot distance and the
+    /// entries kept, if set.
+    fn validate(&self) -> Result<(forkless_store::RaftTiming, u64, Option<u64>), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let RaftTimingFile {
             heartbeat_ms: h,
@@ -331,7 +352,7 @@ impl RaftTimingFile {
                 "raft.snapshot_every_entries must be 10 to 10000000, not {every}"
             ));
         }
-        if kept > 10_000_000 {
+        if let Some(kept) = kept.filter(|k| *k > 10_000_000) {
             return bad(format!(
                 "raft.log_kept_entries must be at most 10000000, not {kept}"
             ));
@@ -356,10 +377,8 @@ impl RaftTimingFile {
                 election_timeout_max_ms: hi,
                 quiesce,
             },
-            forkless_store::RaftLogLimits {
-                snapshot_every: every,
-                kept,
-            },
+            every,
+            kept,
         ))
     }
 }
@@ -421,7 +440,10 @@ pub struct ClusterConfig {
 pub struct Replicated {
     pub factor: usize,
     pub timing: forkless_store::RaftTiming,
-    pub log: forkless_store::RaftLogLimits,
+    /// `raft.snapshot_every_entries`.
+    pub snapshot_every: u64,
+    /// `raft.log_kept_entries`, if set.
+    pub log_kept: Option<u64>,
     /// Every node's Raft address.
     pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
     /// The shards whose replicas the file pins (`[[placement]]`).
@@ -432,6 +454,19 @@ pub struct Replicated {
 }
 
 impl Replicated {
+    /// The log's limits of each group of a node that holds `groups` of
+    /// them: the entries kept as set, or else shared with the node's
+    /// other groups, as the cache of entries is
+    /// (`RaftLogLimits::for_groups`).
+    pub fn log_for(&self, groups: usize) -> forkless_store::RaftLogLimits {
+        let shared = forkless_store::RaftLogLimits::for_groups(groups);
+        forkless_store::RaftLogLimits {
+            snapshot_every: self.snapshot_every,
+            kept: self.log_kept.unwrap_or(shared.kept),
+            cache_bytes: shared.cache_bytes,
+        }
+    }
+
     /// The nodes holding a replica of `shard`: as the file pins them, else
     /// `factor` nodes in id order, starting at the (shard mod nodes)-th,
     /// so that each node holds as many replicas as any other (within one)
@@ -621,13 +656,14 @@ pub fn validate_cluster(
                 }
                 raft_addrs.insert(nodes[i].id, a);
             }
-            let (timing, log) = file.raft.unwrap_or_default().validate()?;
+            let (timing, snapshot_every, log_kept) = file.raft.unwrap_or_default().validate()?;
             let retired = retired_nodes(&file.retired_nodes, &ids)?;
             let placeable: BTreeSet<NodeId> = ids.union(&retired).copied().collect();
             Some(Replicated {
                 factor: f as usize,
                 timing,
-                log,
+                snapshot_every,
+                log_kept,
                 raft_addrs,
                 pinned: pinned_placement(&file.placement, f as usize, n, &placeable)?,
                 retired,
@@ -1156,13 +1192,21 @@ peer_addr = "127.0.0.1:7172"
             t.cluster
                 .as_ref()
                 .and_then(|c| c.replication.as_ref())
-                .map(|r| r.log),
+                .map(|r| r.log_for(256)),
             Some(forkless_store::RaftLogLimits {
                 snapshot_every: 500,
                 kept: 0,
+                cache_bytes: 256 << 10,
             })
         );
-        assert_eq!(r.log, forkless_store::RaftLogLimits::default());
+        // Left out: 100,000 entries and a 1 MiB cache a group up to 64
+        // groups on the node, 6,400,000 and 64 MiB shared past that.
+        assert_eq!(r.log_for(1), forkless_store::RaftLogLimits::default());
+        assert_eq!(r.log_for(64), forkless_store::RaftLogLimits::default());
+        let l = r.log_for(256);
+        assert_eq!((l.kept, l.cache_bytes), (25_000, 256 << 10));
+        let l = r.log_for(4096);
+        assert_eq!((l.kept, l.cache_bytes), (10_000, 128 << 10));
         assert_eq!(
             t.cluster.and_then(|c| c.replication).map(|r| r.timing),
             Some(forkless_store::RaftTiming {
@@ -1550,6 +1594,23 @@ peer_addr = "127.0.0.1:7172"
         assert_eq!(d.store.background_nice, 10);
         assert_eq!(d.store.writer_priority, 5);
         assert_eq!(d.store.write_buffer_bytes, 256 << 20);
+        // The block cache: 32 MiB a shard up to 8 shards, 256 MiB shared
+        // past that, 1 MiB a shard at the least; as set when it is.
+        for (shards, each) in [
+            (0, 32),
+            (1, 32),
+            (8, 32),
+            (16, 16),
+            (64, 4),
+            (256, 1),
+            (4096, 1),
+        ] {
+            assert_eq!(
+                d.store.cache_bytes_per_shard_for(shards),
+                each << 20,
+                "{shards}"
+            );
+        }
         assert!(!d.store.raft, "Raft groups are not the default yet");
         let c = check(
             "[store]\nbackground_nice = 0\nwriter_priority = 0\ncache_bytes_per_shard = 1048576\njournal_bytes_max = 134217728\nwrite_buffer_bytes = 16777216\nraft = true\n",
@@ -1560,7 +1621,7 @@ peer_addr = "127.0.0.1:7172"
         assert_eq!(
             c.store,
             StoreSettings {
-                cache_bytes_per_shard: 1 << 20,
+                cache_bytes_per_shard: Some(1 << 20),
                 journal_bytes_max: 128 << 20,
                 write_buffer_bytes: 16 << 20,
                 background_nice: 0,
@@ -1569,6 +1630,7 @@ peer_addr = "127.0.0.1:7172"
                 groups_in_flight: forkless_store::RAFT_GROUPS_IN_FLIGHT,
             }
         );
+        assert_eq!(c.store.cache_bytes_per_shard_for(64), 1 << 20, "as set");
         // The flag (or FORKLESS_STORE_RAFT) wins over the file.
         let off = Overrides {
             store_raft: Some(false),

@@ -143,6 +143,16 @@ impl App {
             // Before any group is opened (and a new one initialized).
             check_placement(&cfg, c, r).await?;
         }
+        // The shards this node holds: a replica of each its placement
+        // names, or each it owns. Their block caches, and their Raft logs'
+        // memory, share the node's by default.
+        let held = (0..cfg.shard_count.get())
+            .map(ShardId)
+            .filter(|s| match &replicated {
+                Some(r) => r.replicas(*s).contains(&cfg.node_id),
+                None => matches!(dir.owner_of(*s), forkless_routing::Owner::Local { .. }),
+            })
+            .count();
         let replication = replicated.as_ref().map(|r| {
             let hello = forkless_raftnet::Handshake {
                 secret: cfg
@@ -154,7 +164,7 @@ impl App {
                 // sets) as the recorded one; a reload keeps it so.
                 placement: placement::Placement::of(r, cfg.shard_count).fingerprint(),
             };
-            store_replication(cfg.node_id, r, hello)
+            store_replication(cfg.node_id, r, hello, held)
         });
         let (replication, links) = match replication.transpose()? {
             Some((r, l)) => (Some(r), Some(l)),
@@ -164,7 +174,7 @@ impl App {
             &cfg.data_dir,
             cfg.shard_count,
             StoreConfig {
-                cache_bytes_per_shard: cfg.store.cache_bytes_per_shard,
+                cache_bytes_per_shard: cfg.store.cache_bytes_per_shard_for(held),
                 journal_bytes_max: cfg.store.journal_bytes_max,
                 write_buffer_bytes: cfg.store.write_buffer_bytes,
                 background_nice: cfg.store.background_nice,
@@ -384,6 +394,7 @@ fn store_replication(
     me: forkless_types::NodeId,
     r: &config::Replicated,
     hello: forkless_raftnet::Handshake,
+    groups: usize,
 ) -> Result<(forkless_store::Replication, forkless_raftnet::Links), forkless_store::StoreError> {
     let addrs: std::collections::BTreeMap<u64, String> = r
         .raft_addrs
@@ -412,7 +423,7 @@ fn store_replication(
                 .collect()
         }),
         timing: r.timing,
-        log: r.log,
+        log: r.log_for(groups),
         peers: Arc::new(links.clone()),
     };
     Ok((replication, links))

@@ -247,7 +247,9 @@ pub fn plan(
     }
     let mut restart_needed = Vec::new();
     let raft = match (&now.replication, &new.replication) {
-        (Some(a), Some(b)) => a.timing != b.timing || a.log != b.log,
+        (Some(a), Some(b)) => {
+            a.timing != b.timing || a.snapshot_every != b.snapshot_every || a.log_kept != b.log_kept
+        }
         _ => false,
     };
     for (field, changed) in [

@@ -667,6 +667,7 @@ pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
             snapshot_every: crate::raft_net::RaftLogLimits::default().snapshot_every,
             // No follower to keep entries for.
             kept: 0,
+            cache_bytes: crate::raft_net::RaftLogLimits::default().cache_bytes,
         },
         &crate::raft_net::RaftTiming::ALONE,
     )
@@ -878,6 +879,7 @@ pub(crate) fn start_replicated(
     rep: &crate::raft_net::Replication,
 ) -> Result<Group, StoreError> {
     let config = config_with(&rep.log, &rep.timing)?;
+    log.reader().limit_cache(rep.log.cache_bytes);
     let members = (rep.members)(shard);
     // A replica the cluster file does not place here was added by a
     // membership change (`ShardStore::replace_replica`): it never

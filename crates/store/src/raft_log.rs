@@ -118,7 +118,8 @@ const MEMBERSHIP: u8 = 2;
 const ENTRY_HEADER: usize = 4 + 8 + 8;
 /// Entries kept in memory after they are durable, per group, in bytes of
 /// their bodies: the ones just appended, which apply (and, with
-/// followers, replication) read next.
+/// followers, replication) read next. A replicated group's is its share of
+/// its node's (`RaftLogLimits::cache_bytes`, set at its start).
 const CACHE_BYTES: usize = 1 << 20;
 /// An append's entries are queued in pieces of about this many bytes
 /// (each its own round), so that no round grows past its frame's bound
@@ -625,6 +626,16 @@ impl RaftLogRead {
     /// The group's vote.
     pub(crate) fn vote(&self) -> Option<Vote> {
         lock(&self.tail).vote
+    }
+
+    /// Holds the bodies of at most `bytes` of durable entries in memory
+    /// from now on (the group's share of its node's cache:
+    /// `RaftLogLimits::cache_bytes`), letting go of the oldest now if it
+    /// holds more.
+    pub(crate) fn limit_cache(&self, bytes: usize) {
+        let mut t = lock(&self.tail);
+        t.cache_bytes = bytes;
+        t.evict();
     }
 
     /// How many entries the log holds (after its purge mark), and the
@@ -1258,6 +1269,38 @@ mod tests {
     /// A long log of small entries is held compactly past the cache, read
     /// back whole (from memory and from the places), cut and purged across
     /// the boundary, and read back the same way at a reopen.
+    /// A group's share of its node's cache, set at its start, lets go of
+    /// the oldest bodies at once and holds to it after; what left memory
+    /// reads back from the node log.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_groups_cache_holds_to_the_share_it_is_given() {
+        let tmp = tempfile::tempdir().expect("a folder");
+        let (_node, mut log) = open(tmp.path(), RaftStart::default_at(node_log::START));
+        let body = "z".repeat(1_000);
+        let cached = |log: &RaftLog| lock(&log.tail).cached;
+        for i in 1..=400u64 {
+            append(&mut log, vec![normal(1, i, &format!("{i}:{body}"))]).await;
+        }
+        assert!(cached(&log) > 256 << 10, "{} cached", cached(&log));
+        log.reader().limit_cache(128 << 10);
+        assert!(cached(&log) <= 128 << 10, "{} cached", cached(&log));
+        for i in 401..=800u64 {
+            append(&mut log, vec![normal(1, i, &format!("{i}:{body}"))]).await;
+        }
+        assert!(cached(&log) <= 128 << 10, "{} cached", cached(&log));
+        assert!(
+            cached(&log) > 64 << 10,
+            "the latest stay: {} cached",
+            cached(&log)
+        );
+        let got = held(&mut log).await;
+        assert_eq!(got.len(), 800);
+        for (k, (_, index, text)) in got.into_iter().enumerate() {
+            assert_eq!(index, k as u64 + 1);
+            assert_eq!(text, format!("{index}:{body}"));
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_long_log_is_held_compactly_and_reads_back_whole() {
         let tmp = tempfile::tempdir().expect("a folder");

@@ -233,11 +233,51 @@ pub struct Replication {
 /// How much of its log a replicated group keeps in memory: it snapshots
 /// (checkpoints) every `snapshot_every` entries, and then forgets the
 /// entries more than `kept` behind the snapshot; a follower further
-/// behind than that catches up by a snapshot of the whole shard.
+/// behind than that catches up by a snapshot of the whole shard. Of the
+/// entries it holds, the latest `cache_bytes` of bodies stay in memory
+/// whole (what a leader sends its followers from), the rest as their
+/// places in the node log (32 bytes each).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RaftLogLimits {
     pub snapshot_every: u64,
     pub kept: u64,
+    pub cache_bytes: usize,
+}
+
+impl RaftLogLimits {
+    /// The most entries the groups of a node keep together by default,
+    /// past their snapshots ([`RaftLogLimits::for_groups`]): about 200
+    /// MiB of places.
+    pub const KEPT_NODE: u64 = 6_400_000;
+    /// The fewest entries a group keeps by default, however many groups
+    /// its node holds.
+    pub const KEPT_MIN: u64 = 10_000;
+    /// The most bytes of entry bodies the groups of a node cache together
+    /// by default.
+    pub const CACHE_NODE: usize = 64 << 20;
+    /// The least a group caches by default.
+    pub const CACHE_MIN: usize = 128 << 10;
+
+    /// The limits of each of a node's `groups` groups by default: the
+    /// defaults' 100,000 entries and 1 MiB cache while the node holds 64
+    /// groups or fewer, and past that [`Self::KEPT_NODE`] entries and
+    /// [`Self::CACHE_NODE`] shared evenly among them, down to
+    /// [`Self::KEPT_MIN`] and [`Self::CACHE_MIN`] each. A group holds its
+    /// entries in memory (`crate::raft_log`), so limits per group alone
+    /// made a node's memory grow with its shards: about 4.8 MiB a busy
+    /// group, 1.2 GiB at 256. A group of a node with more shards takes a
+    /// share of its writes, so fewer entries still cover about the same
+    /// time away.
+    pub fn for_groups(groups: usize) -> RaftLogLimits {
+        let d = RaftLogLimits::default();
+        let n = groups.max(1);
+        let n64 = u64::try_from(n).unwrap_or(u64::MAX);
+        RaftLogLimits {
+            kept: (Self::KEPT_NODE / n64).clamp(Self::KEPT_MIN, d.kept),
+            cache_bytes: (Self::CACHE_NODE / n).clamp(Self::CACHE_MIN, d.cache_bytes),
+            ..d
+        }
+    }
 }
 
 impl Default for RaftLogLimits {
@@ -253,6 +293,7 @@ impl Default for RaftLogLimits {
         RaftLogLimits {
             snapshot_every: 20_000,
             kept: 100_000,
+            cache_bytes: 1 << 20,
         }
     }
 }
