@@ -143,16 +143,9 @@ impl App {
             // Before any group is opened (and a new one initialized).
             check_placement(&cfg, c, r).await?;
         }
-        // The shards this node holds: a replica of each its placement
-        // names, or each it owns. Their block caches, and their Raft logs'
-        // memory, share the node's by default.
-        let held = (0..cfg.shard_count.get())
-            .map(ShardId)
-            .filter(|s| match &replicated {
-                Some(r) => r.replicas(*s).contains(&cfg.node_id),
-                None => matches!(dir.owner_of(*s), forkless_routing::Owner::Local { .. }),
-            })
-            .count();
+        // Their block caches, and their Raft logs' memory, share the
+        // node's by default.
+        let held = shards_held(&cfg, replicated.as_ref(), &dir);
         let replication = replicated.as_ref().map(|r| {
             let hello = forkless_raftnet::Handshake {
                 secret: cfg
@@ -427,6 +420,45 @@ fn store_replication(
         peers: Arc::new(links.clone()),
     };
     Ok((replication, links))
+}
+
+/// How many shards this node holds, as far as it can tell at start: a
+/// replica of each its placement names or that its data directory has (a
+/// replica a move gave it), or each it owns or has; and on a replicated
+/// node at least its even share of the cluster's replicas, since a node
+/// added to a running cluster starts with none and is given them by moves
+/// (`docs/replication.md`). What the node's default block caches and Raft
+/// logs' memory are shared by ([`config::StoreSettings::cache_bytes_per_shard_for`],
+/// [`config::Replicated::log_for`]); counted once, at start.
+fn shards_held(
+    cfg: &ServerConfig,
+    replicated: Option<&config::Replicated>,
+    dir: &StaticDirectory,
+) -> usize {
+    let n = cfg.shard_count.get();
+    let on_disk: std::collections::BTreeSet<u32> = std::fs::read_dir(cfg.data_dir.join("shards"))
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .filter(|s| *s < n)
+                .collect()
+        })
+        .unwrap_or_default();
+    let held = (0..n)
+        .filter(|s| {
+            on_disk.contains(s)
+                || match replicated {
+                    Some(r) => r.replicas(ShardId(*s)).contains(&cfg.node_id),
+                    None => matches!(
+                        dir.owner_of(ShardId(*s)),
+                        forkless_routing::Owner::Local { .. }
+                    ),
+                }
+        })
+        .count();
+    let nodes = cfg.cluster.as_ref().map_or(1, |c| c.nodes.len().max(1));
+    let even = replicated.map_or(0, |r| (n as usize * r.factor).div_ceil(nodes));
+    held.max(even)
 }
 
 /// Keeps the directory's owner of each replicated shard this node holds a

@@ -448,31 +448,29 @@ impl Collector for StoreCollector {
             ConstGauge::new(i64::try_from(self.0.log_disk_bytes()).unwrap_or(i64::MAX))
                 .encode(node_log)?;
         }
-        let mut disk = encoder.encode_descriptor(
-            "store_shard_disk",
-            "Bytes each shard's database takes on disk, with its own log of before if it has one (the node log's bytes are the node's: forkless_store_node_log_bytes)",
-            Some(&Unit::Bytes),
-            MetricType::Gauge,
-        )?;
-        for shard in self.0.hosted() {
-            ConstGauge::new(i64::try_from(shard.disk_bytes()).unwrap_or(i64::MAX)).encode(
-                disk.encode_family(&ShardLabel {
-                    shard: shard.id().get(),
-                })?,
-            )?;
-        }
-        let mut buffered = encoder.encode_descriptor(
-            "store_write_buffer",
-            "Bytes of each shard's writes its database holds in memory (memtables, active and sealed, not yet flushed into tables); the node holds them all to store.write_buffer_bytes",
-            Some(&Unit::Bytes),
-            MetricType::Gauge,
-        )?;
-        for shard in self.0.hosted() {
-            ConstGauge::new(i64::try_from(shard.write_buffer_bytes()).unwrap_or(i64::MAX)).encode(
-                buffered.encode_family(&ShardLabel {
-                    shard: shard.id().get(),
-                })?,
-            )?;
+        let hosted = self.0.hosted();
+        let bytes_by_shard = [
+            (
+                "store_shard_disk",
+                "Bytes each shard's database takes on disk, with its own log of before if it has one (the node log's bytes are the node's: forkless_store_node_log_bytes)",
+                forkless_store::ShardStore::disk_bytes as fn(&forkless_store::ShardStore) -> u64,
+            ),
+            (
+                "store_write_buffer",
+                "Bytes of each shard's writes its database holds in memory (memtables, active and sealed, not yet flushed into tables); the node holds them all to store.write_buffer_bytes",
+                forkless_store::ShardStore::write_buffer_bytes,
+            ),
+        ];
+        for (name, help, bytes) in bytes_by_shard {
+            let mut family =
+                encoder.encode_descriptor(name, help, Some(&Unit::Bytes), MetricType::Gauge)?;
+            for shard in &hosted {
+                ConstGauge::new(i64::try_from(bytes(shard)).unwrap_or(i64::MAX)).encode(
+                    family.encode_family(&ShardLabel {
+                        shard: shard.id().get(),
+                    })?,
+                )?;
+            }
         }
         self.encode_raft(&mut encoder)?;
         let mut failed = encoder.encode_descriptor(

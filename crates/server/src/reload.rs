@@ -840,5 +840,15 @@ mod tests {
         let p = p.unwrap();
         assert_eq!(p.added.len(), 1);
         assert_eq!(p.restart_needed, vec!["limits", "raft"]);
+        // The log's limits are the raft section's too, set or left out.
+        for raft in [
+            "[raft]\nlog_kept_entries = 100000\n",
+            "[raft]\nsnapshot_every_entries = 500\n",
+        ] {
+            let p = planned(&file(THREE, ""), &file(THREE, raft)).unwrap();
+            assert_eq!(p.restart_needed, vec!["raft"], "{raft}");
+        }
+        let p = planned(&file(THREE, ""), &file(THREE, "[raft]\nquiesce = true\n")).unwrap();
+        assert!(p.restart_needed.is_empty(), "the defaults, written out");
     }
 }

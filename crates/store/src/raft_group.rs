@@ -667,6 +667,7 @@ pub(crate) fn config() -> Result<Arc<openraft::Config>, StoreError> {
             snapshot_every: crate::raft_net::RaftLogLimits::default().snapshot_every,
             // No follower to keep entries for.
             kept: 0,
+            // Not used: a group of one keeps the log's own cache size.
             cache_bytes: crate::raft_net::RaftLogLimits::default().cache_bytes,
         },
         &crate::raft_net::RaftTiming::ALONE,

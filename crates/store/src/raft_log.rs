@@ -1266,9 +1266,6 @@ mod tests {
         assert!(c.is_empty());
     }
 
-    /// A long log of small entries is held compactly past the cache, read
-    /// back whole (from memory and from the places), cut and purged across
-    /// the boundary, and read back the same way at a reopen.
     /// A group's share of its node's cache, set at its start, lets go of
     /// the oldest bodies at once and holds to it after; what left memory
     /// reads back from the node log.
@@ -1301,6 +1298,9 @@ mod tests {
         }
     }
 
+    /// A long log of small entries is held compactly past the cache, read
+    /// back whole (from memory and from the places), cut and purged across
+    /// the boundary, and read back the same way at a reopen.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_long_log_is_held_compactly_and_reads_back_whole() {
         let tmp = tempfile::tempdir().expect("a folder");

@@ -35,8 +35,9 @@ pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
 
 /// [`StoreConfig::write_buffer_bytes`]'s default: a shard alone fills its
 /// keyspaces' memtables to 64 MiB each as before, nearly (its six together
-/// past this are sealed at once), and a node of 64 shards holds 4 MiB of
-/// each shard's writes in memory, not up to 64 MiB a keyspace.
+/// past this are sealed at once), and a node of 64 shards holds this much
+/// of their writes in memory together, not up to 64 MiB a keyspace of
+/// each.
 pub const WRITE_BUFFER_BYTES: u64 = 256 * 1024 * 1024;
 
 /// How long a read on a replicated shard waits for a quorum to confirm
@@ -1502,15 +1503,23 @@ impl ShardStore {
     /// and has none sealed already, and queues their flush to fjall's
     /// workers. A keyspace with a sealed memtable still unflushed is left
     /// alone: sealing more would not free memory sooner, and fjall stalls
-    /// the writer at four. Whether any was sealed.
+    /// the writer at four. Whether any was sealed; every keyspace is
+    /// tried, and the first failure is the answer.
     pub(crate) fn seal_write_buffer(&self) -> Result<bool, StoreError> {
         let mut sealed = false;
+        let mut failed = None;
         for ks in self.ks.all() {
             if ks.sealed_memtable_count() == 0 {
-                sealed |= ks.rotate_memtable()?;
+                match ks.rotate_memtable() {
+                    Ok(s) => sealed |= s,
+                    Err(e) => failed = failed.or(Some(e)),
+                }
             }
         }
-        Ok(sealed)
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(sealed),
+        }
     }
 
     /// How this shard's commits were made since it was opened.
