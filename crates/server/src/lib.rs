@@ -146,6 +146,17 @@ impl App {
         // Their block caches, and their Raft logs' memory, share the
         // node's by default.
         let held = shards_held(&cfg, replicated.as_ref(), &dir);
+        {
+            let log = replicated.as_ref().map(|r| r.log_for(held));
+            tracing::info!(
+                shards_held = held,
+                block_cache_per_shard = cfg.store.cache_bytes_per_shard_for(held),
+                write_buffers = cfg.store.write_buffer_bytes,
+                raft_log_kept_entries = log.map(|l| l.kept),
+                raft_log_cache_per_group = log.map(|l| l.cache_bytes),
+                "memory: the shards' shares"
+            );
+        }
         let replication = replicated.as_ref().map(|r| {
             let hello = forkless_raftnet::Handshake {
                 secret: cfg
