@@ -249,7 +249,7 @@ impl StoreSettings {
 pub const CACHE_BYTES_NODE: u64 = 256 * 1024 * 1024;
 /// The most a shard's block cache takes by default (what it took before
 /// the default was shared: fjall's tables of one shard rarely need more).
-pub const CACHE_BYTES_SHARD: u64 = 32 * 1024 * 1024;
+pub const CACHE_BYTES_SHARD: u64 = forkless_store::CACHE_BYTES_PER_SHARD;
 
 /// The file as written. Every field is optional; flags override it.
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -146,18 +146,17 @@ impl App {
         // Their block caches, and their Raft logs' memory, share the
         // node's by default.
         let held = shards_held(&cfg, replicated.as_ref(), &dir);
-        {
-            let log = replicated.as_ref().map(|r| r.log_for(held));
-            tracing::info!(
-                shards_held = held,
-                block_cache_per_shard = cfg.store.cache_bytes_per_shard_for(held),
-                write_buffers = cfg.store.write_buffer_bytes,
-                raft_log_kept_entries = log.map(|l| l.kept),
-                raft_log_cache_per_group = log.map(|l| l.cache_bytes),
-                "memory: the shards' shares"
-            );
-        }
-        let replication = replicated.as_ref().map(|r| {
+        let cache_per_shard = cfg.store.cache_bytes_per_shard_for(held);
+        let log = replicated.as_ref().map(|r| r.log_for(held));
+        tracing::info!(
+            shards_held = held,
+            block_cache_per_shard = cache_per_shard,
+            write_buffers = cfg.store.write_buffer_bytes,
+            raft_log_kept_entries = log.map(|l| l.kept),
+            raft_log_cache_per_group = log.map(|l| l.cache_bytes),
+            "memory: the shards' shares"
+        );
+        let replication = replicated.as_ref().zip(log).map(|(r, log)| {
             let hello = forkless_raftnet::Handshake {
                 secret: cfg
                     .cluster
@@ -168,7 +167,7 @@ impl App {
                 // sets) as the recorded one; a reload keeps it so.
                 placement: placement::Placement::of(r, cfg.shard_count).fingerprint(),
             };
-            store_replication(cfg.node_id, r, hello, held)
+            store_replication(cfg.node_id, r, hello, log)
         });
         let (replication, links) = match replication.transpose()? {
             Some((r, l)) => (Some(r), Some(l)),
@@ -178,7 +177,7 @@ impl App {
             &cfg.data_dir,
             cfg.shard_count,
             StoreConfig {
-                cache_bytes_per_shard: cfg.store.cache_bytes_per_shard_for(held),
+                cache_bytes_per_shard: cache_per_shard,
                 journal_bytes_max: cfg.store.journal_bytes_max,
                 write_buffer_bytes: cfg.store.write_buffer_bytes,
                 background_nice: cfg.store.background_nice,
@@ -398,7 +397,7 @@ fn store_replication(
     me: forkless_types::NodeId,
     r: &config::Replicated,
     hello: forkless_raftnet::Handshake,
-    groups: usize,
+    log: forkless_store::RaftLogLimits,
 ) -> Result<(forkless_store::Replication, forkless_raftnet::Links), forkless_store::StoreError> {
     let addrs: std::collections::BTreeMap<u64, String> = r
         .raft_addrs
@@ -427,7 +426,7 @@ fn store_replication(
                 .collect()
         }),
         timing: r.timing,
-        log: r.log_for(groups),
+        log,
         peers: Arc::new(links.clone()),
     };
     Ok((replication, links))
@@ -447,23 +446,19 @@ fn shards_held(
     dir: &StaticDirectory,
 ) -> usize {
     let n = cfg.shard_count.get();
-    let on_disk: std::collections::BTreeSet<u32> = std::fs::read_dir(cfg.data_dir.join("shards"))
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-                .filter(|s| *s < n)
-                .collect()
-        })
-        .unwrap_or_default();
+    // Unreadable here, it fails the store's open just after, with why.
+    let on_disk: std::collections::BTreeSet<ShardId> =
+        Store::shards_in(&cfg.data_dir, cfg.shard_count)
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
     let held = (0..n)
+        .map(ShardId)
         .filter(|s| {
             on_disk.contains(s)
                 || match replicated {
-                    Some(r) => r.replicas(ShardId(*s)).contains(&cfg.node_id),
-                    None => matches!(
-                        dir.owner_of(ShardId(*s)),
-                        forkless_routing::Owner::Local { .. }
-                    ),
+                    Some(r) => r.replicas(*s).contains(&cfg.node_id),
+                    None => matches!(dir.owner_of(*s), forkless_routing::Owner::Local { .. }),
                 }
         })
         .count();

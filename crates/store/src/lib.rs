@@ -110,8 +110,8 @@ pub use raft_net::{
     Replication, Rpc, RpcReply, SnapshotChunk, APPENDS_IN_FLIGHT, APPEND_BYTES_MAX,
 };
 pub use shard::{
-    ReadConfirm, Replaced, ShardStore, StoreConfig, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT,
-    WRITE_BUFFER_BYTES,
+    ReadConfirm, Replaced, ShardStore, StoreConfig, CACHE_BYTES_PER_SHARD, JOURNAL_BYTES_MIN,
+    RAFT_GROUPS_IN_FLIGHT, WRITE_BUFFER_BYTES,
 };
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;
@@ -524,6 +524,31 @@ impl Drop for Sweep {
 }
 
 impl Store {
+    /// The shards of `shard_count` that data directory `dir` has a folder
+    /// of (`shards/<n>`), in no particular order; none if it has no
+    /// `shards/` yet.
+    pub fn shards_in(dir: &Path, shard_count: ShardCount) -> Result<Vec<ShardId>, StoreError> {
+        let entries = match std::fs::read_dir(dir.join("shards")) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(StoreError::Io(e.to_string())),
+        };
+        let mut existing = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(|e| StoreError::Io(e.to_string()))?;
+            if let Some(s) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            {
+                if s < shard_count.get() {
+                    existing.push(ShardId(s));
+                }
+            }
+        }
+        Ok(existing)
+    }
+
     /// Opens (or creates) the node's data directory. Refuses a directory
     /// written with another shard count: that is a resize, not a restart.
     pub fn open(
@@ -571,21 +596,7 @@ impl Store {
         // Each reopen replays its own journal, so they run in parallel. A
         // shard that fails to open is out of service and reported; the
         // others open and serve.
-        let entries =
-            std::fs::read_dir(dir.join("shards")).map_err(|e| StoreError::Io(e.to_string()))?;
-        let mut existing = Vec::new();
-        for entry in entries {
-            let entry = entry.map_err(|e| StoreError::Io(e.to_string()))?;
-            if let Some(s) = entry
-                .file_name()
-                .to_str()
-                .and_then(|n| n.parse::<u32>().ok())
-            {
-                if s < shard_count.get() {
-                    existing.push(ShardId(s));
-                }
-            }
-        }
+        let existing = Store::shards_in(dir, shard_count)?;
         if store.config.node_log {
             store.open_node_log(&existing)?;
             return Ok(store);

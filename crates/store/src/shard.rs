@@ -33,6 +33,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// `StoreConfig::journal_bytes_max` below it is raised to it.
 pub const JOURNAL_BYTES_MIN: u64 = 64 * 1024 * 1024;
 
+/// [`StoreConfig::cache_bytes_per_shard`]'s default.
+pub const CACHE_BYTES_PER_SHARD: u64 = 32 * 1024 * 1024;
+
 /// [`StoreConfig::write_buffer_bytes`]'s default: a shard alone fills its
 /// keyspaces' memtables to 64 MiB each as before, nearly (its six together
 /// past this are sealed at once), and a node of 64 shards holds this much
@@ -149,7 +152,7 @@ pub struct StoreConfig {
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
-            cache_bytes_per_shard: 32 * 1024 * 1024,
+            cache_bytes_per_shard: CACHE_BYTES_PER_SHARD,
             worker_threads_per_shard: 1,
             journal_bytes_max: JOURNAL_BYTES_MIN,
             write_buffer_bytes: WRITE_BUFFER_BYTES,
