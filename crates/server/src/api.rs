@@ -341,22 +341,7 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
             Some(n) if n == l.me => Owner::Local {
                 epoch: Epoch(l.term),
             },
-            Some(n) => match forkless_types::NodeId::new(n).and_then(|n| app.dir.node(n)) {
-                Some(info) => {
-                    let hint = forkless_routing::OwnerHint {
-                        node: info.id,
-                        api_addr: info.api_addr,
-                        peer_addr: info.peer_addr,
-                        epoch: Epoch(l.term),
-                    };
-                    if app.dir.liveness().is_alive(info.id) {
-                        Owner::Remote(hint)
-                    } else {
-                        Owner::Unknown { hint: Some(hint) }
-                    }
-                }
-                None => Owner::Unknown { hint: None },
-            },
+            Some(n) => leader_named(app, n, l.term),
             None => Owner::Unknown { hint: None },
         };
     }
@@ -424,7 +409,7 @@ where
     F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
-    let (owner, decision) = decision(app, route.shard, route.hops_taken);
+    let (owner, decided) = decision(app, route.shard, route.hops_taken);
     let partition = route.partition.map(|p| p.get());
     let shard = route.shard.get();
     if route.stale_ok && method == Method::GET {
@@ -442,11 +427,13 @@ where
             };
         }
     }
-    let mut resp = match decision {
+    let (owner, mut resp) = match decided {
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
-            match app.store.shard(route.shard) {
+            let mut tried = None;
+            let refused = match app.store.shard(route.shard) {
                 Some(st) => {
+                    tried = Some(st.clone());
                     // A read of a replicated shard is confirmed with its
                     // group first (read index), so it sees every write
                     // acknowledged before it began. A replicated shard's
@@ -463,14 +450,12 @@ where
                         (epoch, Ok(()))
                     };
                     match confirmed {
-                        Err(e) => {
-                            from_store(e, shard, partition, app.dir.map_version()).into_response()
-                        }
+                        Err(e) => from_store(e, shard, partition, app.dir.map_version()),
                         Ok(()) => match local(epoch, st).await {
                             Ok(v) => {
                                 return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
                             }
-                            Err(e) => e.into_response(),
+                            Err(e) => e,
                         },
                     }
                 }
@@ -485,10 +470,109 @@ where
                     shard,
                     partition,
                     app.dir.map_version(),
-                )
-                .into_response(),
+                ),
+            };
+            match (refused, tried) {
+                // The group's leadership moved, or is moving, after this
+                // node decided it leads (a transfer, an election): nothing
+                // was executed, so once the group's leadership settles the
+                // request is routed again, as if it had been known when
+                // the request came in.
+                (ApiError::NotLeader { leader, term, .. }, Some(st)) => {
+                    let within = settle_within(app);
+                    let settled = st.leadership_settled(term, within).await;
+                    let (owner, d) = decision(app, route.shard, route.hops_taken);
+                    tracing::info!(
+                        shard,
+                        refused_at_term = term,
+                        named = ?leader,
+                        now = ?settled.map(|l| (l.leader, l.term)),
+                        "this node's leadership of the shard moved under the request; routing it again"
+                    );
+                    match d {
+                        Decision::Local { .. } => (
+                            owner,
+                            ApiError::ShardUnavailable {
+                                shard,
+                                executed: Executed::No,
+                                reason: format!(
+                                    "the shard's Raft group refused this node as its leader at term {term}, and within {} ms it came to lead the group again or knew no other leader",
+                                    within.as_millis()
+                                ),
+                            }
+                            .into_response(),
+                        ),
+                        d => match elsewhere(app, d, &owner, method, path_and_query, body, &route)
+                            .await
+                        {
+                            Ok(resp) => return Routed::Answer(resp),
+                            Err(resp) => (owner, resp),
+                        },
+                    }
+                }
+                (e, _) => (owner, e.into_response()),
             }
         }
+        d => match elsewhere(app, d, &owner, method, path_and_query, body, &route).await {
+            Ok(resp) => return Routed::Answer(resp),
+            Err(resp) => (owner, resp),
+        },
+    };
+    RouteHeaders::new(app, &route, &owner).apply(&mut resp);
+    Routed::Answer(resp)
+}
+
+/// How long a request refused by a shard's group as its leadership moved
+/// waits for it to settle before it is routed again: an election's
+/// longest timeout (a transfer takes a round trip and an election), and
+/// 2 s at most however long the timers are set.
+fn settle_within(app: &App) -> Duration {
+    app.cfg
+        .cluster
+        .as_ref()
+        .and_then(|c| c.replication.as_ref())
+        .map_or(Duration::ZERO, |r| {
+            Duration::from_millis(r.timing.election_timeout_max_ms).min(Duration::from_secs(2))
+        })
+}
+
+/// The owner a shard's group names: `leader` at `term`, reached if it is
+/// believed up.
+fn leader_named(app: &App, leader: u64, term: u64) -> Owner {
+    match forkless_types::NodeId::new(leader).and_then(|n| app.dir.node(n)) {
+        Some(info) => {
+            let hint = forkless_routing::OwnerHint {
+                node: info.id,
+                api_addr: info.api_addr,
+                peer_addr: info.peer_addr,
+                epoch: Epoch(term),
+            };
+            if app.dir.liveness().is_alive(info.id) {
+                Owner::Remote(hint)
+            } else {
+                Owner::Unknown { hint: Some(hint) }
+            }
+        }
+        None => Owner::Unknown { hint: None },
+    }
+}
+
+/// Performs a routing decision other than [`Decision::Local`]: forwards
+/// one hop, or refuses. `Ok`: the owner's answer as it came, with its own
+/// route headers; `Err`: this node's refusal, to be given the route
+/// headers of `owner`.
+async fn elsewhere(
+    app: &Arc<App>,
+    decision: Decision,
+    owner: &Owner,
+    method: Method,
+    path_and_query: &str,
+    body: Bytes,
+    route: &Route,
+) -> Result<Response, Response> {
+    let partition = route.partition.map(|p| p.get());
+    let shard = route.shard.get();
+    Err(match decision {
         Decision::Forward { owner: to, hops } => {
             let started = std::time::Instant::now();
             let req = ForwardRequest {
@@ -506,8 +590,7 @@ where
             match r {
                 Ok(resp) => {
                     app.metrics.outcome(outcome::FORWARDED_OK);
-                    // The owner's answer, verbatim, with the owner's route headers.
-                    return Routed::Answer(resp);
+                    return Ok(resp);
                 }
                 Err(e) => {
                     app.metrics.outcome(outcome::FORWARD_FAILED);
@@ -555,9 +638,13 @@ where
             }
             .into_response()
         }
-    };
-    RouteHeaders::new(app, &route, &owner).apply(&mut resp);
-    Routed::Answer(resp)
+        // Handled by the caller; an owner decided from a refusal is never
+        // this node.
+        Decision::Local { .. } => {
+            ApiError::Internal("routing decided to run a request here as it left".into())
+                .into_response()
+        }
+    })
 }
 
 /// This node's replica of a replicated `shard` and its applied index, if

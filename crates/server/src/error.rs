@@ -58,6 +58,17 @@ pub enum ApiError {
         map_version: u64,
         detail: String,
     },
+    /// A shard's group refused this node as its leader before executing
+    /// anything: `leader` leads it at `term` (`None`: none is known). The
+    /// routing step routes the request again once the group's leadership
+    /// settles; elsewhere it is a 421.
+    NotLeader {
+        partition: Option<u32>,
+        shard: u32,
+        leader: Option<u64>,
+        term: u64,
+        map_version: u64,
+    },
     OwnerUnavailable {
         shard: u32,
         executed: Executed,
@@ -121,7 +132,7 @@ impl ApiError {
             ApiError::SequenceConflict { .. } => "sequence_conflict",
             ApiError::Closed { .. } => "execution_closed",
             ApiError::IdempotencyConflict { .. } => "idempotency_conflict",
-            ApiError::NotOwner { .. } => "not_owner",
+            ApiError::NotOwner { .. } | ApiError::NotLeader { .. } => "not_owner",
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
             ApiError::ShardUnavailable { .. } => "shard_unavailable",
             ApiError::Forbidden(_) => "forbidden",
@@ -141,7 +152,9 @@ impl ApiError {
             | ApiError::Closed { .. }
             | ApiError::IdempotencyConflict { .. }
             | ApiError::ReloadRefused { .. } => StatusCode::CONFLICT,
-            ApiError::NotOwner { .. } => StatusCode::MISDIRECTED_REQUEST,
+            ApiError::NotOwner { .. } | ApiError::NotLeader { .. } => {
+                StatusCode::MISDIRECTED_REQUEST
+            }
             ApiError::OwnerUnavailable { .. }
             | ApiError::ShardUnavailable { .. }
             | ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -197,6 +210,27 @@ impl ApiError {
                 "partition": partition, "shard": shard,
                 "owner_hint": hint.as_ref().map(|h| json!({"node": h.node.get(), "address": h.api_addr})),
                 "owner_epoch": hint.as_ref().map(|h| h.epoch.get()),
+                "map_version": map_version,
+                "executed": false,
+            }),
+            ApiError::NotLeader {
+                partition,
+                shard,
+                leader,
+                term,
+                map_version,
+            } => json!({
+                "error": code,
+                "message": format!(
+                    "this node does not lead shard {shard}'s Raft group: {}; nothing was written (re-resolve the owner with GET /api/cluster)",
+                    match leader {
+                        Some(l) => format!("node {l} does, at term {term}"),
+                        None => format!("it has no leader at term {term} (an election or a leadership transfer is under way)"),
+                    }
+                ),
+                "partition": partition, "shard": shard,
+                "owner_hint": null,
+                "owner_epoch": term,
                 "map_version": map_version,
                 "executed": false,
             }),
@@ -275,6 +309,13 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             shard,
             executed: Executed::Unknown,
             reason,
+        },
+        StoreError::NotLeader { leader, term, .. } => ApiError::NotLeader {
+            partition,
+            shard,
+            leader,
+            term,
+            map_version,
         },
         StoreError::ShardFailed { reason, .. } | StoreError::NotExecuted { reason, .. } => {
             ApiError::ShardUnavailable {

@@ -344,10 +344,33 @@ pub enum StoreError {
     /// apply because the shard's state moved under it): safe to retry.
     #[error("shard {shard} did not execute the write: {reason}")]
     NotExecuted { shard: ShardId, reason: String },
+    /// Refused before it was proposed: this node does not lead the shard's
+    /// Raft group. `leader` does at `term`, as far as this node knows
+    /// (`None`: it knows no leader; an election is under way). The
+    /// group's leadership moved after the request was routed here, or is
+    /// moving: safe to send again, to the leader once one is known.
+    #[error("shard {shard} did not execute the write: {}", not_leader_text(*.leader, *.term))]
+    NotLeader {
+        shard: ShardId,
+        leader: Option<u64>,
+        term: u64,
+    },
     /// The shard stopped taking writes (a failed write or sync), or could
     /// not be opened (damage found at open): refused without being tried.
     #[error("shard {shard} is out of service: {reason}")]
     ShardFailed { shard: ShardId, reason: String },
+}
+
+fn not_leader_text(leader: Option<u64>, term: u64) -> String {
+    match leader {
+        Some(l) => {
+            format!("this node does not lead the shard's Raft group; node {l} does, at term {term}")
+        }
+        None => format!(
+            "this node does not lead the shard's Raft group, which has no leader at term {term} \
+             (an election or a leadership transfer is under way)"
+        ),
+    }
 }
 
 fn idempotency_conflict_text(index: usize, key: &str, seq: u64, unkeyed: Option<usize>) -> String {

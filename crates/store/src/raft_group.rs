@@ -1237,6 +1237,48 @@ impl RaftWatch {
     }
 }
 
+/// Why this node (`me`) cannot serve a shard's leader's part: `leader`
+/// leads the group at `term`, or no leader is known
+/// ([`StoreError::NotLeader`]; the edge routes the request again once the
+/// group's leadership settles).
+pub(crate) fn not_leader(
+    shard: forkless_types::ShardId,
+    me: u64,
+    leader: Option<u64>,
+    term: u64,
+) -> StoreError {
+    StoreError::NotLeader {
+        shard,
+        leader: leader.filter(|&l| l != me),
+        term,
+    }
+}
+
+/// Why the group refused a call made here as its leader: [`not_leader`]
+/// if it says to go elsewhere (`forward`; during a leadership transfer it
+/// names the node taking over), else `other` says why. The term is the
+/// one this node is at: the leader named was learned at it, or after it.
+pub(crate) fn forwarded(
+    raft: &ShardRaft,
+    shard: forkless_types::ShardId,
+    forward: Option<&openraft::errors::ForwardToLeader<GroupConfig>>,
+    other: impl FnOnce() -> String,
+) -> StoreError {
+    use openraft::async_runtime::WatchReceiver;
+    let Some(forward) = forward else {
+        return StoreError::NotExecuted {
+            shard,
+            reason: other(),
+        };
+    };
+    let (me, term) = {
+        let m = raft.metrics();
+        let m = m.borrow_watched();
+        (m.id, m.current_term)
+    };
+    not_leader(shard, me, forward.leader_id, term)
+}
+
 /// How many voters a group's membership has (those of both
 /// configurations, in a joint one).
 pub(crate) fn voters(raft: &openraft::Raft<GroupConfig, ShardMachine>) -> usize {

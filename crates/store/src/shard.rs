@@ -1029,6 +1029,34 @@ impl ShardStore {
             .map(|g| raft_group::RaftWatch::new(&g.raft).now())
     }
 
+    /// After this node was refused as the group's leader at `term`
+    /// ([`StoreError::NotLeader`]): waits at most `within` for the group's
+    /// leadership to settle, as this node sees it, and returns it.
+    /// Settled: a leader is known, and it is not this node at the term it
+    /// was refused at (which it still believes for a moment while it
+    /// hands its leadership over, or hears of a newer term). `None` if the
+    /// shard is not replicated or its group stopped.
+    pub async fn leadership_settled(
+        &self,
+        term: u64,
+        within: std::time::Duration,
+    ) -> Option<raft_group::Leadership> {
+        let mut watch = self.raft_watch()?;
+        let settled = |l: &raft_group::Leadership| {
+            l.leader.is_some() && !(l.leader == Some(l.me) && l.term <= term)
+        };
+        let until = tokio::time::Instant::now() + within;
+        let mut now = watch.now();
+        while !settled(&now) {
+            match tokio::time::timeout_at(until, watch.changed()).await {
+                Ok(Some(l)) => now = l,
+                Ok(None) => return None,
+                Err(_) => break,
+            }
+        }
+        Some(now)
+    }
+
     /// On the leader of the shard's replicated group: turns the group's
     /// timers off if nothing was written to it for `idle` and every
     /// follower has every entry; says whether it leads quietly, and at
@@ -1156,10 +1184,12 @@ impl ShardStore {
             .raft_status()
             .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?;
         if status.state != "leader" {
-            return Err(not_executed(format!(
-                "this node does not lead the shard's group (its leader: {:?})",
-                status.leader
-            )));
+            return Err(raft_group::not_leader(
+                self.shard,
+                status.me,
+                status.leader,
+                status.term,
+            ));
         }
         // (In a joint configuration, the voters of both.)
         if !status.voters.contains(&from) {
@@ -1351,9 +1381,12 @@ impl ShardStore {
         .await
         {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(not_executed(format!(
-                "this node could not confirm it leads the shard's group for a read: {e}"
-            ))),
+            Ok(Err(e)) => Err(raft_group::forwarded(
+                &g.raft,
+                self.shard,
+                e.forward_to_leader(),
+                || format!("this node could not confirm it leads the shard's group for a read: {e}"),
+            )),
             Err(_) => Err(not_executed(format!(
                 "no quorum of the shard's group confirmed this node's leadership for a read within {} ms",
                 READ_CONFIRM_WITHIN.as_millis()

@@ -280,10 +280,9 @@ impl RaftWrite {
         )?;
         match confirmed {
             Some(Ok(Ok(_))) => Ok(true),
-            Some(Ok(Err(e))) => Err(StoreError::NotExecuted {
-                shard,
-                reason: format!("the shard's group was idle, and this node could not confirm it still leads it: {e}"),
-            }),
+            Some(Ok(Err(e))) => Err(raft_group::forwarded(&self.raft, shard, e.forward_to_leader(), || {
+                format!("the shard's group was idle, and this node could not confirm it still leads it: {e}")
+            })),
             _ => Err(StoreError::NotExecuted {
                 shard,
                 reason: format!(
@@ -317,19 +316,34 @@ impl RaftWrite {
             }
             (m.id, m.current_leader, m.current_term)
         };
-        let not_leading = |leader: Option<u64>, term: u64| {
-            StoreError::NotExecuted {
-            shard,
-            reason: match leader {
-                Some(l) => format!(
-                    "this node ({id}) does not lead the shard's Raft group: node {l} does, at term {term}"
-                ),
-                None => format!("the shard's Raft group has no leader at term {term} (an election is under way)"),
-            },
-        }
+        // No leader known: an election is under way. The group waits for
+        // its outcome (an election timeout at most, and at most
+        // `LEADER_READY_WITHIN`; the groups behind it queue) rather than
+        // being refused at once: if this node wins, it is evaluated here;
+        // if another does, the edge sends it there.
+        let (leader, term) = match leader {
+            Some(_) => (leader, term),
+            None => {
+                let raft = self.raft.clone();
+                let within =
+                    std::time::Duration::from_millis(self.raft.config().election_timeout_max)
+                        .min(LEADER_READY_WITHIN);
+                let elected = raft_group::run(
+                    async move {
+                        raft.wait(Some(within))
+                            .metrics(|m| m.current_leader.is_some(), "a leader known")
+                            .await
+                    },
+                    within * 2,
+                )?;
+                match elected {
+                    Some(Ok(m)) => (m.current_leader, m.current_term),
+                    _ => (None, term),
+                }
+            }
         };
         if leader != Some(id) {
-            return Err(not_leading(leader, term));
+            return Err(raft_group::not_leader(shard, id, leader, term));
         }
         // Elected: wait for its first entry to apply.
         let raft = self.raft.clone();
@@ -816,10 +830,12 @@ impl Writer {
                     "its entry was refused at apply: {why}"
                 ))),
             },
-            Answer::Done(Err(ClientWriteError::ForwardToLeader(f))) => Some(not_executed(format!(
-                "this node does not lead the shard's group (leader: {:?})",
-                f.leader_id
-            ))),
+            Answer::Done(Err(ClientWriteError::ForwardToLeader(f))) => Some(match &self.raft {
+                Some(r) => raft_group::forwarded(&r.raft, shard, Some(&f), || {
+                    format!("this node does not lead the shard's group ({f})")
+                }),
+                None => not_executed(format!("this node does not lead the shard's group ({f})")),
+            }),
             Answer::Done(Err(ClientWriteError::LogEntryDiscarded(_))) => Some(unknown(
                 "its entry was discarded by a newer leader; it may have been committed".into(),
             )),
