@@ -62,10 +62,12 @@ pub struct Limits {
     pub long_polls_max: usize,
 }
 
-/// File descriptors kept free for the store (log segments, the next
-/// segment, fjall's tables and journals, rotations), over
+/// File descriptors kept free for the store (the node log's segments,
+/// the next segment, rotations, the node's own files), over
 /// `limits.connections_max`: running out of descriptors must never make a
-/// shard's log rotation fail (that fail-stops the shard).
+/// shard's log rotation fail (that fail-stops the shard). The shards'
+/// own descriptors and table files share what is left
+/// ([`cached_files_per_shard`]).
 pub const FD_RESERVE: u64 = 256;
 
 /// The longest idle and write timeouts accepted (one hour).
@@ -1015,6 +1017,58 @@ pub fn check_fd_budget(
     Ok(())
 }
 
+/// Descriptors a shard's database holds besides its cached table files:
+/// its journal, the next one during a rotation, its lock file, and its
+/// version file while it is rewritten (measured: about 2 a shard idle).
+pub const FDS_PER_SHARD: u64 = 4;
+/// The fewest table files a shard's database keeps open (fjall refuses
+/// fewer than 10); one that needs more opens and closes them as it reads.
+pub const CACHED_FILES_MIN: u64 = 16;
+/// The most: fjall's own default on Linux.
+pub const CACHED_FILES_MAX: u64 = 900;
+
+/// How many table files each shard's database may keep open, so that a
+/// node of `shards` shards cannot run out of descriptors: the open-file
+/// `limit` less the connections (`connections_max` on each of
+/// `listeners`) and [`FD_RESERVE`], shared evenly, less
+/// [`FDS_PER_SHARD`]; between [`CACHED_FILES_MIN`] and
+/// [`CACHED_FILES_MAX`]. fjall keeps up to 900 a database by default,
+/// whatever the limit: a node of many shards reading over many tables
+/// could take every descriptor, and a shard whose journal then could not
+/// rotate would stop. `Err` (with the minimum) when the limit is too low
+/// even for the minimum: the caller warns, since a node that ran before
+/// must still start.
+pub fn cached_files_per_shard(
+    limit: u64,
+    connections_max: usize,
+    listeners: usize,
+    shards: usize,
+) -> Result<usize, (usize, String)> {
+    let listeners = listeners.max(1) as u64;
+    let shards = (shards.max(1)) as u64;
+    let connections = (connections_max as u64).saturating_mul(listeners);
+    let left = limit.saturating_sub(connections).saturating_sub(FD_RESERVE);
+    let per = (left / shards).saturating_sub(FDS_PER_SHARD);
+    let as_usize = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+    if per < CACHED_FILES_MIN {
+        let need = connections
+            .saturating_add(FD_RESERVE)
+            .saturating_add(shards.saturating_mul(FDS_PER_SHARD + CACHED_FILES_MIN));
+        return Err((
+            as_usize(CACHED_FILES_MIN),
+            format!(
+                "the open-file limit (RLIMIT_NOFILE) of {limit} is too low for {shards} shards: limits.connections_max \
+                 {connections_max} on each of {listeners} listeners, {FD_RESERVE} descriptors kept for the store, and \
+                 {} a shard ({FDS_PER_SHARD} of its own and {CACHED_FILES_MIN} table files) need {need}; a read-heavy \
+                 load could run out of descriptors. Raise the limit (ulimit -n, LimitNOFILE) to {need} or more, or \
+                 lower limits.connections_max",
+                FDS_PER_SHARD + CACHED_FILES_MIN
+            ),
+        ));
+    }
+    Ok(as_usize(per.min(CACHED_FILES_MAX)))
+}
+
 #[cfg(unix)]
 fn raise_nofile_limit() -> std::io::Result<u64> {
     let mut l = libc::rlimit {
@@ -1547,6 +1601,28 @@ peer_addr = "127.0.0.1:7172"
             e.contains("each of 2 listeners") && e.contains("at most 512"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_shards_table_files_share_what_the_connections_leave() {
+        // One shard: fjall's own default, the most.
+        assert_eq!(cached_files_per_shard(20_000, 1024, 1, 1), Ok(900));
+        // 128 shards: (20000 - 1024 - 256) / 128 = 146, less 4 of their own.
+        assert_eq!(cached_files_per_shard(20_000, 1024, 1, 128), Ok(142));
+        // The peers' listener counts its connections too.
+        assert_eq!(cached_files_per_shard(20_000, 1024, 2, 128), Ok(134));
+        // Exactly the minimum: 1280 + 64 x 20.
+        assert_eq!(cached_files_per_shard(2_560, 1024, 1, 64), Ok(16));
+        // Too low: the minimum, and what would do.
+        let (files, why) = cached_files_per_shard(2_559, 1024, 1, 64).unwrap_err();
+        assert_eq!(files, 16);
+        assert!(
+            why.contains("too low for 64 shards") && why.contains("need 2560"),
+            "{why}"
+        );
+        // No shard counted, or a limit below the connections: no panic.
+        assert_eq!(cached_files_per_shard(20_000, 1024, 1, 0), Ok(900));
+        assert!(cached_files_per_shard(100, 1024, 1, 1).is_err());
     }
 
     #[test]

@@ -132,9 +132,12 @@ pub enum StartupError {
 impl App {
     /// Opens the store and the shards this node owns, moving each to the
     /// epoch the map gives it.
+    /// `fd_limit`: the open-file limit in force, which the shards' table
+    /// files share with the connections (`config::cached_files_per_shard`).
     pub async fn open(
         cfg: ServerConfig,
         reload: Option<reload::Reload>,
+        fd_limit: u64,
     ) -> Result<Arc<App>, StartupError> {
         let dir = Arc::new(cfg.directory()?);
         let in_progress = Arc::new(AtomicUsize::new(0));
@@ -148,13 +151,21 @@ impl App {
         let held = shards_held(&cfg, replicated.as_ref(), &dir);
         let cache_per_shard = cfg.store.cache_bytes_per_shard_for(held);
         let log = replicated.as_ref().map(|r| r.log_for(held));
+        let listeners = if cfg.peer_listen.is_some() { 2 } else { 1 };
+        let files_per_shard =
+            config::cached_files_per_shard(fd_limit, cfg.limits.connections_max, listeners, held)
+                .unwrap_or_else(|(files, why)| {
+                    tracing::warn!("{why}");
+                    files
+                });
         tracing::info!(
             shards_held = held,
+            table_files_per_shard = files_per_shard,
             block_cache_per_shard = cache_per_shard,
             write_buffers = cfg.store.write_buffer_bytes,
             raft_log_kept_entries = log.map(|l| l.kept),
             raft_log_cache_per_group = log.map(|l| l.cache_bytes),
-            "memory: the shards' shares"
+            "memory and files: the shards' shares"
         );
         let replication = replicated.as_ref().zip(log).map(|(r, log)| {
             let hello = forkless_raftnet::Handshake {
@@ -178,6 +189,7 @@ impl App {
             cfg.shard_count,
             StoreConfig {
                 cache_bytes_per_shard: cache_per_shard,
+                cached_files_per_shard: files_per_shard,
                 journal_bytes_max: cfg.store.journal_bytes_max,
                 write_buffer_bytes: cfg.store.write_buffer_bytes,
                 background_nice: cfg.store.background_nice,
@@ -569,7 +581,7 @@ pub async fn run(
         reserved_for_store = config::FD_RESERVE,
         "file descriptors"
     );
-    let app = App::open(cfg, reload).await?;
+    let app = App::open(cfg, reload, fd_limit).await?;
     let bind = |addr: std::net::SocketAddr| async move {
         tokio::net::TcpListener::bind(addr)
             .await

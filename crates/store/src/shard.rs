@@ -61,6 +61,12 @@ pub enum ReadConfirm {
     Lease,
 }
 
+/// [`StoreConfig::cached_files_per_shard`]'s default: fjall's own on
+/// Linux.
+pub const CACHED_FILES_PER_SHARD: usize = 900;
+/// The fewest fjall takes (it panics under 10).
+const CACHED_FILES_MIN: usize = 10;
+
 /// [`StoreConfig::raft_groups_in_flight`]'s default.
 pub const RAFT_GROUPS_IN_FLIGHT: usize = 8;
 
@@ -71,6 +77,10 @@ pub struct StoreConfig {
     pub cache_bytes_per_shard: u64,
     /// Background flush/compaction threads per shard.
     pub worker_threads_per_shard: usize,
+    /// Most table files a shard's database keeps open (fjall's descriptor
+    /// cache; fjall's default 900, at least 10): what a node of many
+    /// shards shares its open-file limit by.
+    pub cached_files_per_shard: usize,
     /// Journal bytes kept before memtables are flushed; bounds how much a
     /// restart after a crash replays (fjall's minimum is 64 MiB; its default
     /// of 512 MiB made a crashed shard take seconds to reopen). fjall looks
@@ -154,6 +164,7 @@ impl Default for StoreConfig {
         StoreConfig {
             cache_bytes_per_shard: CACHE_BYTES_PER_SHARD,
             worker_threads_per_shard: 1,
+            cached_files_per_shard: CACHED_FILES_PER_SHARD,
             journal_bytes_max: JOURNAL_BYTES_MIN,
             write_buffer_bytes: WRITE_BUFFER_BYTES,
             requests_in_progress: None,
@@ -421,6 +432,7 @@ fn open_keyspaces(path: &Path, config: &StoreConfig) -> Result<Keyspaces, StoreE
     let builder = Database::builder(path)
         .cache_size(config.cache_bytes_per_shard)
         .worker_threads(config.worker_threads_per_shard.max(1))
+        .max_cached_files(Some(config.cached_files_per_shard.max(CACHED_FILES_MIN)))
         .max_journaling_size(config.journal_bytes_max.max(JOURNAL_BYTES_MIN));
     Keyspaces::open(open_below(builder, config.background_nice, path)?)
 }
