@@ -457,11 +457,21 @@ fn a_write_that_meets_a_leadership_transfer_is_sent_on_to_the_new_leader() {
             acked + failed.len() as u64,
             cl.logs()
         );
-        // Its last writes were acknowledged by node 3, through the old
-        // leader: they went through the transfer.
+        // Its last writes were acknowledged by node 3, forwarded by the
+        // node that led before: the leadership did move back.
         assert!(by_node3 > 0, "{exec}: no write acknowledged by node 3");
         assert_eq!(c.last_seq(&exec), acked + 1, "{exec}");
     }
+    // And some writes met a transfer: refused by their group as its
+    // leadership moved, and routed again (counted where it happened).
+    let rerouted: f64 = [1, 2]
+        .iter()
+        .map(|&n| {
+            let text = cl.client(n).get("/metrics").text();
+            parse_metric(&text, "forkless_route_total{outcome=\"rerouted\"}")
+        })
+        .sum();
+    assert!(rerouted > 0.0, "no write met a leadership transfer");
     cl.wait_replicas_level();
     cl.stop_and_compare_replicas();
 }

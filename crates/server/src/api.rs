@@ -479,16 +479,33 @@ where
                 // request is routed again, as if it had been known when
                 // the request came in.
                 (ApiError::NotLeader { leader, term, .. }, Some(st)) => {
+                    app.metrics.outcome(outcome::REROUTED);
                     let within = settle_within(app);
-                    let settled = st.leadership_settled(term, within).await;
-                    let (owner, d) = decision(app, route.shard, route.hops_taken);
-                    tracing::info!(
-                        shard,
-                        refused_at_term = term,
-                        named = ?leader,
-                        now = ?settled.map(|l| (l.leader, l.term)),
-                        "this node's leadership of the shard moved under the request; routing it again"
-                    );
+                    let (owner, d) = if route.hops_taken == 0 {
+                        let settled = st.leadership_settled(term, within).await;
+                        tracing::info!(
+                            shard,
+                            refused_at_term = term,
+                            named = ?leader,
+                            now = ?settled.map(|l| (l.leader, l.term)),
+                            "this node's leadership of the shard moved under the request; routing it again"
+                        );
+                        decision(app, route.shard, route.hops_taken)
+                    } else {
+                        // It came forwarded, and its sender's timeout
+                        // runs: no wait; the leader named goes back in a
+                        // 421 (the hop is taken).
+                        let owner = leader.map_or(Owner::Unknown { hint: None }, |l| {
+                            leader_named(app, l, term)
+                        });
+                        let d = decide(&Facts {
+                            routing_active: app.dir.routing_active(),
+                            hops_taken: route.hops_taken,
+                            owner: owner.clone(),
+                            local_fence: None,
+                        });
+                        (owner, d)
+                    };
                     match d {
                         Decision::Local { .. } => (
                             owner,

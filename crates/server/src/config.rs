@@ -1027,17 +1027,21 @@ pub const CACHED_FILES_MIN: u64 = 16;
 /// The most: fjall's own default on Linux.
 pub const CACHED_FILES_MAX: u64 = 900;
 
-/// How many table files each shard's database may keep open, so that a
-/// node of `shards` shards cannot run out of descriptors: the open-file
-/// `limit` less the connections (`connections_max` on each of
-/// `listeners`) and [`FD_RESERVE`], shared evenly, less
-/// [`FDS_PER_SHARD`]; between [`CACHED_FILES_MIN`] and
-/// [`CACHED_FILES_MAX`]. fjall keeps up to 900 a database by default,
-/// whatever the limit: a node of many shards reading over many tables
-/// could take every descriptor, and a shard whose journal then could not
-/// rotate would stop. `Err` (with the minimum) when the limit is too low
-/// even for the minimum: the caller warns, since a node that ran before
-/// must still start.
+/// How many table files each shard's database keeps open in its cache
+/// of descriptors: the open-file `limit` less the connections
+/// (`connections_max` on each of `listeners`) and [`FD_RESERVE`], shared
+/// evenly among `shards`, less [`FDS_PER_SHARD`]; between
+/// [`CACHED_FILES_MIN`] and [`CACHED_FILES_MAX`]. fjall keeps up to 900 a
+/// database by default, whatever the limit: a node of many shards
+/// reading over many tables could take every descriptor, and a shard
+/// whose journal then could not rotate would stop. Not counted, and
+/// left to the reserve's slack: a shard's own segment log from before
+/// the node log (up to 34 open while it is read), the tables a flush or
+/// a compaction is writing, a descriptor a reader still holds after the
+/// cache let it go, and replicas moved to the node after its start
+/// (counted at start only). `Err` (with the minimum) when the limit is
+/// too low even for the minimum: the caller warns, since a node that ran
+/// before must still start.
 pub fn cached_files_per_shard(
     limit: u64,
     connections_max: usize,

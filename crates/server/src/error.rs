@@ -59,9 +59,11 @@ pub enum ApiError {
         detail: String,
     },
     /// A shard's group refused this node as its leader before executing
-    /// anything: `leader` leads it at `term` (`None`: none is known). The
-    /// routing step routes the request again once the group's leadership
-    /// settles; elsewhere it is a 421.
+    /// anything: `leader` leads it at `term` (`None`: none is known).
+    /// Internal: the routing step (`api::route_request`) routes the
+    /// request again instead of answering it. Should one reach a client
+    /// some other way, it is a 421 that names the leader in its message
+    /// only (the node's address is the directory's, not known here).
     NotLeader {
         partition: Option<u32>,
         shard: u32,

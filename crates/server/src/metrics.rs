@@ -42,9 +42,15 @@ pub mod outcome {
     /// A read that asked for `consistency=stale`, answered by this node's
     /// replica as it stands (leader or not, with no read-index round).
     pub const STALE_LOCALLY: &str = "stale_read_locally";
-    pub const ALL: [&str; 7] = [
+    /// A request decided here (counted `owned_locally` first) that the
+    /// shard's group refused as its leadership moved, routed again once
+    /// it settled (then counted by where it went: forwarded, not owner,
+    /// or failed closed; or refused here).
+    pub const REROUTED: &str = "rerouted";
+    pub const ALL: [&str; 8] = [
         LOCAL,
         STALE_LOCALLY,
+        REROUTED,
         FORWARDED_OK,
         FORWARD_FAILED,
         NOT_OWNER,

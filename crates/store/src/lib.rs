@@ -349,7 +349,7 @@ pub enum StoreError {
     /// (`None`: it knows no leader; an election is under way). The
     /// group's leadership moved after the request was routed here, or is
     /// moving: safe to send again, to the leader once one is known.
-    #[error("shard {shard} did not execute the write: {}", not_leader_text(*.leader, *.term))]
+    #[error("shard {shard} did not execute the request: {}", not_leader_text(*.leader, *.term))]
     NotLeader {
         shard: ShardId,
         leader: Option<u64>,

@@ -1265,7 +1265,12 @@ pub(crate) fn forwarded(
     other: impl FnOnce() -> String,
 ) -> StoreError {
     use openraft::async_runtime::WatchReceiver;
-    let Some(forward) = forward else {
+    // A leader whose lease lapsed (no quorum heard for an election
+    // timeout) still leads at its term: that is not a moving leadership
+    // but a leader that may be cut off, and nothing settles it.
+    let Some(forward) =
+        forward.filter(|f| f.reason != openraft::errors::ForwardReason::LeaseExpired)
+    else {
         return StoreError::NotExecuted {
             shard,
             reason: other(),

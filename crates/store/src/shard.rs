@@ -1047,7 +1047,7 @@ impl ShardStore {
     /// Settled: a leader is known, and it is not this node at the term it
     /// was refused at (which it still believes for a moment while it
     /// hands its leadership over, or hears of a newer term). `None` if the
-    /// shard is not replicated or its group stopped.
+    /// shard is not a Raft group or its group stopped.
     pub async fn leadership_settled(
         &self,
         term: u64,
@@ -1173,7 +1173,7 @@ impl ShardStore {
     /// the new voters' quorums both agree). `from` may be down: the other
     /// replicas are a quorum of both. Resumable: a replacement already
     /// made is reported so, and one cut short (the learner added, not yet
-    /// a voter) is taken up where it stopped. `NotExecuted` when this node
+    /// a voter) is taken up where it stopped. `NotLeader` when this node
     /// does not lead the group.
     pub async fn replace_replica(
         &self,

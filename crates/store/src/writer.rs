@@ -320,7 +320,10 @@ impl RaftWrite {
         // its outcome (an election timeout at most, and at most
         // `LEADER_READY_WITHIN`; the groups behind it queue) rather than
         // being refused at once: if this node wins, it is evaluated here;
-        // if another does, the edge sends it there.
+        // if another does, the edge sends it there. (On an idle shard the
+        // caller commits on its own thread, an API worker, which waits
+        // with it, as it does for `wake` and for a new leader's first
+        // entry.)
         let (leader, term) = match leader {
             Some(_) => (leader, term),
             None => {
@@ -338,7 +341,7 @@ impl RaftWrite {
                 )?;
                 match elected {
                     Some(Ok(m)) => (m.current_leader, m.current_term),
-                    _ => (None, term),
+                    _ => (None, self.raft.metrics().borrow_watched().current_term),
                 }
             }
         };
@@ -830,6 +833,11 @@ impl Writer {
                     "its entry was refused at apply: {why}"
                 ))),
             },
+            // Refused before its entry was appended (openraft answers an
+            // appended entry that did not commit `LogEntryDiscarded`,
+            // below): never executed, so the edge may send it on. Not
+            // `ClientWriteError::forward_to_leader()`, which says `Some`
+            // for `LogEntryDiscarded` too.
             Answer::Done(Err(ClientWriteError::ForwardToLeader(f))) => Some(match &self.raft {
                 Some(r) => raft_group::forwarded(&r.raft, shard, Some(&f), || {
                     format!("this node does not lead the shard's group ({f})")
