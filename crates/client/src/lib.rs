@@ -6,7 +6,9 @@
 //! address, so a request normally takes no forwarding hop.
 //!
 //! - `421 not_owner`: the map was stale. The client refreshes it (from any
-//!   node) and follows the answer's owner hint once.
+//!   node) and follows the answer's owner hint once; a second `421` (the
+//!   shard's leadership moving) is retried by a fresh map like a `503`
+//!   that executed nothing.
 //! - `503 owner_unavailable` or an unreachable node: retried with backoff
 //!   that honours `Retry-After`, within [`RetryPolicy`] bounds, but only
 //!   when repeating cannot apply the request twice: the failure proves
@@ -510,6 +512,18 @@ impl Client {
                             next = owner_hint.as_deref().and_then(|h| normalize_base(h).ok());
                             continue;
                         }
+                        // Refused again after the hint was followed: the
+                        // shard's leadership is moving (an election, a
+                        // transfer). Nothing was executed, so it is tried
+                        // again by a fresh map, within the retry policy.
+                        Error::NotOwner { .. } if self.inner.routing == Routing::Owner => (
+                            Failure {
+                                executed: Executed::No,
+                                idempotent: call.idempotent,
+                                retry_after,
+                            },
+                            err,
+                        ),
                         Error::OwnerUnavailable { executed, .. } => (
                             Failure {
                                 executed: *executed,

@@ -371,6 +371,64 @@ fn leaders_via(c: &Client) -> Option<Vec<u16>> {
         .collect()
 }
 
+/// A new cluster takes writes as soon as its nodes are ready, before its
+/// groups have elected: a start that comes first is held for its group's
+/// first election (by the writer of the replica the map names, or
+/// routed to the winner) and acknowledged. Before, it was refused 421
+/// "its copy of the shard is fenced by a newer epoch than this node's
+/// map names": a new user's first `forkless bench` against a fresh
+/// `forkless dev-cluster` failed so.
+#[test]
+fn a_new_cluster_takes_writes_before_its_groups_have_elected() {
+    let _deadline = deadline(
+        "replication: writes before the first elections",
+        Duration::from_secs(120),
+    );
+    let shards = 8;
+    let mut cl = Cluster::prepare_replicated(NODES, shards, 3, PeerTiming::default());
+    let ids: Vec<u16> = (1..=NODES).collect();
+    cl.start_nodes(&ids, &[]);
+    // At once, through one node: one start a shard (its idempotency key
+    // makes a retry safe).
+    let c = cl.client(1);
+    let mut refused = Vec::new();
+    let mut hops_refused = 0;
+    for s in 0..shards {
+        let key = key_on_shard(&format!("first-{s}"), s, shards);
+        let body = json!({"workflow": "w", "routing_key": key, "idempotency_key": key});
+        let r = c.post("/api/executions", &body);
+        match r.status {
+            201 => {}
+            // The leadership moved on again as the request took its one
+            // hop (the first elections, then the transfers to the
+            // preferred replicas): a 421 naming the leader, which a
+            // routing client follows. Tried again, it is taken.
+            421 if !r.json()["owner_hint"].is_null() => {
+                hops_refused += 1;
+                wait_until(
+                    "the start taken on a retry",
+                    Duration::from_secs(10),
+                    || {
+                        let r = c.post("/api/executions", &body);
+                        (r.status == 201 || r.status == 200).then_some(())
+                    },
+                );
+            }
+            _ => refused.push((s, r.status, r.text())),
+        }
+    }
+    assert!(refused.is_empty(), "refused: {refused:?}");
+    eprintln!("{hops_refused} of {shards} first starts were answered 421 with a hint");
+    cl.wait_leaders_known(1, &[]);
+    cl.wait_replicas_level();
+    let counts = cl.stop_and_compare_replicas();
+    assert_eq!(
+        counts.values().sum::<u64>(),
+        u64::from(shards),
+        "{counts:?}"
+    );
+}
+
 /// A write that reaches a shard's leader as its leadership moves away (a
 /// transfer back to a replica that restarted) is sent on to the new
 /// leader, one hop, and acknowledged. Before, the old leader answered it

@@ -345,9 +345,13 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
             None => Owner::Unknown { hint: None },
         };
     }
-    // Only an owned shard's copy matters to the decision.
+    // Only an owned shard's copy matters to the decision, and only an
+    // unreplicated one's: a replicated shard's fence is its group's term,
+    // checked at apply, and its store keeps the epoch it opened at (which
+    // a new cluster's map, before any leader is learned, names as older:
+    // every request of its first moments was refused 421 "fenced").
     let local_fence = match owner {
-        Owner::Local { .. } => app.store.shard(shard).map(|st| st.epoch()),
+        Owner::Local { .. } if !replicated => app.store.shard(shard).map(|st| st.epoch()),
         _ => None,
     };
     let d = decide(&Facts {
