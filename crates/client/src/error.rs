@@ -58,8 +58,9 @@ pub enum Error {
         limit: Option<u64>,
         message: String,
     },
-    /// 421: the node is not the shard's owner, even after refreshing the map
-    /// and following the owner hint once (or with routing disabled).
+    /// 421: the node is not the shard's owner, even after refreshing the map,
+    /// following the owner hint once and trying again by a fresh map within
+    /// the retry policy (or with routing disabled: not followed).
     #[error("not the owner: {message}")]
     NotOwner {
         shard: Option<u32>,

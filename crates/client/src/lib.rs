@@ -6,9 +6,10 @@
 //! address, so a request normally takes no forwarding hop.
 //!
 //! - `421 not_owner`: the map was stale. The client refreshes it (from any
-//!   node) and follows the answer's owner hint once; a second `421` (the
-//!   shard's leadership moving) is retried by a fresh map like a `503`
-//!   that executed nothing.
+//!   node) and follows the answer's owner hint once; a second `421` (a
+//!   replicated shard's leadership moving; or, slower to give up on, two
+//!   maps that disagree) is retried by a fresh map within the retry
+//!   policy, like a `503` that executed nothing.
 //! - `503 owner_unavailable` or an unreachable node: retried with backoff
 //!   that honours `Retry-After`, within [`RetryPolicy`] bounds, but only
 //!   when repeating cannot apply the request twice: the failure proves

@@ -92,7 +92,8 @@ pub struct Facts {
     /// than the directory's epoch means another node owns the shard at a
     /// newer epoch (learned from a peer, or from a config, and written
     /// into the copy's fence) although this node's map has not caught up:
-    /// the copy is stale, for reads as much as for writes.
+    /// the copy is stale, for reads as much as for writes. The edge gives
+    /// `None` for a replicated shard, whose fence is its Raft group's term.
     pub local_fence: Option<Epoch>,
 }
 

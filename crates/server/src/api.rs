@@ -345,6 +345,21 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
             None => Owner::Unknown { hint: None },
         };
     }
+    // A request that came forwarded is not held here while this node's
+    // replica knows no leader (its writer would wait for an election, and
+    // its sender's forward timeout runs): the map's word that this node
+    // owns the shard is then only a stand-in, and the request goes back.
+    if replicated
+        && hops > 0
+        && matches!(owner, Owner::Local { .. })
+        && app
+            .store
+            .shard(shard)
+            .and_then(|st| st.leadership())
+            .is_some_and(|l| l.leader.is_none())
+    {
+        owner = Owner::Unknown { hint: None };
+    }
     // Only an owned shard's copy matters to the decision, and only an
     // unreplicated one's: a replicated shard's fence is its group's term,
     // checked at apply, and its store keeps the epoch it opened at (which
@@ -444,7 +459,7 @@ where
                     // fence is its group's term, checked at apply; its
                     // store keeps the epoch it opened at.
                     let (epoch, confirmed) = if st.is_replicated() {
-                        let confirmed = if method == Method::GET {
+                        let confirmed = if method == Method::GET || method == Method::HEAD {
                             st.linearize().await
                         } else {
                             Ok(())
