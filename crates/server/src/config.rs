@@ -511,6 +511,17 @@ pub struct ServerConfig {
 }
 
 impl ServerConfig {
+    /// How many listeners take connections, each up to
+    /// `limits.connections_max`: the client API's, and the peer address's
+    /// when it has its own.
+    pub fn listeners(&self) -> usize {
+        if self.peer_listen.is_some() {
+            2
+        } else {
+            1
+        }
+    }
+
     /// The embedded default: one node, one shard, `./forkless-data`,
     /// 127.0.0.1:7070.
     pub fn single_node_default() -> ServerConfig {

@@ -151,13 +151,16 @@ impl App {
         let held = shards_held(&cfg, replicated.as_ref(), &dir);
         let cache_per_shard = cfg.store.cache_bytes_per_shard_for(held);
         let log = replicated.as_ref().map(|r| r.log_for(held));
-        let listeners = if cfg.peer_listen.is_some() { 2 } else { 1 };
-        let files_per_shard =
-            config::cached_files_per_shard(fd_limit, cfg.limits.connections_max, listeners, held)
-                .unwrap_or_else(|(files, why)| {
-                    tracing::warn!("{why}");
-                    files
-                });
+        let files_per_shard = config::cached_files_per_shard(
+            fd_limit,
+            cfg.limits.connections_max,
+            cfg.listeners(),
+            held,
+        )
+        .unwrap_or_else(|(files, why)| {
+            tracing::warn!("{why}");
+            files
+        });
         tracing::info!(
             shards_held = held,
             table_files_per_shard = files_per_shard,
@@ -573,8 +576,7 @@ pub async fn run(
     // Before the store opens anything: the connections' descriptors plus
     // the store's reserve must fit, so that no connection can take the
     // descriptor a shard's log rotation needs.
-    let listeners = if cfg.peer_listen.is_some() { 2 } else { 1 };
-    let fd_limit = config::reserve_file_descriptors(&cfg.limits, listeners)?;
+    let fd_limit = config::reserve_file_descriptors(&cfg.limits, cfg.listeners())?;
     tracing::info!(
         open_file_limit = fd_limit,
         connections_max = cfg.limits.connections_max,
