@@ -1427,3 +1427,55 @@ async fn a_new_replica_does_not_help_a_deposed_leader_commit() {
         holds(&nodes, i, 200..=200, index).await;
     }
 }
+
+/// A leader cut off from the other two, which elected one of them, still
+/// takes itself for the leader until it hears otherwise; its voter list
+/// may be older than the group's. A replacement asked of it must not be
+/// answered from that list ("nothing to move" for a node it does not
+/// count): it is answered only by a leader a quorum confirmed. Before, a
+/// node absent from the deposed leader's voters got `changed: false`
+/// from it at once, and `forkless cluster remove-node` could take a shard
+/// for done on a deposed leader's word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_does_not_answer_a_replacement() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    write_soon(&nodes[leader(&nodes).await], 1, "a write before the cut").await;
+    let old = leader(&nodes).await;
+    let old_term = nodes[old].status().expect("up").term;
+    let others: Vec<usize> = (0..3).filter(|i| *i != old).collect();
+    cut(&nodes, old, others[0]);
+    cut(&nodes, old, others[1]);
+    let until = Instant::now() + Duration::from_secs(20);
+    while !others.iter().any(|i| {
+        nodes[*i]
+            .status()
+            .is_some_and(|s| s.state == "leader" && s.term > old_term)
+    }) {
+        assert!(Instant::now() < until, "no new leader within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let st = nodes[old]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    assert!(
+        nodes[old]
+            .status()
+            .is_some_and(|s| s.state == "leader" && s.term == old_term),
+        "the deposed leader no longer takes itself for the leader: {:?}",
+        nodes[old].status()
+    );
+    // Node 4 is in no voter list this leader knows of.
+    let answer = st
+        .replace_replica(4, 5, NOWHERE.into(), Duration::from_secs(1))
+        .await;
+    match answer {
+        Err(StoreError::NotLeader { .. }) | Err(StoreError::NotExecuted { .. }) => {}
+        other => panic!(
+            "a deposed leader (term {old_term}) answered a replacement from its own voter list: {other:?}"
+        ),
+    }
+}

@@ -446,6 +446,10 @@ where
             };
         }
     }
+    let is_read = method == Method::GET || method == Method::HEAD;
+    // Taken when it runs: a read refused at its confirmation (before it
+    // ran) may run once more, below.
+    let mut local = Some(local);
     let (owner, mut resp) = match decided {
         Decision::Local { epoch } => {
             app.metrics.outcome(outcome::LOCAL);
@@ -459,7 +463,7 @@ where
                     // fence is its group's term, checked at apply; its
                     // store keeps the epoch it opened at.
                     let (epoch, confirmed) = if st.is_replicated() {
-                        let confirmed = if method == Method::GET || method == Method::HEAD {
+                        let confirmed = if is_read {
                             st.linearize().await
                         } else {
                             Ok(())
@@ -468,14 +472,18 @@ where
                     } else {
                         (epoch, Ok(()))
                     };
-                    match confirmed {
-                        Err(e) => from_store(e, shard, partition, app.dir.map_version()),
-                        Ok(()) => match local(epoch, st).await {
+                    match (confirmed, local.take()) {
+                        (Err(e), run) => {
+                            local = run;
+                            from_store(e, shard, partition, app.dir.map_version())
+                        }
+                        (Ok(()), Some(run)) => match run(epoch, st).await {
                             Ok(v) => {
                                 return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
                             }
                             Err(e) => e,
                         },
+                        (Ok(()), None) => ApiError::Internal("the local step ran twice".into()),
                     }
                 }
                 None => from_store(
@@ -526,6 +534,32 @@ where
                         (owner, d)
                     };
                     match d {
+                        // This node leads again, and the request is a read
+                        // that was refused at its confirmation: it has not
+                        // run, and runs here once more (confirmed again).
+                        Decision::Local { .. } if is_read && local.is_some() => {
+                            let confirmed = st.linearize().await;
+                            match (confirmed, local.take()) {
+                                (Ok(()), Some(run)) => match run(st.epoch(), st).await {
+                                    Ok(v) => {
+                                        return Routed::Local(
+                                            v,
+                                            RouteHeaders::new(app, &route, &owner),
+                                        )
+                                    }
+                                    Err(e) => (owner, e.into_response()),
+                                },
+                                (Err(e), _) => (
+                                    owner,
+                                    from_store(e, shard, partition, app.dir.map_version())
+                                        .into_response(),
+                                ),
+                                (Ok(()), None) => (
+                                    owner,
+                                    ApiError::Internal("the local step ran twice".into()).into_response(),
+                                ),
+                            }
+                        }
                         Decision::Local { .. } => (
                             owner,
                             ApiError::ShardUnavailable {
@@ -1689,6 +1723,13 @@ async fn replace_on_leader(
     to: Option<forkless_types::NodeId>,
 ) -> Result<Response, ApiError> {
     let shard = st.id();
+    // The voter list below decides "nothing to move" and picks the node
+    // to move to: it is read once a quorum confirmed that this node leads
+    // (a deposed leader that does not know it yet holds an older list; a
+    // `NotLeader` here is routed again, to the leader).
+    st.linearize()
+        .await
+        .map_err(|e| from_store(e, shard.get(), None, app.dir.map_version()))?;
     let status = st.raft_status().ok_or_else(|| {
         from_store(
             StoreError::NotExecuted {
@@ -1700,9 +1741,9 @@ async fn replace_on_leader(
             app.dir.map_version(),
         )
     })?;
-    if !status.voters.contains(&u64::from(from.get())) {
+    if !status.voters.contains(&u64::from(from.get())) && status.state == "leader" {
         // Nothing to move (the node holds no replica of the shard, or the
-        // move was made before).
+        // move was made before), as the leader confirmed above sees it.
         return Ok(json_response(
             StatusCode::OK,
             &json!({

@@ -1173,8 +1173,10 @@ impl ShardStore {
     /// the new voters' quorums both agree). `from` may be down: the other
     /// replicas are a quorum of both. Resumable: a replacement already
     /// made is reported so, and one cut short (the learner added, not yet
-    /// a voter) is taken up where it stopped. `NotLeader` when this node
-    /// does not lead the group.
+    /// a voter) is taken up where it stopped. Every answer, "nothing to
+    /// move" too, comes after a quorum confirmed that this node leads (so
+    /// a deposed leader's older voter list never answers it). `NotLeader`
+    /// when this node does not lead the group.
     pub async fn replace_replica(
         &self,
         from: u64,
@@ -1202,13 +1204,6 @@ impl ShardStore {
                 status.leader,
                 status.term,
             ));
-        }
-        // (In a joint configuration, the voters of both.)
-        if !status.voters.contains(&from) {
-            return Ok(Replaced {
-                voters: status.voters,
-                changed: false,
-            });
         }
         // The leader keeps its timers on while it catches the learner up
         // (a quiet leader sends nothing), and first confirms with a
@@ -1242,10 +1237,13 @@ impl ShardStore {
             let joint = m.membership_config.membership().get_joint_config();
             (joint.len() > 1).then(|| joint.last().cloned()).flatten()
         };
-        if let Some(last) = unfinished {
+        if let Some(last) = &unfinished {
             tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
             g.raft
-                .change_membership(openraft::ChangeMembers::ReplaceAllVoters(last), false)
+                .change_membership(
+                    openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
+                    false,
+                )
                 .await
                 .map_err(|e| io("finishing a change of voters cut short", &e))?;
         }
@@ -1255,10 +1253,14 @@ impl ShardStore {
             .voters
             .into_iter()
             .collect();
+        // Nothing (more) to move: `from` holds no voting replica, as a
+        // quorum has just confirmed this node leads (a deposed leader
+        // that does not know it yet, its voter list older than the
+        // group's, cannot answer so: it is refused above).
         if !voters.contains(&from) {
             return Ok(Replaced {
                 voters: voters.into_iter().collect(),
-                changed: true,
+                changed: unfinished.is_some(),
             });
         }
         if voters.contains(&to) {
