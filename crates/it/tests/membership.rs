@@ -152,6 +152,43 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
         },
     );
     eprintln!("node 1's view after the move: {shown}");
+    // Its left-behind replicas stand for election, are refused, and take
+    // the term of the answers: a replica of a shard whose leadership moved
+    // while node 1 was away comes to the leader's term knowing no leader
+    // at it. Its view still names the leader its peers do (before, it
+    // showed "none" for such a shard).
+    let epochs: Vec<(u64, u64)> = shown["shards"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|s| s["raft"]["left_group"] == true)
+                .filter_map(|s| Some((s["shard"].as_u64()?, s["epoch"].as_u64()?)))
+                .collect()
+        })
+        .unwrap_or_default();
+    let caught = wait_until(
+        "a left-behind replica of node 1 to reach its leader's term",
+        Duration::from_secs(20),
+        || {
+            let log = strip_ansi(&cl.node(1).proc().log());
+            epochs.iter().copied().find(|(s, e)| {
+                log.lines().any(|l| {
+                    l.contains("shard has no leader")
+                        && l.contains(&format!("shard={s} "))
+                        && l.contains(&format!("term={e}"))
+                })
+            })
+        },
+    );
+    let v = c1.get("/api/cluster").json();
+    for s in v["shards"].as_array().expect("shards") {
+        assert!(
+            s["leader"].as_u64().is_some() && s["leader"] == s["owner"],
+            "node 1 (its replica of shard {} at term {} knowing no leader) names no leader, or not the owner, for a shard: {s}",
+            caught.0,
+            caught.1
+        );
+    }
     let log = strip_ansi(&cl.node(1).proc().log());
     assert!(
         log.contains("whose group no longer counts it"),

@@ -2035,8 +2035,12 @@ async fn cluster(State(app): AppState) -> Response {
                             shard["replicas_from"] = json!("this replica");
                         }
                         // A replica the group left behind knows an older
-                        // leader than the one heard: shown with the heard one.
-                        let (leader, term) = match heard.filter(|h| h.term > g.term) {
+                        // leader than the one heard, or none at the heard
+                        // one's term (its candidacies, refused, took it
+                        // there): shown with the heard one.
+                        let (leader, term) = match heard
+                            .filter(|h| h.term > g.term || (h.term == g.term && g.leader.is_none()))
+                        {
                             Some(h) => (Some(u64::from(h.from)), h.term),
                             None => (g.leader, g.term),
                         };
