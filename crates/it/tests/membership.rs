@@ -152,41 +152,45 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
         },
     );
     eprintln!("node 1's view after the move: {shown}");
-    // Its left-behind replicas stand for election, are refused, and take
-    // the term of the answers: a replica of a shard whose leadership moved
-    // while node 1 was away comes to the leader's term knowing no leader
-    // at it. Its view still names the leader its peers do (before, it
-    // showed "none" for such a shard).
-    let epochs: Vec<(u64, u64)> = shown["shards"]
+    // Its left-behind replicas stop standing for election once node 1
+    // hears that their groups no longer count them: their timers go off
+    // (`raft.quiet`) and stay off, under the writers' load. Before, each
+    // stood again every election timeout, was refused, and (its group
+    // idle) woke the group's quiet leader each time, for good; and its
+    // refused candidacies took it to the leader's term knowing no leader
+    // there, where node 1's view named none for the shard.
+    let left: Vec<u64> = shown["shards"]
         .as_array()
         .map(|a| {
             a.iter()
                 .filter(|s| s["raft"]["left_group"] == true)
-                .filter_map(|s| Some((s["shard"].as_u64()?, s["epoch"].as_u64()?)))
+                .filter_map(|s| s["shard"].as_u64())
                 .collect()
         })
         .unwrap_or_default();
-    let caught = wait_until(
-        "a left-behind replica of node 1 to reach its leader's term",
+    assert!(
+        !left.is_empty(),
+        "node 1 took no replica for left behind: {shown}"
+    );
+    let view = wait_until(
+        "node 1's left-behind replicas to stand for no election (timers off)",
         Duration::from_secs(20),
         || {
-            let log = strip_ansi(&cl.node(1).proc().log());
-            epochs.iter().copied().find(|(s, e)| {
-                log.lines().any(|l| {
-                    l.contains("shard has no leader")
-                        && l.contains(&format!("shard={s} "))
-                        && l.contains(&format!("term={e}"))
-                })
-            })
+            let v = c1
+                .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+                .ok()?
+                .json();
+            let all = v["shards"].as_array()?.iter().all(|s| {
+                !left.contains(&s["shard"].as_u64().unwrap_or(u64::MAX))
+                    || s["raft"]["quiet"] == true
+            });
+            all.then_some(v)
         },
     );
-    let v = c1.get("/api/cluster").json();
-    for s in v["shards"].as_array().expect("shards") {
+    for s in view["shards"].as_array().expect("shards") {
         assert!(
             s["leader"].as_u64().is_some() && s["leader"] == s["owner"],
-            "node 1 (its replica of shard {} at term {} knowing no leader) names no leader, or not the owner, for a shard: {s}",
-            caught.0,
-            caught.1
+            "node 1 names no leader, or not the owner, for a shard: {s}"
         );
     }
     let log = strip_ansi(&cl.node(1).proc().log());
@@ -242,6 +246,22 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     let mut batches = shared.finish(writers);
     eprintln!("answers: {:?}", histogram(&batches));
     settle_unknowns(&cl.client(3), &mut batches);
+    // Node 1's left-behind replicas still stand for no election (the
+    // writes through node 1 above were forwarded to the leaders).
+    let v = c1.get("/api/cluster").json();
+    for s in v["shards"].as_array().expect("shards") {
+        if left.contains(&s["shard"].as_u64().unwrap_or(u64::MAX)) {
+            assert!(
+                s["raft"]["quiet"] == true && s["raft"]["left_group"] == true,
+                "a left-behind replica of node 1 woke: {s}"
+            );
+        }
+    }
+    let log = strip_ansi(&cl.node(1).proc().log());
+    assert!(
+        !log.contains("quiet shards' leader went silent"),
+        "node 1 woke a left-behind replica for its leader's silence:\n{log}"
+    );
     // The removed node's replicas follow no group: it is stopped before
     // the replicas are compared.
     cl.kill9(1);

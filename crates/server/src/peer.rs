@@ -302,15 +302,28 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                 // away): said once per membership, the data stays.
                 let me = u64::from(app.cfg.node_id.get());
                 let changed = before.is_none_or(|b| b.membership_log != now.membership_log);
-                if changed && !now.counts(me) {
-                    let local = app.store.shard(shard).and_then(|st| st.raft_status());
-                    if local.is_some() && now.newer_than(local.as_ref()) {
+                if let Some(st) = app.store.shard(shard) {
+                    let local = st.raft_status();
+                    let left = local.is_some() && !now.counts(me) && now.newer_than(local.as_ref());
+                    if left && changed {
                         tracing::warn!(
                             shard = o.shard,
                             leader = %node,
                             term = o.epoch,
                             voters = ?now.voters,
-                            "this node holds a replica of a shard whose group no longer counts it (it was removed while away): the replica follows no group; its data stays until it is deleted by hand"
+                            "this node holds a replica of a shard whose group no longer counts it (it was removed while away): the replica follows no group and stands for no election; its data stays until it is deleted by hand"
+                        );
+                    }
+                    // Its candidacies, refused, would wake the group's
+                    // quiet leader about once an election timeout, for
+                    // good: it stops standing (and starts again if a newer
+                    // answer counts it).
+                    if st.set_left_group(left) && !left {
+                        tracing::info!(
+                            shard = o.shard,
+                            leader = %node,
+                            term = o.epoch,
+                            "the shard's group counts this node's replica again: it stands for election again"
                         );
                     }
                 }

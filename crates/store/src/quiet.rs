@@ -50,18 +50,35 @@ struct State {
     /// (`crate::fresh`), and the leader, which took it for matched, must
     /// send it heartbeats to learn otherwise.
     awake_until: Option<Instant>,
+    /// The group left this replica behind (its node heard a newer
+    /// membership that counts it neither as a voter nor as a learner):
+    /// its timers stay off, and neither silence nor a vote turns them on,
+    /// so it stops standing for election in a group that refuses it
+    /// (each candidacy woke the group's quiet leader, about once an
+    /// election timeout, for good). Entries or a snapshot from a leader,
+    /// or this replica leading, end it (it is in the group again).
+    left: bool,
 }
 
 impl State {
     /// Turns the timers back on if they were off; says whether they were.
+    /// Not while the group left this replica behind ([`State::rejoin`]).
     fn wake<SM: RaftStateMachine<GroupConfig>>(&mut self, raft: &Raft<SM>) -> bool {
-        let was = self.quiet;
+        let was = self.quiet && !self.left;
         if was {
             self.quiet = false;
             self.leader_heard = None;
             raft.runtime_config().tick(true);
         }
         was
+    }
+
+    /// [`State::wake`], also for a replica the group left behind: what
+    /// only a member sees happened (a leader's entries or snapshot, or
+    /// this replica leading).
+    fn rejoin<SM: RaftStateMachine<GroupConfig>>(&mut self, raft: &Raft<SM>) -> bool {
+        self.left = false;
+        self.wake(raft)
     }
 }
 
@@ -97,6 +114,7 @@ impl Quiet {
                 quiet_since: Instant::now(),
                 transfer_term: None,
                 awake_until: None,
+                left: false,
             }),
         }
     }
@@ -115,13 +133,58 @@ impl Quiet {
     pub(crate) fn touch<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
         let mut s = self.lock();
         s.last_write = Instant::now();
-        s.wake(raft)
+        s.rejoin(raft)
     }
 
-    /// Turns the group's timers back on (a follower that got entries, or
-    /// whose leader's node went silent).
+    /// Turns the group's timers back on (a follower whose leader's node
+    /// went silent, or asked for a vote); not on a replica the group left
+    /// behind.
     pub(crate) fn wake<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
         self.lock().wake(raft)
+    }
+
+    /// Turns the group's timers back on for what only a member of the
+    /// group sees (a leader's entries or snapshot), also on a replica
+    /// that took itself for left behind: it is in the group.
+    pub(crate) fn rejoin<SM: RaftStateMachine<GroupConfig>>(&self, raft: &Raft<SM>) -> bool {
+        self.lock().rejoin(raft)
+    }
+
+    /// Whether the group left this replica behind, as this node last
+    /// heard ([`Quiet::leave`]).
+    pub(crate) fn has_left(&self) -> bool {
+        self.lock().left
+    }
+
+    /// This replica's node heard whether the group's newer membership
+    /// counts it: `left`, it does not. A replica left behind turns its
+    /// timers off for good (see `State::left`); one counted again turns
+    /// them back on. Not on a leader (a leader is in its group: what was
+    /// heard is older than its own membership). Says whether it changed.
+    pub(crate) fn leave<SM: RaftStateMachine<GroupConfig>>(
+        &self,
+        raft: &Raft<SM>,
+        left: bool,
+    ) -> bool {
+        let mut s = self.lock();
+        if s.left == left {
+            return false;
+        }
+        if !left {
+            s.rejoin(raft);
+            return true;
+        }
+        if raft.metrics().borrow_watched().state == openraft::ServerState::Leader {
+            return false;
+        }
+        s.left = true;
+        s.leader_heard = None;
+        if !s.quiet {
+            s.quiet = true;
+            s.quiet_since = Instant::now();
+            raft.runtime_config().tick(false);
+        }
+        true
     }
 
     /// The leader is handing its leadership over: the group wakes, and
@@ -131,7 +194,7 @@ impl Quiet {
         let term = raft.metrics().borrow_watched().current_term;
         s.transfer_term = Some(term);
         s.last_write = Instant::now();
-        s.wake(raft);
+        s.rejoin(raft);
     }
 
     /// The group wakes and stays awake for at least `for_at_least`.
@@ -142,7 +205,7 @@ impl Quiet {
     ) -> bool {
         let mut s = self.lock();
         s.awake_until = Some(Instant::now() + for_at_least);
-        s.wake(raft)
+        s.rejoin(raft)
     }
 
     /// On the leader: goes quiet if nothing was proposed for `idle`, no
@@ -210,7 +273,7 @@ impl Quiet {
         let knows = m.current_term == term
             && m.vote.leader_id.term == term
             && (m.current_leader == Some(leader) || m.vote.leader_id.voted_for == leader);
-        if !knows || m.id == leader || m.state == openraft::ServerState::Leader {
+        if s.left || !knows || m.id == leader || m.state == openraft::ServerState::Leader {
             return Followed::Awake;
         }
         s.leader_heard = Some((leader, Instant::now()));
@@ -235,7 +298,10 @@ impl Quiet {
         raft: &Raft<SM>,
     ) -> Option<(Option<u64>, Duration)> {
         let s = self.lock();
-        if !s.quiet || raft.metrics().borrow_watched().state == openraft::ServerState::Leader {
+        if !s.quiet
+            || s.left
+            || raft.metrics().borrow_watched().state == openraft::ServerState::Leader
+        {
             return None;
         }
         Some(match s.leader_heard {

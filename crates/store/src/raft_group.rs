@@ -1404,7 +1404,9 @@ pub(crate) fn admit_append(
         if behind_others {
             group.appends.behind_others.fetch_add(1, Relaxed);
         }
-        group.quiet.wake(&group.raft);
+        // (A leader sends entries only to its group's members: a replica
+        // that took itself for left behind is in the group again.)
+        group.quiet.rejoin(&group.raft);
     }
     Ok(())
 }
@@ -1514,8 +1516,10 @@ async fn handle_now(
         // (Entries wake the group in `admit_append`.)
         // An election the leader asked for (a leadership transfer): every
         // voter takes part, quiet or not.
+        // (Only a member of the group is sent either: a replica that took
+        // itself for left behind is in the group again.)
         crate::raft_net::Rpc::TransferLeader(_) | crate::raft_net::Rpc::Snapshot(_) => {
-            group.quiet.wake(raft);
+            group.quiet.rejoin(raft);
         }
         // A replica starts again: a quiet leader, which took it for
         // matched, would send it nothing, and it would never catch up;

@@ -1133,7 +1133,30 @@ impl ShardStore {
             .unwrap_or_default()
     }
 
-    /// Turns the group's timers back on; says whether they were off.
+    /// This node heard whether the shard's group, at a membership newer
+    /// than this replica's, counts this replica: `left`, it does not (it
+    /// was removed while away). A replica left behind stops standing for
+    /// election: its timers stay off until a leader's entries or snapshot
+    /// reach it, or `left` is heard false (`crate::quiet`). Says whether
+    /// that changed.
+    pub fn set_left_group(&self, left: bool) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.quiet.leave(&g.raft, left))
+    }
+
+    /// Whether this replica takes itself for left behind by its group
+    /// ([`ShardStore::set_left_group`]).
+    pub fn has_left_group(&self) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_some_and(|g| g.quiet.has_left())
+    }
+
+    /// Turns the group's timers back on; says whether they were off (not
+    /// on a replica its group left behind).
     pub fn wake(&self) -> bool {
         self.raft
             .as_ref()
