@@ -6,10 +6,10 @@
 //! address, so a request normally takes no forwarding hop.
 //!
 //! - `421 not_owner`: the map was stale. The client refreshes it (from any
-//!   node) and follows the answer's owner hint once; a second `421` (a
-//!   replicated shard's leadership moving; or, slower to give up on, two
-//!   maps that disagree) is retried by a fresh map within the retry
-//!   policy, like a `503` that executed nothing.
+//!   node) and follows the answer's owner hint once. A second `421` from a
+//!   replicated shard (its leadership moving) is retried by a fresh map
+//!   within the retry policy, like a `503` that executed nothing; from a
+//!   shard of a static cluster (two maps that disagree) it is returned.
 //! - `503 owner_unavailable` or an unreachable node: retried with backoff
 //!   that honours `Retry-After`, within [`RetryPolicy`] bounds, but only
 //!   when repeating cannot apply the request twice: the failure proves
@@ -263,6 +263,17 @@ impl Client {
     }
 
     /// The map in the cache, if one was fetched.
+    /// Whether the cached map says `shard` is replicated (its replicas are
+    /// listed; any shard, when the answer named none).
+    fn replicated(&self, shard: Option<u32>) -> bool {
+        self.cached_map().is_some_and(|m| {
+            m.shards
+                .iter()
+                .filter(|s| shard.is_none_or(|n| s.shard == n))
+                .any(|s| s.replicas.is_some())
+        })
+    }
+
     pub fn cached_map(&self) -> Option<Arc<ClusterMap>> {
         self.inner
             .map
@@ -513,18 +524,25 @@ impl Client {
                             next = owner_hint.as_deref().and_then(|h| normalize_base(h).ok());
                             continue;
                         }
-                        // Refused again after the hint was followed: the
-                        // shard's leadership is moving (an election, a
-                        // transfer). Nothing was executed, so it is tried
-                        // again by a fresh map, within the retry policy.
-                        Error::NotOwner { .. } if self.inner.routing == Routing::Owner => (
-                            Failure {
-                                executed: Executed::No,
-                                idempotent: call.idempotent,
-                                retry_after,
-                            },
-                            err,
-                        ),
+                        // Refused again after the hint was followed, by a
+                        // replicated shard: its leadership is moving (an
+                        // election, a transfer). Nothing was executed, so
+                        // it is tried again by a fresh map, within the
+                        // retry policy. (In a static cluster it is two
+                        // maps that disagree, which waiting does not
+                        // mend: returned at once.)
+                        Error::NotOwner { shard, .. }
+                            if self.inner.routing == Routing::Owner && self.replicated(*shard) =>
+                        {
+                            (
+                                Failure {
+                                    executed: Executed::No,
+                                    idempotent: call.idempotent,
+                                    retry_after,
+                                },
+                                err,
+                            )
+                        }
                         Error::OwnerUnavailable { executed, .. } => (
                             Failure {
                                 executed: *executed,

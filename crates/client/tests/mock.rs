@@ -32,13 +32,16 @@ struct Node {
     map_version: AtomicU64,
     /// Whether this node's map says node 2 is alive.
     b_alive: AtomicBool,
+    /// Whether this node's map lists the shards' replicas (a replicated
+    /// cluster).
+    replicated: AtomicBool,
     addrs: Vec<String>,
     id: u16,
 }
 
 async fn cluster(State(n): State<Arc<Node>>) -> Json<serde_json::Value> {
     n.map_fetches.fetch_add(1, Ordering::SeqCst);
-    Json(json!({
+    let mut map = json!({
         "node": n.id, "shard_count": 2, "map_version": n.map_version.load(Ordering::SeqCst),
         "routing_active": true,
         "nodes": [
@@ -49,7 +52,13 @@ async fn cluster(State(n): State<Arc<Node>>) -> Json<serde_json::Value> {
             {"shard": 0, "owner": 1, "epoch": 1},
             {"shard": 1, "owner": n.shard1_owner.load(Ordering::SeqCst), "epoch": 2},
         ],
-    }))
+    });
+    if n.replicated.load(Ordering::SeqCst) {
+        for s in 0..2 {
+            map["shards"][s]["replicas"] = json!([1, 2]);
+        }
+    }
+    Json(map)
 }
 
 async fn append(State(n): State<Arc<Node>>) -> Response {
@@ -200,6 +209,10 @@ async fn fixed_routing_never_leaves_the_seed_and_does_not_follow_421() {
 #[tokio::test]
 async fn not_owner_refreshes_the_map_and_follows_the_hint_once() {
     let f = fake_cluster().await;
+    // A replicated cluster: a second 421 is its leadership moving.
+    for n in [&f.a, &f.b] {
+        n.replicated.store(true, Ordering::SeqCst);
+    }
     // Node 1's map is stale: it says it owns shard 1 itself.
     f.a.shard1_owner.store(1, Ordering::SeqCst);
     let c = client(&f.a_url, fast_retry());
@@ -254,6 +267,28 @@ async fn not_owner_refreshes_the_map_and_follows_the_hint_once() {
         appends(&f.a) + appends(&f.b) - before,
         fast_retry().max_attempts as usize,
         "the policy's attempts, no more"
+    );
+}
+
+#[tokio::test]
+async fn a_static_clusters_second_not_owner_is_returned_at_once() {
+    let f = fake_cluster().await;
+    // No replicas listed: a static cluster, where a second 421 after the
+    // hint was followed means two maps that disagree, which retrying
+    // does not mend.
+    let c = client(&f.a_url, fast_retry());
+    let to_a = json!({"error":"not_owner","message":"m","shard":1,"owner_hint":{"node":1,"address":f.a.addrs[0]},"executed":false});
+    for n in [&f.a, &f.b] {
+        for _ in 0..10 {
+            push(n, (421, to_a.clone(), None));
+        }
+    }
+    let e = c.append(id_on_shard_1(), &one_event(None)).await;
+    assert!(matches!(e, Err(Error::NotOwner { .. })), "{e:?}");
+    assert_eq!(
+        appends(&f.a) + appends(&f.b),
+        2,
+        "one attempt and one follow of the hint, no retry"
     );
 }
 

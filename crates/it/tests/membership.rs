@@ -117,6 +117,9 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     let cfg = cl.node(2).config.clone();
     cl.spawn(2, &cfg);
     cl.wait_ready(2);
+    // (Its log file is appended to: what the restarted node writes
+    // follows what its first run wrote.)
+    let first_run_log = std::fs::read_to_string(&cl.node(1).log).map_or(0, |l| l.len());
     let cfg = cl.node(1).config.clone();
     cl.spawn(1, &cfg);
     cl.wait_ready(1);
@@ -257,7 +260,8 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
             );
         }
     }
-    let log = strip_ansi(&cl.node(1).proc().log());
+    let log = cl.node(1).proc().log();
+    let log = strip_ansi(log.get(first_run_log..).unwrap_or_default());
     assert!(
         !log.contains("quiet shards' leader went silent"),
         "node 1 woke a left-behind replica for its leader's silence:\n{log}"

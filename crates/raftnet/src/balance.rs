@@ -372,6 +372,7 @@ mod tests {
             purged: None,
             voters: vec![want, 2, 3],
             membership_log: None,
+            membership_committed: true,
             learners: vec![],
             matched: vec![(want, Some(matched)), (2, Some(last))],
             heard_ms_ago: vec![(want, Some(heard_ms_ago)), (2, Some(0))],

@@ -1479,3 +1479,66 @@ async fn a_deposed_leader_does_not_answer_a_replacement() {
         ),
     }
 }
+
+/// A quiet leader no quorum answers (its calls to both followers fail)
+/// asked for a pre-vote first tries to confirm that it still leads, and
+/// answers whatever came of it within half the election timeout's min:
+/// the candidate waits the min for its answer, so a confirmation left to
+/// run would turn every candidacy that reaches such a leader into a
+/// timeout, and a group whose leader is cut off would elect only once the
+/// leader stepped down (`confirm_before_a_vote`'s bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_leader_cut_off_answers_a_vote_within_its_confirmation_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (nodes, l) = quiet_after_a_write(dir.path()).await;
+    let others: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    cut(&nodes, l, others[0]);
+    cut(&nodes, l, others[1]);
+    // Its lease lapses: no follower answered it for the election
+    // timeout's min (quiet, it sends nothing; cut off, nothing comes).
+    let min_ms = forkless_store::RaftTiming::default().election_timeout_min_ms;
+    let until = Instant::now() + Duration::from_secs(10);
+    while !nodes[l].status().is_some_and(|s| {
+        s.heard_ms_ago
+            .iter()
+            .all(|(_, ago)| ago.is_none_or(|ms| ms > min_ms))
+    }) {
+        assert!(
+            Instant::now() < until,
+            "the quiet leader's lease did not lapse: {:?}",
+            nodes[l].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let term = nodes[l].status().expect("up").term;
+    let st = nodes[l]
+        .store
+        .as_ref()
+        .expect("up")
+        .shard(SHARD)
+        .expect("shard");
+    let candidate = nodes[others[0]].id;
+    let ask = Rpc::PreVote(openraft::raft::VoteRequest::new(
+        openraft::impls::Vote::new(term + 1, candidate),
+        None,
+    ));
+    let bound = Duration::from_millis(min_ms / 2);
+    let asked = Instant::now();
+    let answer = tokio::time::timeout(bound * 4, st.handle_rpc(ask)).await;
+    let took = asked.elapsed();
+    let Ok(answer) = answer else {
+        panic!(
+            "a quiet leader cut off did not answer a pre-vote within {:?} (its bound {bound:?}): {:?}",
+            bound * 4,
+            nodes[l].status()
+        );
+    };
+    assert!(
+        matches!(answer, Ok(forkless_store::RpcReply::Vote(_))),
+        "a pre-vote answered {answer:?}"
+    );
+    assert!(
+        took >= bound,
+        "answered in {took:?}, before its confirmation's bound {bound:?}: did it try to confirm?"
+    );
+}

@@ -583,10 +583,89 @@ where
                 (e, _) => (owner, e.into_response()),
             }
         }
-        d => match elsewhere(app, d, &owner, method, path_and_query, body, &route).await {
-            Ok(resp) => return Routed::Answer(resp),
-            Err(resp) => (owner, resp),
-        },
+        d => {
+            let forwarded_to = match &d {
+                Decision::Forward { owner: to, .. } => Some(to.clone()),
+                _ => None,
+            };
+            match elsewhere(
+                app,
+                d,
+                &owner,
+                method.clone(),
+                path_and_query,
+                body.clone(),
+                &route,
+            )
+            .await
+            {
+                // The node this one took for the shard's leader refused it
+                // (421: nothing executed) as the group's leadership moved
+                // on (an election, a transfer: a new cluster's first
+                // moments, a node coming back). Where this node holds a
+                // replica and the request came from a client, it waits
+                // for the group to name a leader at a later term and
+                // routes the request once more, as if it had come then.
+                Ok(resp)
+                    if resp.status() == StatusCode::MISDIRECTED_REQUEST
+                        && route.hops_taken == 0 =>
+                {
+                    let again = match (forwarded_to, app.store.shard(route.shard)) {
+                        (Some(to), Some(st)) if st.is_replicated() => Some((to, st)),
+                        _ => None,
+                    };
+                    let Some((to, st)) = again else {
+                        return Routed::Answer(resp);
+                    };
+                    app.metrics.outcome(outcome::REROUTED);
+                    let within = settle_within(app);
+                    let now = st.leader_after(to.epoch.get(), within).await;
+                    tracing::info!(
+                        shard,
+                        refused_by = %to.node,
+                        at_term = to.epoch.get(),
+                        now = ?now.map(|l| (l.leader, l.term)),
+                        "the node taken for the shard's leader refused a request as the leadership moved; routing it again"
+                    );
+                    let (owner, d) = decision(app, route.shard, route.hops_taken);
+                    match d {
+                        Decision::Local { .. } => {
+                            let Some(run) = local.take() else {
+                                return Routed::Answer(resp);
+                            };
+                            let confirmed = if is_read {
+                                st.linearize().await
+                            } else {
+                                Ok(())
+                            };
+                            let ran = match confirmed {
+                                Ok(()) => run(st.epoch(), st).await,
+                                Err(e) => {
+                                    Err(from_store(e, shard, partition, app.dir.map_version()))
+                                }
+                            };
+                            match ran {
+                                Ok(v) => {
+                                    return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
+                                }
+                                Err(e) => (owner, e.into_response()),
+                            }
+                        }
+                        d @ Decision::Forward { .. } => {
+                            match elsewhere(app, d, &owner, method, path_and_query, body, &route)
+                                .await
+                            {
+                                Ok(again) => return Routed::Answer(again),
+                                Err(again) => (owner, again),
+                            }
+                        }
+                        _ => return Routed::Answer(resp),
+                    }
+                }
+                Ok(resp) => return Routed::Answer(resp),
+                Err(resp) => (owner, resp),
+            }
+        }
     };
     RouteHeaders::new(app, &route, &owner).apply(&mut resp);
     Routed::Answer(resp)
@@ -1741,7 +1820,21 @@ async fn replace_on_leader(
             app.dir.map_version(),
         )
     })?;
-    if !status.voters.contains(&u64::from(from.get())) && status.state == "leader" {
+    if status.state != "leader" {
+        // It stopped leading since the confirmation: routed again, to the
+        // leader, rather than decided on this replica's view.
+        return Err(from_store(
+            StoreError::NotLeader {
+                shard,
+                leader: status.leader.filter(|&l| l != status.me),
+                term: status.term,
+            },
+            shard.get(),
+            None,
+            app.dir.map_version(),
+        ));
+    }
+    if !status.voters.contains(&u64::from(from.get())) {
         // Nothing to move (the node holds no replica of the shard, or the
         // move was made before), as the leader confirmed above sees it.
         return Ok(json_response(
@@ -2012,7 +2105,7 @@ async fn cluster(State(app): AppState) -> Response {
             if app.replication.is_some() {
                 shard["replicas"] = json!(app.placed(ShardId(s)));
                 shard["replicas_from"] = json!("cluster_file");
-                let status = local.and_then(|st| st.raft_status());
+                let status = local.as_ref().and_then(|st| st.raft_status());
                 // What the shard's leader said in answer to a probe, when
                 // this node holds no replica, or its replica's membership
                 // is from an earlier entry than the leader's: the voters a
@@ -2062,9 +2155,10 @@ async fn cluster(State(app): AppState) -> Response {
                                 "matched": m,
                                 "lag": g.last_log_index.map(|l| l.saturating_sub(m.unwrap_or(0))),
                             })).collect::<Vec<_>>(),
-                            // The group's newer membership, as its leader
-                            // said it, no longer counts this replica.
-                            "left_group": heard.is_some_and(|h| !h.counts(g.me)),
+                            // The group's newer committed membership, as its
+                            // leader said it, no longer counts this replica,
+                            // which stands for no election (`crate::quiet`).
+                            "left_group": local.as_ref().is_some_and(|st| st.has_left_group()),
                         });
                     }
                     None => {

@@ -101,6 +101,8 @@ pub struct ReplicasHeard {
     pub voters: Vec<u64>,
     pub learners: Vec<u64>,
     pub membership_log: Option<(u64, u64)>,
+    /// Whether that membership was committed (as its leader said).
+    pub committed: bool,
 }
 
 impl ReplicasHeard {

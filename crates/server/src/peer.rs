@@ -48,6 +48,7 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
                     o["voters"] = json!(g.voters);
                     o["learners"] = json!(g.learners);
                     o["membership_log"] = json!(g.membership_log);
+                    o["membership_committed"] = json!(g.membership_committed);
                 }
             }
             o
@@ -174,6 +175,10 @@ struct OwnedShard {
     learners: Vec<u64>,
     #[serde(default)]
     membership_log: Option<(u64, u64)>,
+    /// Whether that membership is committed on the leader (left out by
+    /// an older node: taken as not).
+    #[serde(default)]
+    membership_committed: bool,
 }
 
 pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bool>) {
@@ -296,6 +301,7 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                     voters: voters.clone(),
                     learners: o.learners.clone(),
                     membership_log: o.membership_log,
+                    committed: o.membership_committed,
                 };
                 // A replica here that the group's newer membership no
                 // longer counts (this node was removed while it was
@@ -304,8 +310,8 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                 let changed = before.is_none_or(|b| b.membership_log != now.membership_log);
                 if let Some(st) = app.store.shard(shard) {
                     let local = st.raft_status();
-                    let left = local.is_some() && !now.counts(me) && now.newer_than(local.as_ref());
-                    if left && changed {
+                    let heard_left = !now.counts(me) && now.newer_than(local.as_ref());
+                    if local.is_some() && heard_left && changed {
                         tracing::warn!(
                             shard = o.shard,
                             leader = %node,
@@ -317,7 +323,12 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                     // Its candidacies, refused, would wake the group's
                     // quiet leader about once an election timeout, for
                     // good: it stops standing (and starts again if a newer
-                    // answer counts it).
+                    // answer counts it). Only once the membership that
+                    // leaves it out is committed: until then the group
+                    // may still need it to elect (a change cut short by
+                    // its leader's death, this replica holding entries the
+                    // others lack, can leave it the only one that can win).
+                    let left = local.is_some() && heard_left && now.committed;
                     if st.set_left_group(left) && !left {
                         tracing::info!(
                             shard = o.shard,

@@ -50,13 +50,14 @@ struct State {
     /// (`crate::fresh`), and the leader, which took it for matched, must
     /// send it heartbeats to learn otherwise.
     awake_until: Option<Instant>,
-    /// The group left this replica behind (its node heard a newer
-    /// membership that counts it neither as a voter nor as a learner):
-    /// its timers stay off, and neither silence nor a vote turns them on,
-    /// so it stops standing for election in a group that refuses it
-    /// (each candidacy woke the group's quiet leader, about once an
-    /// election timeout, for good). Entries or a snapshot from a leader,
-    /// or this replica leading, end it (it is in the group again).
+    /// The group left this replica behind (its node heard, from the
+    /// group's leader, a newer committed membership that counts it
+    /// neither as a voter nor as a learner): its timers stay off, and
+    /// neither silence nor a vote turns them on, so it stops standing for
+    /// election in a group that refuses it (each candidacy woke the
+    /// group's quiet leader, about once an election timeout, for good).
+    /// Entries, a snapshot or a leadership transfer from a leader, this
+    /// replica leading, or a later answer that counts it end it.
     left: bool,
 }
 
@@ -73,8 +74,8 @@ impl State {
         was
     }
 
-    /// [`State::wake`], also for a replica the group left behind: what
-    /// only a member sees happened (a leader's entries or snapshot, or
+    /// [`State::wake`], also for a replica the group left behind: what a
+    /// member sees happened (a leader's entries, snapshot or transfer, or
     /// this replica leading).
     fn rejoin<SM: RaftStateMachine<GroupConfig>>(&mut self, raft: &Raft<SM>) -> bool {
         self.left = false;
@@ -156,11 +157,12 @@ impl Quiet {
         self.lock().left
     }
 
-    /// This replica's node heard whether the group's newer membership
-    /// counts it: `left`, it does not. A replica left behind turns its
-    /// timers off for good (see `State::left`); one counted again turns
-    /// them back on. Not on a leader (a leader is in its group: what was
-    /// heard is older than its own membership). Says whether it changed.
+    /// This replica's node heard whether the group's newer committed
+    /// membership counts it: `left`, it does not. A replica left behind
+    /// turns its timers off for good (see `State::left`); one counted
+    /// again turns them back on. Not on a leader (it leads the group: what
+    /// was heard is from an older term, or about to be corrected; see
+    /// also [`Quiet::quiesce_leader`]). Says whether it changed.
     pub(crate) fn leave<SM: RaftStateMachine<GroupConfig>>(
         &self,
         raft: &Raft<SM>,
@@ -205,7 +207,7 @@ impl Quiet {
     ) -> bool {
         let mut s = self.lock();
         s.awake_until = Some(Instant::now() + for_at_least);
-        s.rejoin(raft)
+        s.wake(raft)
     }
 
     /// On the leader: goes quiet if nothing was proposed for `idle`, no
@@ -221,6 +223,11 @@ impl Quiet {
         let mut s = self.lock();
         let m = raft.metrics();
         let m = m.borrow_watched();
+        if s.left && m.state == openraft::ServerState::Leader {
+            // Elected: it is in the group (a change that left it out was
+            // cut short, or what was heard came from an older term).
+            s.rejoin(raft);
+        }
         if m.current_leader != Some(m.id) || m.state != openraft::ServerState::Leader {
             return if s.quiet {
                 QuietAs::Follower

@@ -1111,6 +1111,9 @@ pub struct RaftStatus {
     /// (`None`: the group's first, from no entry): of two views of one
     /// group's membership, the one from the later entry is the newer.
     pub membership_log: Option<(u64, u64)>,
+    /// Whether that membership is committed (a change of it fully made:
+    /// on a leader, its entry is on a quorum).
+    pub membership_committed: bool,
     /// Its learners: replicas being caught up, which do not vote yet
     /// (`ShardStore::replace_replica`).
     pub learners: Vec<u64>,
@@ -1160,6 +1163,8 @@ impl RaftStatus {
                 .log_id()
                 .as_ref()
                 .map(|l| (l.leader_id.term, l.index)),
+            membership_committed: m.committed_membership_config.log_id()
+                == m.membership_config.log_id(),
             learners: m.membership_config.membership().learner_ids().collect(),
             matched: m
                 .replication
@@ -1404,8 +1409,10 @@ pub(crate) fn admit_append(
         if behind_others {
             group.appends.behind_others.fetch_add(1, Relaxed);
         }
-        // (A leader sends entries only to its group's members: a replica
-        // that took itself for left behind is in the group again.)
+        // A leader sends entries only to its group's members: a replica
+        // that took itself for left behind is in the group again. (Taken
+        // before openraft checks the sender's term: a deposed leader's
+        // entries end it too, until its node's next probe round.)
         group.quiet.rejoin(&group.raft);
     }
     Ok(())

@@ -1041,6 +1041,27 @@ impl ShardStore {
             .map(|g| raft_group::RaftWatch::new(&g.raft).now())
     }
 
+    /// Waits, at most `within`, until this replica knows a leader of the
+    /// shard's group at a term after `term`; the leadership then known
+    /// (`None`: the shard is not a replicated group here, or it stopped).
+    pub async fn leader_after(
+        &self,
+        term: u64,
+        within: std::time::Duration,
+    ) -> Option<raft_group::Leadership> {
+        let mut watch = self.raft_watch()?;
+        let until = tokio::time::Instant::now() + within;
+        let mut now = watch.now();
+        while now.leader.is_none() || now.term <= term {
+            match tokio::time::timeout_at(until, watch.changed()).await {
+                Ok(Some(l)) => now = l,
+                Ok(None) => return None,
+                Err(_) => break,
+            }
+        }
+        Some(now)
+    }
+
     /// After this node was refused as the group's leader at `term`
     /// ([`StoreError::NotLeader`]): waits at most `within` for the group's
     /// leadership to settle, as this node sees it, and returns it.
