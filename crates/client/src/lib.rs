@@ -262,7 +262,6 @@ impl Client {
         self.inner.routing
     }
 
-    /// The map in the cache, if one was fetched.
     /// Whether the cached map says `shard` is replicated (its replicas are
     /// listed; any shard, when the answer named none).
     fn replicated(&self, shard: Option<u32>) -> bool {
@@ -274,6 +273,7 @@ impl Client {
         })
     }
 
+    /// The map in the cache, if one was fetched.
     pub fn cached_map(&self) -> Option<Arc<ClusterMap>> {
         self.inner
             .map

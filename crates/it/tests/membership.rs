@@ -119,7 +119,8 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
     cl.wait_ready(2);
     // (Its log file is appended to: what the restarted node writes
     // follows what its first run wrote.)
-    let first_run_log = std::fs::read_to_string(&cl.node(1).log).map_or(0, |l| l.len());
+    let first_run_log = std::fs::read(&cl.node(1).log).map_or(0, |l| l.len());
+    assert!(first_run_log > 0, "node 1's first run logged nothing");
     let cfg = cl.node(1).config.clone();
     cl.spawn(1, &cfg);
     cl.wait_ready(1);
@@ -260,8 +261,11 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
             );
         }
     }
-    let log = cl.node(1).proc().log();
-    let log = strip_ansi(log.get(first_run_log..).unwrap_or_default());
+    let log = std::fs::read(&cl.node(1).log).expect("node 1's log");
+    let log = strip_ansi(&String::from_utf8_lossy(
+        log.get(first_run_log..)
+            .expect("node 1's log holds its first run's"),
+    ));
     assert!(
         !log.contains("quiet shards' leader went silent"),
         "node 1 woke a left-behind replica for its leader's silence:\n{log}"

@@ -588,6 +588,7 @@ where
                 Decision::Forward { owner: to, .. } => Some(to.clone()),
                 _ => None,
             };
+            let started = std::time::Instant::now();
             match elsewhere(
                 app,
                 d,
@@ -605,7 +606,9 @@ where
                 // moments, a node coming back). Where this node holds a
                 // replica and the request came from a client, it waits
                 // for the group to name a leader at a later term and
-                // routes the request once more, as if it had come then.
+                // routes the request once more, as if it had come then:
+                // the first forward and the wait take one forward timeout
+                // at most, the second forward another.
                 Ok(resp)
                     if resp.status() == StatusCode::MISDIRECTED_REQUEST
                         && route.hops_taken == 0 =>
@@ -617,8 +620,16 @@ where
                     let Some((to, st)) = again else {
                         return Routed::Answer(resp);
                     };
+                    let within = settle_within(app).min(
+                        app.cfg
+                            .peer
+                            .forward_timeout()
+                            .saturating_sub(started.elapsed()),
+                    );
+                    if within.is_zero() {
+                        return Routed::Answer(resp);
+                    }
                     app.metrics.outcome(outcome::REROUTED);
-                    let within = settle_within(app);
                     let now = st.leader_after(to.epoch.get(), within).await;
                     tracing::info!(
                         shard,
@@ -627,12 +638,17 @@ where
                         now = ?now.map(|l| (l.leader, l.term)),
                         "the node taken for the shard's leader refused a request as the leadership moved; routing it again"
                     );
+                    // No later leader within the wait: the refusal stands.
+                    if !now.is_some_and(|l| l.leader.is_some() && l.term > to.epoch.get()) {
+                        return Routed::Answer(resp);
+                    }
                     let (owner, d) = decision(app, route.shard, route.hops_taken);
                     match d {
                         Decision::Local { .. } => {
                             let Some(run) = local.take() else {
                                 return Routed::Answer(resp);
                             };
+                            app.metrics.outcome(outcome::LOCAL);
                             let confirmed = if is_read {
                                 st.linearize().await
                             } else {
@@ -651,15 +667,21 @@ where
                                 Err(e) => (owner, e.into_response()),
                             }
                         }
-                        d @ Decision::Forward { .. } => {
-                            match elsewhere(app, d, &owner, method, path_and_query, body, &route)
-                                .await
-                            {
-                                Ok(again) => return Routed::Answer(again),
-                                Err(again) => (owner, again),
-                            }
+                        // The same node at the same term: nothing new to
+                        // try.
+                        Decision::Forward { owner: again, .. }
+                            if again.node == to.node && again.epoch == to.epoch =>
+                        {
+                            return Routed::Answer(resp)
                         }
-                        _ => return Routed::Answer(resp),
+                        // Forwarded once more, or this node's own refusal
+                        // now (the leader it knows is down, or unknown).
+                        d => match elsewhere(app, d, &owner, method, path_and_query, body, &route)
+                            .await
+                        {
+                            Ok(again) => return Routed::Answer(again),
+                            Err(again) => (owner, again),
+                        },
                     }
                 }
                 Ok(resp) => return Routed::Answer(resp),

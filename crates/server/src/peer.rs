@@ -305,37 +305,42 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                 };
                 // A replica here that the group's newer membership no
                 // longer counts (this node was removed while it was
-                // away): said once per membership, the data stays.
+                // away): said when it is taken for left behind, and when
+                // it is counted again; the data stays.
                 let me = u64::from(app.cfg.node_id.get());
-                let changed = before.is_none_or(|b| b.membership_log != now.membership_log);
-                if let Some(st) = app.store.shard(shard) {
+                if let Some(st) = app.store.shard(shard).filter(|st| st.is_replicated()) {
                     let local = st.raft_status();
-                    let heard_left = !now.counts(me) && now.newer_than(local.as_ref());
-                    if local.is_some() && heard_left && changed {
-                        tracing::warn!(
+                    // Its candidacies, refused, would wake the group's
+                    // quiet leader about once an election timeout, for
+                    // good: it stops standing once the membership that
+                    // leaves it out is committed (until then the group
+                    // may still need it to elect: a change cut short by
+                    // its leader's death, this replica holding entries the
+                    // others lack, can leave it the only one that can
+                    // win), and stands again once an answer counts it.
+                    // Otherwise (a change under way) it is left as it is.
+                    let left = if now.counts(me) || local.is_none() {
+                        Some(false)
+                    } else if now.committed && now.newer_than(local.as_ref()) {
+                        Some(true)
+                    } else {
+                        None
+                    };
+                    match left.map(|l| (l, st.set_left_group(l))) {
+                        Some((true, true)) => tracing::warn!(
                             shard = o.shard,
                             leader = %node,
                             term = o.epoch,
                             voters = ?now.voters,
                             "this node holds a replica of a shard whose group no longer counts it (it was removed while away): the replica follows no group and stands for no election; its data stays until it is deleted by hand"
-                        );
-                    }
-                    // Its candidacies, refused, would wake the group's
-                    // quiet leader about once an election timeout, for
-                    // good: it stops standing (and starts again if a newer
-                    // answer counts it). Only once the membership that
-                    // leaves it out is committed: until then the group
-                    // may still need it to elect (a change cut short by
-                    // its leader's death, this replica holding entries the
-                    // others lack, can leave it the only one that can win).
-                    let left = local.is_some() && heard_left && now.committed;
-                    if st.set_left_group(left) && !left {
-                        tracing::info!(
+                        ),
+                        Some((false, true)) => tracing::info!(
                             shard = o.shard,
                             leader = %node,
                             term = o.epoch,
                             "the shard's group counts this node's replica again: it stands for election again"
-                        );
+                        ),
+                        _ => {}
                     }
                 }
                 heard.insert(o.shard, now);
