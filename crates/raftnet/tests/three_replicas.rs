@@ -1308,6 +1308,31 @@ fn heal(nodes: &[Node], a: usize, b: usize) {
     nodes[b].links.move_peer(nodes[a].id, nodes[a].addr.clone());
 }
 
+/// Cuts the leader off from the other two and waits (20 s at most) until
+/// one of them leads at a later term: the old leader's index and term,
+/// and the new leader's index. The old one still takes itself for the
+/// leader until it hears otherwise.
+async fn depose(nodes: &[Node]) -> (usize, u64, usize) {
+    let old = leader(nodes).await;
+    let old_term = nodes[old].status().expect("up").term;
+    let others: Vec<usize> = (0..3).filter(|i| *i != old).collect();
+    cut(nodes, old, others[0]);
+    cut(nodes, old, others[1]);
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let led = others.iter().copied().find(|i| {
+            nodes[*i]
+                .status()
+                .is_some_and(|s| s.state == "leader" && s.term > old_term)
+        });
+        if let Some(new) = led {
+            return (old, old_term, new);
+        }
+        assert!(Instant::now() < until, "no new leader within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A replica that lost its disk forgot the highest term it saw. Here it
 /// comes back reaching only a leader the other two deposed (cut off from
 /// them): before a new replica took a leader's word, that leader did not
@@ -1331,25 +1356,9 @@ async fn a_new_replica_does_not_help_a_deposed_leader_commit() {
         )
         .await;
     }
-    let old = leader(&nodes).await;
-    let old_term = nodes[old].status().expect("up").term;
-    let others: Vec<usize> = (0..3).filter(|i| *i != old).collect();
     // The leader is cut off; the other two elect one of them.
-    cut(&nodes, old, others[0]);
-    cut(&nodes, old, others[1]);
-    let until = Instant::now() + Duration::from_secs(20);
-    let new = loop {
-        let led = others.iter().copied().find(|i| {
-            nodes[*i]
-                .status()
-                .is_some_and(|s| s.state == "leader" && s.term > old_term)
-        });
-        if let Some(i) = led {
-            break i;
-        }
-        assert!(Instant::now() < until, "no new leader within 20 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (old, old_term, new) = depose(&nodes).await;
+    let others: Vec<usize> = (0..3).filter(|i| *i != old).collect();
     let lost = others
         .iter()
         .copied()
@@ -1441,20 +1450,7 @@ async fn a_deposed_leader_does_not_answer_a_replacement() {
     let dir = tempfile::tempdir().expect("tempdir");
     let nodes = cluster(dir.path()).await;
     write_soon(&nodes[leader(&nodes).await], 1, "a write before the cut").await;
-    let old = leader(&nodes).await;
-    let old_term = nodes[old].status().expect("up").term;
-    let others: Vec<usize> = (0..3).filter(|i| *i != old).collect();
-    cut(&nodes, old, others[0]);
-    cut(&nodes, old, others[1]);
-    let until = Instant::now() + Duration::from_secs(20);
-    while !others.iter().any(|i| {
-        nodes[*i]
-            .status()
-            .is_some_and(|s| s.state == "leader" && s.term > old_term)
-    }) {
-        assert!(Instant::now() < until, "no new leader within 20 s");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (old, old_term, _) = depose(&nodes).await;
     let st = nodes[old]
         .store
         .as_ref()
