@@ -87,15 +87,25 @@ impl Node {
         self.store.as_ref()?.shard(SHARD)?.raft_status()
     }
 
-    /// Runs the node's heartbeat, which lets its idle groups go quiet,
-    /// until the node stops.
-    fn quiesce(&self) {
-        let st = self
-            .store
+    /// Its replica of the shard (the node is up).
+    fn shard(&self) -> Arc<forkless_store::ShardStore> {
+        self.store
             .as_ref()
             .expect("up")
             .shard(SHARD)
-            .expect("shard");
+            .expect("shard")
+    }
+
+    /// Whether its replica takes itself for the leader at `term`.
+    fn leads_at(&self, term: u64) -> bool {
+        self.status()
+            .is_some_and(|s| s.state == "leader" && s.term == term)
+    }
+
+    /// Runs the node's heartbeat, which lets its idle groups go quiet,
+    /// until the node stops.
+    fn quiesce(&self) {
+        let st = self.shard();
         let me = self.id;
         tokio::spawn(forkless_raftnet::quiesce::run(
             self.peers.clone(),
@@ -218,12 +228,7 @@ fn id(n: i64) -> ExecutionId {
 }
 
 async fn write(node: &Node, n: i64) -> Result<(), StoreError> {
-    let st = node
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = node.shard();
     st.start(StartRequest {
         epoch: Epoch(1),
         id: id(n),
@@ -264,12 +269,7 @@ async fn applied(node: &Node, i: usize, index: u64) {
 /// executions `ns` with both their events.
 async fn holds(nodes: &[Node], i: usize, ns: std::ops::RangeInclusive<i64>, index: u64) {
     applied(&nodes[i], i, index).await;
-    let st = nodes[i]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[i].shard();
     for n in ns {
         let (meta, events) = st
             .read_events(id(n), 0, 10)
@@ -500,12 +500,7 @@ async fn a_follower_catches_up_on_more_bytes_than_one_call_holds() {
     // Eight entries of 12 MiB: 96 MiB, over the transport's 80 MiB frame.
     let big = vec![b'x'; 12 * 1024 * 1024];
     for n in 1..=8 {
-        let st = nodes[l]
-            .store
-            .as_ref()
-            .expect("up")
-            .shard(SHARD)
-            .expect("shard");
+        let st = nodes[l].shard();
         let mut payload = b"\"".to_vec();
         payload.extend_from_slice(&big);
         payload.extend_from_slice(b"\"");
@@ -534,12 +529,7 @@ async fn a_follower_catches_up_on_more_bytes_than_one_call_holds() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let st = nodes[2]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[2].shard();
     for n in 1..=8 {
         let (_, events) = st.read_events(id(n), 0, 1).expect("read").expect("there");
         assert_eq!(events[0].payload.len(), big.len() + 2);
@@ -685,12 +675,7 @@ async fn a_handover_to_a_dead_replica_does_not_leave_the_group_stuck() {
     let dead = (l + 1) % 3;
     let dead_id = nodes[dead].id;
     nodes[dead].stop();
-    let st = nodes[l]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[l].shard();
     st.transfer_leader(dead_id).await.expect("handover asked");
     // Someone leads again (a new term) and takes a write, within 10 s.
     let until = Instant::now() + Duration::from_secs(10);
@@ -857,12 +842,7 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
         if l == 2 {
             break;
         }
-        let st = nodes[l]
-            .store
-            .as_ref()
-            .expect("up")
-            .shard(SHARD)
-            .expect("shard");
+        let st = nodes[l].shard();
         st.transfer_leader(3).await.expect("asked for the handover");
         let asked = Instant::now();
         while nodes[2].status().is_none_or(|s| s.state != "leader")
@@ -872,12 +852,7 @@ async fn a_follower_behind_the_leaders_log_catches_up_by_a_snapshot() {
         }
         assert!(Instant::now() < until, "node 3 did not take the leadership");
     }
-    let st3 = nodes[2]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st3 = nodes[2].shard();
     let append = |key: &str, payload: &[u8], expected: Option<u64>| AppendRequest {
         epoch: Epoch(1),
         id: id(5),
@@ -956,12 +931,7 @@ async fn snapshot_catch_up() {
     };
     let mut nodes = cluster_of(dir.path(), &[3], log).await;
     let l = leader(&nodes).await;
-    let st = nodes[l]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[l].shard();
     let written = Instant::now();
     for n in 1..=executions {
         st.start(StartRequest {
@@ -1018,12 +988,7 @@ async fn snapshot_catch_up() {
 
 /// Node `i` holds every execution 1..=n with its 100 events.
 async fn holds_events(nodes: &[Node], i: usize, n: i64) {
-    let st = nodes[i]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[i].shard();
     for e in [1, n / 2, n] {
         let (meta, events) = st.read_events(id(e), 0, 200).expect("read").expect("there");
         assert_eq!(meta.last_seq, 100, "execution {e}");
@@ -1155,12 +1120,7 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
     let acked = acked.lock().expect("acked").clone();
     for (i, node) in nodes.iter().enumerate() {
         applied(node, i, index).await;
-        let st = node
-            .store
-            .as_ref()
-            .expect("up")
-            .shard(SHARD)
-            .expect("shard");
+        let st = node.shard();
         for n in &acked {
             assert!(
                 st.read_events(id(*n), 0, 1).expect("read").is_some(),
@@ -1220,12 +1180,7 @@ async fn read_confirm_by_read_index_and_by_lease() {
     let nodes = cluster(dir.path()).await;
     let l = leader(&nodes).await;
     write(&nodes[l], 1).await.expect("a write on the leader");
-    let st = nodes[l]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[l].shard();
     let ticks_per_s = 100.0; // USER_HZ on Linux
     for round in 0..3 {
         let mut ways = [ReadConfirm::ReadIndex, ReadConfirm::Lease];
@@ -1375,9 +1330,7 @@ async fn a_new_replica_does_not_help_a_deposed_leader_commit() {
     heal(&nodes, old, lost);
     nodes[lost].restart().await;
     assert!(
-        nodes[old]
-            .status()
-            .is_some_and(|s| s.state == "leader" && s.term == old_term),
+        nodes[old].leads_at(old_term),
         "the deposed leader still takes itself for the leader: {:?}",
         nodes[old].status()
     );
@@ -1451,16 +1404,9 @@ async fn a_deposed_leader_does_not_answer_a_replacement() {
     let nodes = cluster(dir.path()).await;
     write_soon(&nodes[leader(&nodes).await], 1, "a write before the cut").await;
     let (old, old_term, _) = depose(&nodes).await;
-    let st = nodes[old]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[old].shard();
     assert!(
-        nodes[old]
-            .status()
-            .is_some_and(|s| s.state == "leader" && s.term == old_term),
+        nodes[old].leads_at(old_term),
         "the deposed leader no longer takes itself for the leader: {:?}",
         nodes[old].status()
     );
@@ -1507,12 +1453,7 @@ async fn a_quiet_leader_cut_off_answers_a_vote_within_its_confirmation_bound() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let term = nodes[l].status().expect("up").term;
-    let st = nodes[l]
-        .store
-        .as_ref()
-        .expect("up")
-        .shard(SHARD)
-        .expect("shard");
+    let st = nodes[l].shard();
     let candidate = nodes[others[0]].id;
     let ask = Rpc::PreVote(openraft::raft::VoteRequest::new(
         openraft::impls::Vote::new(term + 1, candidate),

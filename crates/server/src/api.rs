@@ -462,28 +462,14 @@ where
                     // acknowledged before it began. A replicated shard's
                     // fence is its group's term, checked at apply; its
                     // store keeps the epoch it opened at.
-                    let (epoch, confirmed) = if st.is_replicated() {
-                        let confirmed = if is_read {
-                            st.linearize().await
-                        } else {
-                            Ok(())
-                        };
-                        (st.epoch(), confirmed)
+                    let (epoch, confirm) = if st.is_replicated() {
+                        (st.epoch(), is_read)
                     } else {
-                        (epoch, Ok(()))
+                        (epoch, false)
                     };
-                    match (confirmed, local.take()) {
-                        (Err(e), run) => {
-                            local = run;
-                            from_store(e, shard, partition, app.dir.map_version())
-                        }
-                        (Ok(()), Some(run)) => match run(epoch, st).await {
-                            Ok(v) => {
-                                return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
-                            }
-                            Err(e) => e,
-                        },
-                        (Ok(()), None) => ApiError::Internal("the local step ran twice".into()),
+                    match run_here(app, st, epoch, confirm, &mut local, partition).await {
+                        Ok(v) => return Routed::Local(v, RouteHeaders::new(app, &route, &owner)),
+                        Err(e) => e,
                     }
                 }
                 None => from_store(
@@ -538,26 +524,13 @@ where
                         // that was refused at its confirmation: it has not
                         // run, and runs here once more (confirmed again).
                         Decision::Local { .. } if is_read && local.is_some() => {
-                            let confirmed = st.linearize().await;
-                            match (confirmed, local.take()) {
-                                (Ok(()), Some(run)) => match run(st.epoch(), st).await {
-                                    Ok(v) => {
-                                        return Routed::Local(
-                                            v,
-                                            RouteHeaders::new(app, &route, &owner),
-                                        )
-                                    }
-                                    Err(e) => (owner, e.into_response()),
-                                },
-                                (Err(e), _) => (
-                                    owner,
-                                    from_store(e, shard, partition, app.dir.map_version())
-                                        .into_response(),
-                                ),
-                                (Ok(()), None) => (
-                                    owner,
-                                    ApiError::Internal("the local step ran twice".into()).into_response(),
-                                ),
+                            match run_here(app, st.clone(), st.epoch(), true, &mut local, partition)
+                                .await
+                            {
+                                Ok(v) => {
+                                    return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
+                                }
+                                Err(e) => (owner, e.into_response()),
                             }
                         }
                         Decision::Local { .. } => (
@@ -644,29 +617,26 @@ where
                     }
                     let (owner, d) = decision(app, route.shard, route.hops_taken);
                     match d {
-                        Decision::Local { .. } => {
-                            let Some(run) = local.take() else {
-                                return Routed::Answer(resp);
-                            };
+                        Decision::Local { .. } if local.is_some() => {
                             app.metrics.outcome(outcome::LOCAL);
-                            let confirmed = if is_read {
-                                st.linearize().await
-                            } else {
-                                Ok(())
-                            };
-                            let ran = match confirmed {
-                                Ok(()) => run(st.epoch(), st).await,
-                                Err(e) => {
-                                    Err(from_store(e, shard, partition, app.dir.map_version()))
-                                }
-                            };
-                            match ran {
+                            match run_here(
+                                app,
+                                st.clone(),
+                                st.epoch(),
+                                is_read,
+                                &mut local,
+                                partition,
+                            )
+                            .await
+                            {
                                 Ok(v) => {
                                     return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
                                 }
                                 Err(e) => (owner, e.into_response()),
                             }
                         }
+                        // (Never so: this path did not run the step.)
+                        Decision::Local { .. } => return Routed::Answer(resp),
                         // The same node at the same term: nothing new to
                         // try.
                         Decision::Forward { owner: again, .. }
@@ -691,6 +661,34 @@ where
     };
     RouteHeaders::new(app, &route, &owner).apply(&mut resp);
     Routed::Answer(resp)
+}
+
+/// Runs a request's local step on `st` at `epoch`, once: first confirms,
+/// if `confirm`, that this node still leads the shard's group (read
+/// index, for a read of a replicated shard). A refused confirmation
+/// leaves the step in `local`, not run, so that the request may be run
+/// again once the group's leadership settles.
+async fn run_here<T, F, Fut>(
+    app: &App,
+    st: Arc<ShardStore>,
+    epoch: Epoch,
+    confirm: bool,
+    local: &mut Option<F>,
+    partition: Option<u32>,
+) -> Result<T, ApiError>
+where
+    F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
+    Fut: Future<Output = Result<T, ApiError>>,
+{
+    if confirm {
+        st.linearize()
+            .await
+            .map_err(|e| from_store(e, st.id().get(), partition, app.dir.map_version()))?;
+    }
+    let run = local
+        .take()
+        .ok_or_else(|| ApiError::Internal("the local step ran twice".into()))?;
+    run(epoch, st).await
 }
 
 /// How long a request refused by a shard's group as its leadership moved

@@ -74,6 +74,15 @@ impl State {
         was
     }
 
+    /// Turns the timers off if they were on ([`State::wake`]'s twin).
+    fn hush<SM: RaftStateMachine<GroupConfig>>(&mut self, raft: &Raft<SM>) {
+        if !self.quiet {
+            self.quiet = true;
+            self.quiet_since = Instant::now();
+            raft.runtime_config().tick(false);
+        }
+    }
+
     /// [`State::wake`], also for a replica the group left behind: what a
     /// member sees happened (a leader's entries, snapshot or transfer, or
     /// this replica leading).
@@ -181,11 +190,7 @@ impl Quiet {
         }
         s.left = true;
         s.leader_heard = None;
-        if !s.quiet {
-            s.quiet = true;
-            s.quiet_since = Instant::now();
-            raft.runtime_config().tick(false);
-        }
+        s.hush(raft);
         true
     }
 
@@ -251,9 +256,7 @@ impl Quiet {
         if !caught_up || handing_over || held || s.last_write.elapsed() < idle {
             return QuietAs::Awake;
         }
-        s.quiet = true;
-        s.quiet_since = Instant::now();
-        raft.runtime_config().tick(false);
+        s.hush(raft);
         QuietAs::Leader {
             term: m.current_term,
         }
@@ -284,11 +287,7 @@ impl Quiet {
             return Followed::Awake;
         }
         s.leader_heard = Some((leader, Instant::now()));
-        if !s.quiet {
-            s.quiet = true;
-            s.quiet_since = Instant::now();
-            raft.runtime_config().tick(false);
-        }
+        s.hush(raft);
         if m.last_applied.map(|l| l.index) < m.last_log_index {
             Followed::QuietBehind
         } else {

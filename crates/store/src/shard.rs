@@ -1049,17 +1049,8 @@ impl ShardStore {
         term: u64,
         within: std::time::Duration,
     ) -> Option<raft_group::Leadership> {
-        let mut watch = self.raft_watch()?;
-        let until = tokio::time::Instant::now() + within;
-        let mut now = watch.now();
-        while now.leader.is_none() || now.term <= term {
-            match tokio::time::timeout_at(until, watch.changed()).await {
-                Ok(Some(l)) => now = l,
-                Ok(None) => return None,
-                Err(_) => break,
-            }
-        }
-        Some(now)
+        self.leadership_until(within, |l| l.leader.is_some() && l.term > term)
+            .await
     }
 
     /// After this node was refused as the group's leader at `term`
@@ -1074,13 +1065,25 @@ impl ShardStore {
         term: u64,
         within: std::time::Duration,
     ) -> Option<raft_group::Leadership> {
-        let mut watch = self.raft_watch()?;
-        let settled = |l: &raft_group::Leadership| {
+        self.leadership_until(within, |l| {
             l.leader.is_some() && !(l.leader == Some(l.me) && l.term <= term)
-        };
+        })
+        .await
+    }
+
+    /// Waits, at most `within`, until the group's leadership as this
+    /// replica knows it is `done`, and returns it as it then is (`done`
+    /// or not); `None` if the shard is not a Raft group or its group
+    /// stopped.
+    async fn leadership_until(
+        &self,
+        within: std::time::Duration,
+        done: impl Fn(&raft_group::Leadership) -> bool,
+    ) -> Option<raft_group::Leadership> {
+        let mut watch = self.raft_watch()?;
         let until = tokio::time::Instant::now() + within;
         let mut now = watch.now();
-        while !settled(&now) {
+        while !done(&now) {
             match tokio::time::timeout_at(until, watch.changed()).await {
                 Ok(Some(l)) => now = l,
                 Ok(None) => return None,
