@@ -125,7 +125,11 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         rt.worker_threads(n);
     }
     let rt = rt.enable_all().build().context("starting the runtime")?;
-    rt.block_on(forkless_server::run(cfg, reload, shutdown_signal()))?;
+    rt.block_on(async {
+        let (stops_tx, stops) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(stop_signals(stops_tx));
+        forkless_server::run(cfg, reload, stops).await
+    })?;
     Ok(())
 }
 
@@ -148,24 +152,34 @@ pub fn init_logging(json: bool) {
     }
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Sends one message on `stops` for each SIGTERM or Ctrl-C (SIGINT): the
+/// first starts the node's shutdown, a second cuts its leaderships'
+/// handover short (`forkless_server::run`).
+async fn stop_signals(stops: tokio::sync::mpsc::Sender<()>) {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!("could not take SIGTERM and SIGINT: the node stops only when killed");
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
             }
-            Err(_) => std::future::pending::<()>().await,
+            if stops.send(()).await.is_err() {
+                return;
+            }
         }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = term => {},
     }
-    tracing::info!("shutting down: finishing requests in flight");
+    #[cfg(not(unix))]
+    loop {
+        if tokio::signal::ctrl_c().await.is_err() || stops.send(()).await.is_err() {
+            return;
+        }
+    }
 }

@@ -13,7 +13,13 @@
 //!     --test failover_bench -- --ignored --nocapture
 //! ```
 //!
-//! (`FORKLESS_BENCH_RAFT=50,200,400` tries other `[raft]` timers.)
+//! (`FORKLESS_BENCH_RAFT=50,200,400` tries other `[raft]` timers;
+//! `FORKLESS_BENCH_STOP=term` stops the leader with SIGTERM instead, as a
+//! rolling restart does: it hands its shards' leadership over first.)
+//!
+//! Also measured for each stop: the longest time an affected shard went
+//! without an acknowledged write from the stop on (a write in flight may
+//! be acknowledged just after a SIGTERM, before the node goes).
 
 use forkless_it::workload::{writer, Outcome, Shared};
 use forkless_it::*;
@@ -61,6 +67,7 @@ fn failover_after_a_leader_is_killed() {
         assert_eq!(n.len(), 3, "FORKLESS_BENCH_RAFT=heartbeat,min,max");
         (n[0], n[1], n[2])
     });
+    let on_purpose = std::env::var("FORKLESS_BENCH_STOP").is_ok_and(|v| v == "term");
     let mut cl = Cluster::prepare_replicated(NODES, SHARDS, 3, PeerTiming::default());
     cl.raft_timing = timing;
     let ids: Vec<u16> = (1..=NODES).collect();
@@ -80,7 +87,7 @@ fn failover_after_a_leader_is_killed() {
             (s, v["execution_id"].as_str().expect("id").to_string())
         })
         .collect();
-    let (mut detect, mut elect, mut first_ack) = (vec![], vec![], vec![]);
+    let (mut detect, mut elect, mut first_ack, mut gaps) = (vec![], vec![], vec![], vec![]);
     for round in 0..ROUNDS {
         let leaders = cl.wait_leaders_known(1, &[]);
         let victim = leaders[0].0;
@@ -105,7 +112,14 @@ fn failover_after_a_leader_is_killed() {
             shared.iter().all(|s| s.acks() >= 20).then_some(())
         });
         let killed = Instant::now();
-        cl.kill9(victim);
+        let mut stopping = None;
+        if on_purpose {
+            let p = cl.node_mut(victim).proc.take().expect("the leader runs");
+            p.sigterm();
+            stopping = Some(p);
+        } else {
+            cl.kill9(victim);
+        }
         let (mut detected, mut elected) = (None, None);
         while elected.is_none() && killed.elapsed() < Duration::from_secs(10) {
             for n in &survivors {
@@ -120,13 +134,27 @@ fn failover_after_a_leader_is_killed() {
             }
             std::thread::sleep(Duration::from_millis(2));
         }
+        let gone = match stopping.as_mut() {
+            Some(p) => {
+                let exit = p.wait_exit(Duration::from_secs(10));
+                assert!(
+                    exit.is_some_and(|e| e.success()),
+                    "SIGTERM: {exit:?}; its log's end:\n{}",
+                    last_lines(&strip_ansi(&p.log()), 60)
+                );
+                Instant::now()
+            }
+            None => killed,
+        };
         wait_until("writes after the kill", Duration::from_secs(10), || {
             shared
                 .iter()
                 .all(|s| {
-                    s.log.lock().expect("log").iter().any(|b| {
-                        matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > killed
-                    })
+                    s.log
+                        .lock()
+                        .expect("log")
+                        .iter()
+                        .any(|b| matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > gone)
                 })
                 .then_some(())
         });
@@ -138,11 +166,31 @@ fn failover_after_a_leader_is_killed() {
                 .expect("writer")
                 .expect("the API kept its promises");
         }
-        let acked = shared
+        let logs: Vec<_> = shared.iter().map(Shared::take).collect();
+        let gap = logs
             .iter()
-            .map(|s| {
-                s.take()
+            .map(|log| {
+                let mut at: Vec<Instant> = log
                     .iter()
+                    .filter(|b| {
+                        matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > killed
+                    })
+                    .map(|b| b.answered_at)
+                    .collect();
+                at.sort();
+                std::iter::once(killed)
+                    .chain(at.iter().copied())
+                    .zip(at.iter().copied())
+                    .map(|(a, b)| b.duration_since(a))
+                    .max()
+                    .unwrap_or_default()
+            })
+            .max()
+            .expect("an affected shard");
+        let acked = logs
+            .iter()
+            .map(|log| {
+                log.iter()
                     .filter(|b| {
                         matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > killed
                     })
@@ -154,22 +202,52 @@ fn failover_after_a_leader_is_killed() {
             .expect("an affected shard");
         let (d, e) = (detected.expect("detected"), elected.expect("elected"));
         eprintln!(
-            "round {round}: node {victim} (shards {affected:?}): detected {d:?}, elected {e:?}, every affected shard acknowledging {acked:?}"
+            "round {round}: node {victim} (shards {affected:?}): detected {d:?}, elected {e:?}, every affected shard acknowledging {acked:?}, longest without an ack {gap:?}"
         );
+        gaps.push(gap);
+        let not_acked: Vec<_> = logs
+            .iter()
+            .flatten()
+            .filter(|b| !matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > killed)
+            .map(|b| {
+                format!(
+                    "{:?} {:?} after {:?}: {}",
+                    b.outcome,
+                    b.status,
+                    b.answered_at.duration_since(killed),
+                    b.error
+                )
+            })
+            .collect();
+        if !not_acked.is_empty() {
+            eprintln!("  not acknowledged: {not_acked:?}");
+        }
         detect.push(d);
         elect.push(e);
         first_ack.push(acked);
         cl.spawn(victim, &cl.node(victim).config.clone());
         cl.wait_ready(victim);
         cl.wait_leaders_known(victim, &[]);
+        // As a rolling restart does: the node back has caught up before
+        // the next one goes.
+        cl.wait_replicas_level();
     }
     eprintln!(
-        "failover over {ROUNDS} kills: detection p50 {:?} max {:?}; election p50 {:?} max {:?}; first acknowledged write p50 {:?} max {:?}",
+        "failover over {ROUNDS} {}: detection p50 {:?} max {:?}; election p50 {:?} max {:?}; first acknowledged write p50 {:?} max {:?}; longest without an acknowledged write p50 {:?} max {:?}",
+        if on_purpose { "SIGTERMs" } else { "kills" },
         pct(&mut detect, 0.5),
         pct(&mut detect, 1.0),
         pct(&mut elect, 0.5),
         pct(&mut elect, 1.0),
         pct(&mut first_ack, 0.5),
         pct(&mut first_ack, 1.0),
+        pct(&mut gaps, 0.5),
+        pct(&mut gaps, 1.0),
     );
+}
+
+/// The last `n` lines of a node's log that are its own (not openraft's).
+fn last_lines(log: &str, n: usize) -> String {
+    let own: Vec<&str> = log.lines().filter(|l| !l.contains("openraft")).collect();
+    own[own.len().saturating_sub(n)..].join("\n")
 }

@@ -64,26 +64,26 @@ pub const TRANSFER_LAG_MAX: u64 = 16;
 /// the shard an election's time of refused writes).
 pub const HEARD_WITHIN_BEATS: u32 = 3;
 
-/// What this node knows of its link to a shard's preferred replica.
+/// What this node knows of its link to another replica of a shard.
 #[derive(Debug, Clone, Copy)]
-struct Link {
+pub struct Link {
     /// It answered this node's heartbeat within the window.
-    node_heard_lately: bool,
+    pub node_heard_lately: bool,
     /// This node's connection to it broke, or could not be made, since.
-    down: bool,
+    pub down: bool,
     /// Its last answer to this node's heartbeat, within the window, said
     /// it could not take the shard's leadership: it holds no replica of
     /// it, or a new one (its data directory was) that has not caught up,
     /// which refuses a handover (`forkless_store` `fresh`). The leader's
     /// view of it may be level then: from before its disk was lost.
-    cannot_lead: bool,
+    pub cannot_lead: bool,
     /// The node heartbeat runs (`RaftTiming::quiesce`): then only a
     /// replica whose node answered it within the window (and did not say
     /// it cannot lead) is handed a shard. Its group's answers alone do
     /// not do: a new replica's first answers to a leader it told come
     /// before its node's first answer to a beat, while the leader still
     /// takes it for level (a test saw a handover 17 ms after the word).
-    beats: bool,
+    pub beats: bool,
 }
 
 /// Whether the shard's leadership, as its leader's status `s` shows it,
@@ -350,6 +350,192 @@ pub async fn run(
     }
 }
 
+/// How long a node shutting down waits for the shards it led to be led
+/// by another replica before it stops anyway ([`drain`]). A handover
+/// takes a round trip and the new leader's election round when it goes
+/// well; the bound is for one that does not (a replica that died just
+/// then: its shard then elects once the others' timers run out, as
+/// after a crash).
+pub const DRAIN_WITHIN: Duration = TAKES_WITHIN;
+
+/// The voter a leader that is shutting down hands shard `shard`'s
+/// leadership to ([`drain`]): one whose link is up and that answered
+/// lately (its group, or its node's heartbeat when the beats run, which
+/// must then not say that it cannot lead the shard). Of those, the ones
+/// nearly level ([`TRANSFER_LAG_MAX`]) take turns by shard id, so that a
+/// node leading many shards spreads them over the others; with none
+/// level, the one that matched the most (ties: the lowest id). `None`
+/// when no replica can take it: the shard elects once the node is gone,
+/// as after a crash.
+pub fn hand_off_to(
+    s: &forkless_store::RaftStatus,
+    shard: u32,
+    heard_within: Duration,
+    link: impl Fn(u64) -> Link,
+) -> Option<u64> {
+    let last = s.last_log_index.unwrap_or(0);
+    let matched = |v: u64| {
+        s.matched
+            .iter()
+            .find(|(id, _)| *id == v)
+            .and_then(|(_, m)| *m)
+    };
+    let mut able: Vec<u64> = s
+        .voters
+        .iter()
+        .copied()
+        .filter(|v| *v != s.me)
+        .filter(|v| {
+            let l = link(*v);
+            let group_heard = s.heard_ms_ago.iter().any(|(id, ago)| {
+                id == v && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
+            });
+            let alive = if l.beats {
+                l.node_heard_lately && !l.cannot_lead
+            } else {
+                group_heard || l.node_heard_lately
+            };
+            alive && !l.down
+        })
+        .collect();
+    able.sort_unstable();
+    let level: Vec<u64> = able
+        .iter()
+        .copied()
+        .filter(|v| matched(*v).is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX))
+        .collect();
+    if !level.is_empty() {
+        return Some(level[shard as usize % level.len()]);
+    }
+    able.into_iter()
+        .max_by(|a, b| matched(*a).cmp(&matched(*b)).then(b.cmp(a)))
+}
+
+/// What [`drain`] did with the shards this node led.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Drained {
+    /// Shards another replica leads now.
+    pub handed: usize,
+    /// Shards handed over that no other replica took within the bound
+    /// (or whose handover could not be asked).
+    pub not_taken: usize,
+    /// Shards with no replica to hand them to (the others down or not
+    /// heard lately).
+    pub no_replica: usize,
+}
+
+/// On a node shutting down, once its replicas take no leadership
+/// ([`forkless_store::Replication::draining`]): hands the leadership of
+/// every shard of `shards` this node leads to another replica
+/// ([`hand_off_to`]), all at once, and waits at most `within` for each
+/// to be led at a later term and for the entries this node proposed while
+/// it led to be applied here (their writes are then answered). A shard
+/// handed over stops taking writes
+/// here (they are refused as not executed, and routed again to the new
+/// leader) for the moment the handover takes, instead of for the
+/// election its followers would hold once this node is gone.
+pub async fn drain(
+    shards: Vec<Arc<forkless_store::ShardStore>>,
+    heard: Arc<crate::quiesce::PeersHeard>,
+    peers: &dyn forkless_store::Peers,
+    timing: forkless_store::RaftTiming,
+    within: Duration,
+) -> Drained {
+    let started = tokio::time::Instant::now();
+    let until = started + within;
+    let beat = Duration::from_millis(timing.heartbeat_ms.max(1));
+    let heard_within = beat * HEARD_WITHIN_BEATS;
+    let mut done = Drained::default();
+    let mut handing = tokio::task::JoinSet::new();
+    for st in shards {
+        let Some(s) = st.raft_status() else { continue };
+        if s.state != "leader" || s.leader != Some(s.me) {
+            continue;
+        }
+        let shard = st.id().get();
+        let to = hand_off_to(&s, shard, heard_within, |v| Link {
+            node_heard_lately: heard.within(v, heard_within),
+            down: peers.link_down(v),
+            cannot_lead: heard.cannot_lead(v, shard, heard_within),
+            beats: timing.quiesce,
+        });
+        let Some(to) = to else {
+            tracing::warn!(
+                shard,
+                term = s.term,
+                "shutting down: no other replica of the shard answered lately; it elects a leader once this node is gone"
+            );
+            done.no_replica += 1;
+            continue;
+        };
+        tracing::info!(
+            shard,
+            term = s.term,
+            to,
+            "shutting down: handing the shard's leadership over"
+        );
+        let heard = heard.clone();
+        handing.spawn(async move {
+            if let Err(e) = st.transfer_leader(to).await {
+                tracing::warn!(shard, to, error = %e, "shutting down: handing the shard's leadership over failed");
+                return false;
+            }
+            let left = until.saturating_duration_since(tokio::time::Instant::now());
+            // A replica whose node says, since the handover began, that
+            // it cannot lead the shard (it is shutting down too: a whole
+            // cluster stopped at once) refused it: not waited for.
+            let refused = async {
+                loop {
+                    tokio::time::sleep(beat).await;
+                    if heard.cannot_lead(to, shard, started.elapsed()) {
+                        return;
+                    }
+                }
+            };
+            let led = tokio::select! {
+                l = st.leader_after(s.term, left) => l,
+                () = refused => {
+                    tracing::info!(shard, to, "shutting down: the replica handed the shard's leadership refused it (its node is shutting down too)");
+                    return false;
+                }
+            };
+            match led {
+                Some(l) if l.leader != Some(s.me) => {
+                    tracing::info!(shard, term = l.term, leader = ?l.leader, "shutting down: the shard is led by another replica");
+                    // The writes this node proposed while it led wait for
+                    // their entries, which the new leader commits: once
+                    // they are applied here, they are answered.
+                    let left = until.saturating_duration_since(tokio::time::Instant::now());
+                    if !st.applied_through(s.last_log_index, left).await {
+                        tracing::warn!(
+                            shard,
+                            last_log_index = ?s.last_log_index,
+                            "shutting down: the entries this node proposed as the shard's leader were not applied here in time; their writes are answered when they are, or as unknown"
+                        );
+                    }
+                    true
+                }
+                _ => {
+                    tracing::warn!(
+                        shard,
+                        to,
+                        within_ms = within.as_millis() as u64,
+                        "shutting down: no other replica took the shard's leadership in time; it elects a leader once this node is gone"
+                    );
+                    false
+                }
+            }
+        });
+    }
+    while let Some(r) = handing.join_next().await {
+        match r {
+            Ok(true) => done.handed += 1,
+            _ => done.not_taken += 1,
+        }
+    }
+    done
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -564,5 +750,65 @@ mod tests {
         assert_eq!(wait(3), TRANSFER_BACKOFF * 4);
         assert_eq!(wait(5), TRANSFER_BACKOFF_MAX);
         assert_eq!(wait(40), TRANSFER_BACKOFF_MAX);
+    }
+
+    #[test]
+    fn a_leader_shutting_down_hands_each_shard_to_a_level_replica_in_turn() {
+        let within = Duration::from_millis(150);
+        let up = |_| Link {
+            node_heard_lately: true,
+            down: false,
+            cannot_lead: false,
+            beats: true,
+        };
+        // Leader 3; voters 1 and 2 both level: shards take turns.
+        let both = leader_of(100, 1, 99, 10);
+        assert_eq!(hand_off_to(&both, 0, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 1, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 2, within, up), Some(1));
+        // Replica 1 far behind: the level one, whatever the shard.
+        let behind = leader_of(100, 1, 10, 10);
+        assert_eq!(hand_off_to(&behind, 0, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 1, within, up), Some(2));
+        // Replica 2's node shutting down too (it says it cannot lead),
+        // its link down, or not heard lately: replica 1, level or not.
+        let not_2 = |say: Link| {
+            move |v| {
+                if v == 2 {
+                    say
+                } else {
+                    up(v)
+                }
+            }
+        };
+        let mut refuses = up(2);
+        refuses.cannot_lead = true;
+        assert_eq!(hand_off_to(&behind, 1, within, not_2(refuses)), Some(1));
+        let mut down = up(2);
+        down.down = true;
+        assert_eq!(hand_off_to(&behind, 1, within, not_2(down)), Some(1));
+        let mut silent = up(2);
+        silent.node_heard_lately = false;
+        assert_eq!(hand_off_to(&behind, 1, within, not_2(silent)), Some(1));
+        // With the beats off, the group's own answers count.
+        let no_beats = |_| Link {
+            node_heard_lately: false,
+            down: false,
+            cannot_lead: false,
+            beats: false,
+        };
+        // Replica 1 answered 10 ms ago, replica 2 just now.
+        assert_eq!(hand_off_to(&behind, 0, within, no_beats), Some(2));
+        let unheard = leader_of(100, 1, 100, 400);
+        let only_2 = hand_off_to(&unheard, 0, within, no_beats);
+        assert_eq!(only_2, Some(2));
+        // No one to take it.
+        let nobody = |_| Link {
+            node_heard_lately: false,
+            down: true,
+            cannot_lead: false,
+            beats: true,
+        };
+        assert_eq!(hand_off_to(&both, 0, within, nobody), None);
     }
 }

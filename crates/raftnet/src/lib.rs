@@ -909,7 +909,7 @@ async fn serve_connection(
                         .led
                         .iter()
                         .copied()
-                        .filter(|s| groups(*s).is_none_or(|st| st.is_fresh()))
+                        .filter(|s| groups(*s).is_none_or(|st| !st.takes_leadership()))
                         .collect();
                     Ok(RpcReply::Beat { cannot_lead, wake })
                 }

@@ -161,6 +161,7 @@ async fn cluster_of(
             peers: peers.clone(),
             timing: forkless_store::RaftTiming::default(),
             log,
+            draining: Default::default(),
         };
         let path = dir.join(id.to_string());
         let opened = path.clone();

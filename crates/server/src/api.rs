@@ -2281,9 +2281,16 @@ async fn cluster_reload(State(app): AppState, body: Body) -> Response {
 }
 
 /// Ready once started; a node with shards out of service still serves
-/// the others, so it stays ready and says which are failed and why.
+/// the others, so it stays ready and says which are failed and why. Not
+/// ready once it is shutting down (it still answers what it is sent while
+/// it hands its leaderships over and finishes the requests in flight).
 async fn readyz(State(app): AppState) -> Response {
-    if app.ready.load(Ordering::Acquire) {
+    if *app.stopping.borrow() {
+        json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &json!({"status": "stopping"}),
+        )
+    } else if app.ready.load(Ordering::Acquire) {
         let failed: Vec<_> = app
             .store
             .failures()

@@ -445,6 +445,7 @@ fn store_replication(
         timing: r.timing,
         log,
         peers: Arc::new(links.clone()),
+        draining: Default::default(),
     };
     Ok((replication, links))
 }
@@ -561,12 +562,18 @@ async fn follow_leader(
     }
 }
 
-/// Runs the node until `shutdown` resolves: the client listener, the peer
-/// listener (if distinct) and the peer prober.
+/// Runs the node until it is asked to stop: the client listener, the
+/// peer listener (if distinct) and the peer prober. Each message on
+/// `stops` is one such request (SIGTERM or Ctrl-C). At the first, the node
+/// stops being ready and a replicated node hands the leadership of the
+/// shards it leads to other replicas, waiting at most
+/// [`forkless_raftnet::balance::DRAIN_WITHIN`] (a second request ends the
+/// wait); then it stops taking connections and finishes the requests in
+/// flight. The channel closed counts as no request.
 pub async fn run(
     cfg: ServerConfig,
     reload: Option<reload::Reload>,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    mut stops: tokio::sync::mpsc::Receiver<()>,
 ) -> Result<(), StartupError> {
     // First of all: SIGHUP's default action ends the process, and a
     // service manager's `reload` may send it while the node starts (the
@@ -610,12 +617,16 @@ pub async fn run(
         None => None,
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let app_stop = app.clone();
-    tokio::spawn(async move {
-        shutdown.await;
-        let _ = stop_tx.send(true);
-        app_stop.stopping.send_replace(true);
-    });
+    // Turns true once the listeners have stopped and every request in
+    // flight was answered: the Raft transport and the node heartbeat run
+    // until then, so a write this node proposed while it led (its entry
+    // committed by the leader it handed the shard to) hears that it was
+    // applied, instead of waiting out its write timeout.
+    let (raft_stop_tx, raft_stop_rx) = tokio::sync::watch::channel(false);
+    // Turns true as the node starts shutting down, before it stops: what
+    // must not outlive the leaderships' handover (the leader balancer).
+    let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
+    let mut drain: Option<Drain> = None;
     let service = api::service(app.clone());
     let mut tasks = Vec::new();
     for (listener, which) in std::iter::once((api_listener, Listener::Api))
@@ -686,9 +697,9 @@ pub async fn run(
             groups,
             join,
             admit,
-            stop_rx.clone(),
+            raft_stop_rx.clone(),
         ));
-        tokio::spawn(follow_leaders(app.clone(), stop_rx.clone()));
+        tokio::spawn(follow_leaders(app.clone(), raft_stop_rx.clone()));
         if let (Some(rep), Some(links)) = (&app.replication, app.links.clone()) {
             // Asked every beat: a node a reload added is beaten from then on.
             let peer_ids: forkless_raftnet::quiesce::PeerIds = Arc::new(move || links.peer_ids());
@@ -707,8 +718,13 @@ pub async fn run(
                 shards.clone(),
                 rep.timing,
                 heard.clone(),
-                stop_rx.clone(),
+                raft_stop_rx.clone(),
             ));
+            drain = Some(Drain {
+                shards: shards.clone(),
+                heard: heard.clone(),
+                rep: rep.clone(),
+            });
             {
                 // A shard's preferred leader is the first replica its
                 // placement names (spread evenly over the nodes), or the
@@ -724,10 +740,37 @@ pub async fn run(
                     heard,
                     rep.peers.clone(),
                     rep.timing,
-                    stop_rx.clone(),
+                    draining_rx.clone(),
                 ));
             }
         }
+    }
+    {
+        let app = app.clone();
+        tokio::spawn(async move {
+            if stops.recv().await.is_none() {
+                return;
+            }
+            app.stopping.send_replace(true);
+            let _ = draining_tx.send(true);
+            if let Some(d) = drain {
+                // A second request to stop ends the wait; the channel
+                // closed does not.
+                let again = async {
+                    if stops.recv().await.is_none() {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                tokio::select! {
+                    () = d.run() => {}
+                    () = again => tracing::warn!(
+                        "asked again to stop: stopping without waiting for the leaderships' handover"
+                    ),
+                }
+            }
+            tracing::info!("shutting down: finishing requests in flight");
+            let _ = stop_tx.send(true);
+        });
     }
     #[cfg(unix)]
     if let Some(hangups) = hangups {
@@ -752,8 +795,47 @@ pub async fn run(
             tracing::error!(error = %e, "listener task failed");
         }
     }
+    let _ = raft_stop_tx.send(true);
     tracing::info!("forkless node stopped");
     Ok(())
+}
+
+/// What a replicated node needs to hand its leaderships over as it shuts
+/// down.
+struct Drain {
+    shards: forkless_raftnet::Hosted,
+    heard: Arc<forkless_raftnet::quiesce::PeersHeard>,
+    rep: forkless_store::Replication,
+}
+
+impl Drain {
+    /// Its replicas take no leadership from now on, and every shard it
+    /// leads is handed to another replica (`forkless_raftnet::balance::drain`).
+    async fn run(self) {
+        self.rep.draining.store(true, Ordering::Release);
+        let shards = (self.shards)();
+        let within = forkless_raftnet::balance::DRAIN_WITHIN;
+        tracing::info!(
+            within_ms = within.as_millis() as u64,
+            "shutting down: handing the leadership of the shards this node leads to other replicas (stop again to skip)"
+        );
+        let started = std::time::Instant::now();
+        let done = forkless_raftnet::balance::drain(
+            shards,
+            self.heard,
+            self.rep.peers.as_ref(),
+            self.rep.timing,
+            within,
+        )
+        .await;
+        tracing::info!(
+            handed = done.handed,
+            not_taken = done.not_taken,
+            no_replica = done.no_replica,
+            took_ms = started.elapsed().as_millis() as u64,
+            "shutting down: leaderships handed over"
+        );
+    }
 }
 
 /// Accepts connections until `stop`, then waits for every connection it

@@ -863,6 +863,7 @@ pub(crate) fn start_alone(
         released: Mutex::new(on_release),
         stopped,
         closing,
+        draining: None,
     })
 }
 
@@ -899,11 +900,18 @@ pub(crate) fn start_replicated(
         let _ = held.fresh.set(careful());
     }
     let campaigner = Arc::downgrade(&replica);
+    let draining = rep.draining.clone();
     let network = crate::raft_net::PeerNetwork {
         me,
         group: shard.get(),
         peers: rep.peers.clone(),
         campaign: Arc::new(move |last| {
+            if draining.load(std::sync::atomic::Ordering::Acquire) {
+                return Some(format!(
+                    "node {me} is shutting down: its replica of group {} does not stand for election",
+                    shard.get()
+                ));
+            }
             campaigner
                 .upgrade()
                 .and_then(|r| r.fresh.get().and_then(|f| f.refuses_campaign(last)))
@@ -960,6 +968,7 @@ pub(crate) fn start_replicated(
         released: Mutex::new(on_release),
         stopped,
         closing,
+        draining: Some(rep.draining.clone()),
     })
 }
 
@@ -993,6 +1002,9 @@ pub(crate) struct Group {
     stopped: Arc<std::sync::OnceLock<String>>,
     /// Set as the group is shut down on purpose, which is no stop.
     closing: Arc<std::sync::atomic::AtomicBool>,
+    /// The node's shutdown flag ([`crate::Replication::draining`]); `None`
+    /// for a group this node runs alone.
+    pub(crate) draining: Option<Arc<std::sync::atomic::AtomicBool>>,
 }
 
 /// Counts of the AppendEntries carrying entries that a replica took.
@@ -1314,6 +1326,18 @@ pub(crate) async fn handle(
         return answer;
     }
     group.fresh_caught_up();
+    if let crate::raft_net::Rpc::TransferLeader(r) = &rpc {
+        if group.is_draining() && *r.to_node_id() == group.me() {
+            // Costs the group an election's time of refused writes; the
+            // leaders' balancers ask the node first (`Beat::led`), and it
+            // answers that it cannot lead.
+            tracing::warn!(
+                shard = group.replica.group,
+                "refused a leadership handover: this node is shutting down"
+            );
+            return Err("this node is shutting down: it does not take the leadership".into());
+        }
+    }
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
         match &rpc {
             crate::raft_net::Rpc::Snapshot(c) => {
@@ -1473,6 +1497,20 @@ impl Group {
 
     fn voters(&self) -> usize {
         voters(&self.raft)
+    }
+
+    /// This replica's id in its group.
+    pub(crate) fn me(&self) -> u64 {
+        use openraft::async_runtime::WatchReceiver;
+        self.raft.metrics().borrow_watched().id
+    }
+
+    /// Whether this node is shutting down and takes no leadership
+    /// ([`crate::Replication::draining`]).
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining
+            .as_ref()
+            .is_some_and(|d| d.load(std::sync::atomic::Ordering::Acquire))
     }
 
     /// Whether this replica's data directory is new and it has not caught

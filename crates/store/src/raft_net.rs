@@ -228,6 +228,12 @@ pub struct Replication {
     pub peers: Arc<dyn Peers>,
     pub timing: RaftTiming,
     pub log: RaftLogLimits,
+    /// Set once this node shuts down and hands its leaderships away
+    /// (`forkless_raftnet::balance::drain`): from then on none of its
+    /// replicas takes a leadership. It stands for no election, refuses a
+    /// handover to itself, and answers its peers' heartbeats that it
+    /// cannot lead (so their balancers hand nothing back to it).
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// How much of its log a replicated group keeps in memory: it snapshots

@@ -1018,6 +1018,33 @@ impl ShardStore {
             .is_some_and(|g| g.is_fresh())
     }
 
+    /// Waits at most `within` until this replica has applied its log
+    /// through `index`; says whether it has. On a node that handed its
+    /// leadership over: the entries it proposed while it led are committed
+    /// by the new leader, and its writes waiting on them are answered once
+    /// they are applied here. `None` index: nothing to wait for.
+    pub async fn applied_through(&self, index: Option<u64>, within: std::time::Duration) -> bool {
+        let (Some(g), Some(index)) = (self.raft.as_ref(), index) else {
+            return true;
+        };
+        g.raft
+            .wait(Some(within))
+            .applied_index_at_least(Some(index), "the entries proposed while it led")
+            .await
+            .is_ok()
+    }
+
+    /// Whether this replica may be handed its group's leadership: not
+    /// while it is new and has not caught up, nor once its node is
+    /// shutting down ([`crate::Replication::draining`]). A node answers
+    /// its peers' heartbeats with the shards it cannot lead.
+    pub fn takes_leadership(&self) -> bool {
+        self.raft
+            .as_ref()
+            .filter(|g| g.replicated)
+            .is_none_or(|g| !g.is_fresh() && !g.is_draining())
+    }
+
     /// An operator's override for a group that cannot elect: this replica,
     /// new (its data directory was) and not caught up, is trusted as
     /// caught up from now on, durably, and votes and stands as any
