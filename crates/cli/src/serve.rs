@@ -125,11 +125,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         rt.worker_threads(n);
     }
     let rt = rt.enable_all().build().context("starting the runtime")?;
-    rt.block_on(async {
+    // SIGTERM and Ctrl-C keep their default action (the process ends)
+    // until the node serves; from then on they stop it in order.
+    rt.block_on(forkless_server::run(cfg, reload, || {
         let (stops_tx, stops) = tokio::sync::mpsc::channel(4);
         tokio::spawn(stop_signals(stops_tx));
-        forkless_server::run(cfg, reload, stops).await
-    })?;
+        stops
+    }))?;
     Ok(())
 }
 
@@ -152,34 +154,55 @@ pub fn init_logging(json: bool) {
     }
 }
 
-/// Sends one message on `stops` for each SIGTERM or Ctrl-C (SIGINT): the
-/// first starts the node's shutdown, a second cuts its leaderships'
-/// handover short (`forkless_server::run`).
-async fn stop_signals(stops: tokio::sync::mpsc::Sender<()>) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!("could not take SIGTERM and SIGINT: the node stops only when killed");
-            return;
-        };
+/// Takes SIGTERM and Ctrl-C (SIGINT) now, and returns what sends one
+/// message on `stops` for each: the first starts the node's shutdown, a
+/// second cuts its leaderships' handover short (`forkless_server::run`).
+/// A signal that cannot be taken is said once and keeps its default
+/// action.
+#[cfg(unix)]
+fn stop_signals(
+    stops: tokio::sync::mpsc::Sender<()>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    use tokio::signal::unix::{signal, Signal, SignalKind};
+    let take = |kind: SignalKind, name: &str| match signal(kind) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::error!(signal = name, error = %e, "could not take the signal: it keeps its default action");
+            None
+        }
+    };
+    let mut term = take(SignalKind::terminate(), "SIGTERM");
+    let mut int = take(SignalKind::interrupt(), "SIGINT");
+    async fn next(s: &mut Option<Signal>) {
+        if let Some(s) = s {
+            if s.recv().await.is_some() {
+                return;
+            }
+        }
+        std::future::pending::<()>().await;
+    }
+    async move {
         loop {
             tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+                () = next(&mut term) => {}
+                () = next(&mut int) => {}
             }
             if stops.send(()).await.is_err() {
                 return;
             }
         }
     }
-    #[cfg(not(unix))]
-    loop {
-        if tokio::signal::ctrl_c().await.is_err() || stops.send(()).await.is_err() {
-            return;
+}
+
+#[cfg(not(unix))]
+fn stop_signals(
+    stops: tokio::sync::mpsc::Sender<()>,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    async move {
+        while tokio::signal::ctrl_c().await.is_ok() {
+            if stops.send(()).await.is_err() {
+                return;
+            }
         }
     }
 }

@@ -284,8 +284,16 @@ pub async fn run(
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
                 continue;
             }
+            // Only an answer to a beat sent since this node led the shard
+            // says whether `want` can lead it (a beat's answer speaks of
+            // the shards the beat said its sender leads): a node shutting
+            // down, just handed the shard by `drain`, said nothing of it
+            // before, and would refuse it back.
+            let answered_since_led = leading
+                .get(&shard)
+                .is_none_or(|(_, since)| heard.answered_since(want, *since));
             let up = Link {
-                node_heard_lately: heard.within(want, heard_within),
+                node_heard_lately: heard.within(want, heard_within) && answered_since_led,
                 down: peers.link_down(want),
                 cannot_lead: heard.cannot_lead(want, shard, heard_within),
                 beats: timing.quiesce,
@@ -362,14 +370,16 @@ pub const DRAIN_WITHIN: Duration = TAKES_WITHIN;
 /// leadership to ([`drain`]): one whose link is up and that answered
 /// lately (its group, or its node's heartbeat when the beats run, which
 /// must then not say that it cannot lead the shard). Of those, the ones
-/// nearly level ([`TRANSFER_LAG_MAX`]) take turns by shard id, so that a
-/// node leading many shards spreads them over the others; with none
-/// level, the one that matched the most (ties: the lowest id). `None`
-/// when no replica can take it: the shard elects once the node is gone,
-/// as after a crash.
+/// nearly level ([`TRANSFER_LAG_MAX`]): the shard's `preferred` replica
+/// ([`preferred_replica`]) if it is one (its balancer would move the
+/// shard there anyway), else they take turns by shard id, so that a node
+/// leading many shards spreads them over the others; with none level, the
+/// one that matched the most (ties: the lowest id). `None` when no replica
+/// can take it: the shard elects once the node is gone, as after a crash.
 pub fn hand_off_to(
     s: &forkless_store::RaftStatus,
     shard: u32,
+    preferred: u64,
     heard_within: Duration,
     link: impl Fn(u64) -> Link,
 ) -> Option<u64> {
@@ -404,6 +414,9 @@ pub fn hand_off_to(
         .copied()
         .filter(|v| matched(*v).is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX))
         .collect();
+    if level.contains(&preferred) {
+        return Some(preferred);
+    }
     if !level.is_empty() {
         return Some(level[shard as usize % level.len()]);
     }
@@ -436,6 +449,7 @@ pub struct Drained {
 /// election its followers would hold once this node is gone.
 pub async fn drain(
     shards: Vec<Arc<forkless_store::ShardStore>>,
+    placed: &(dyn Fn(ShardId) -> Vec<u64> + Send + Sync),
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: &dyn forkless_store::Peers,
     timing: forkless_store::RaftTiming,
@@ -453,7 +467,12 @@ pub async fn drain(
             continue;
         }
         let shard = st.id().get();
-        let to = hand_off_to(&s, shard, heard_within, |v| Link {
+        if s.voters.iter().all(|v| *v == s.me) {
+            // A group of one: no other replica, nothing to hand over.
+            continue;
+        }
+        let preferred = preferred_replica(st.id(), &placed(st.id()), &s.voters);
+        let to = hand_off_to(&s, shard, preferred, heard_within, |v| Link {
             node_heard_lately: heard.within(v, heard_within),
             down: peers.link_down(v),
             cannot_lead: heard.cannot_lead(v, shard, heard_within),
@@ -492,6 +511,9 @@ pub async fn drain(
                     }
                 }
             };
+            // What it proposed up to the handover (openraft refuses its
+            // writes from the handover on).
+            let last = st.raft_status().and_then(|now| now.last_log_index);
             let led = tokio::select! {
                 l = st.leader_after(s.term, left) => l,
                 () = refused => {
@@ -500,16 +522,18 @@ pub async fn drain(
                 }
             };
             match led {
-                Some(l) if l.leader != Some(s.me) => {
+                // (On a timeout `leader_after` says where the group stands:
+                // a later term with no leader yet is not a handover.)
+                Some(l) if l.term > s.term && l.leader.is_some_and(|x| x != s.me) => {
                     tracing::info!(shard, term = l.term, leader = ?l.leader, "shutting down: the shard is led by another replica");
                     // The writes this node proposed while it led wait for
                     // their entries, which the new leader commits: once
                     // they are applied here, they are answered.
                     let left = until.saturating_duration_since(tokio::time::Instant::now());
-                    if !st.applied_through(s.last_log_index, left).await {
+                    if !st.applied_through(last, left).await {
                         tracing::warn!(
                             shard,
-                            last_log_index = ?s.last_log_index,
+                            last_log_index = ?last,
                             "shutting down: the entries this node proposed as the shard's leader were not applied here in time; their writes are answered when they are, or as unknown"
                         );
                     }
@@ -755,6 +779,8 @@ mod tests {
     #[test]
     fn a_leader_shutting_down_hands_each_shard_to_a_level_replica_in_turn() {
         let within = Duration::from_millis(150);
+        // The leader itself: no preferred replica to pick among the others.
+        const NONE: u64 = 3;
         let up = |_| Link {
             node_heard_lately: true,
             down: false,
@@ -763,13 +789,17 @@ mod tests {
         };
         // Leader 3; voters 1 and 2 both level: shards take turns.
         let both = leader_of(100, 1, 99, 10);
-        assert_eq!(hand_off_to(&both, 0, within, up), Some(1));
-        assert_eq!(hand_off_to(&both, 1, within, up), Some(2));
-        assert_eq!(hand_off_to(&both, 2, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 0, NONE, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 1, NONE, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 2, NONE, within, up), Some(1));
+        // The shard's preferred replica first, when it is level.
+        assert_eq!(hand_off_to(&both, 0, 2, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 1, 1, within, up), Some(1));
         // Replica 1 far behind: the level one, whatever the shard.
         let behind = leader_of(100, 1, 10, 10);
-        assert_eq!(hand_off_to(&behind, 0, within, up), Some(2));
-        assert_eq!(hand_off_to(&behind, 1, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 0, NONE, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 1, NONE, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 1, 1, within, up), Some(2));
         // Replica 2's node shutting down too (it says it cannot lead),
         // its link down, or not heard lately: replica 1, level or not.
         let not_2 = |say: Link| {
@@ -783,13 +813,19 @@ mod tests {
         };
         let mut refuses = up(2);
         refuses.cannot_lead = true;
-        assert_eq!(hand_off_to(&behind, 1, within, not_2(refuses)), Some(1));
+        assert_eq!(
+            hand_off_to(&behind, 1, NONE, within, not_2(refuses)),
+            Some(1)
+        );
         let mut down = up(2);
         down.down = true;
-        assert_eq!(hand_off_to(&behind, 1, within, not_2(down)), Some(1));
+        assert_eq!(hand_off_to(&behind, 1, NONE, within, not_2(down)), Some(1));
         let mut silent = up(2);
         silent.node_heard_lately = false;
-        assert_eq!(hand_off_to(&behind, 1, within, not_2(silent)), Some(1));
+        assert_eq!(
+            hand_off_to(&behind, 1, NONE, within, not_2(silent)),
+            Some(1)
+        );
         // With the beats off, the group's own answers count.
         let no_beats = |_| Link {
             node_heard_lately: false,
@@ -797,10 +833,10 @@ mod tests {
             cannot_lead: false,
             beats: false,
         };
-        // Replica 1 answered 10 ms ago, replica 2 just now.
-        assert_eq!(hand_off_to(&behind, 0, within, no_beats), Some(2));
+        // Both answered their group lately; replica 1 is not level.
+        assert_eq!(hand_off_to(&behind, 0, NONE, within, no_beats), Some(2));
         let unheard = leader_of(100, 1, 100, 400);
-        let only_2 = hand_off_to(&unheard, 0, within, no_beats);
+        let only_2 = hand_off_to(&unheard, 0, NONE, within, no_beats);
         assert_eq!(only_2, Some(2));
         // No one to take it.
         let nobody = |_| Link {
@@ -809,6 +845,6 @@ mod tests {
             cannot_lead: false,
             beats: true,
         };
-        assert_eq!(hand_off_to(&both, 0, within, nobody), None);
+        assert_eq!(hand_off_to(&both, 0, NONE, within, nobody), None);
     }
 }

@@ -68,6 +68,15 @@ impl PeersHeard {
             .is_some_and(|(at, _)| at.elapsed() <= within)
     }
 
+    /// Whether `peer`'s last answer came after `since`.
+    pub fn answered_since(&self, peer: u64, since: Instant) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&peer)
+            .is_some_and(|(at, _)| *at > since)
+    }
+
     /// Whether `peer`'s last answer, within `within`, said it could not
     /// take the leadership of `shard` (it held no replica of it, or a new
     /// one not caught up). No answer within it says nothing.

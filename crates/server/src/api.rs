@@ -2285,7 +2285,7 @@ async fn cluster_reload(State(app): AppState, body: Body) -> Response {
 /// ready once it is shutting down (it still answers what it is sent while
 /// it hands its leaderships over and finishes the requests in flight).
 async fn readyz(State(app): AppState) -> Response {
-    if *app.stopping.borrow() {
+    if app.leaving.load(Ordering::Acquire) {
         json_response(
             StatusCode::SERVICE_UNAVAILABLE,
             &json!({"status": "stopping"}),

@@ -50,9 +50,12 @@ pub struct App {
     /// round of peer probes has completed (every peer answered or timed
     /// out), so it knows its peers' liveness and newer epochs.
     pub ready: AtomicBool,
-    /// Turns true when the node starts shutting down: long-polls answer
-    /// with what they have instead of holding the shutdown up.
+    /// Turns true when the node stops taking connections: long-polls
+    /// answer with what they have instead of holding the shutdown up.
     pub stopping: tokio::sync::watch::Sender<bool>,
+    /// Set when the node is asked to stop, before it hands its leaderships
+    /// over: `/readyz` says it is stopping.
+    pub leaving: AtomicBool,
     /// Connections open now on each listener: the client API's, and the
     /// peer address's when it is a listener of its own. Each is bounded by
     /// `limits.connections_max` on its own, so clients that fill their
@@ -257,6 +260,7 @@ impl App {
             in_progress,
             ready: AtomicBool::new(false),
             stopping: tokio::sync::watch::channel(false).0,
+            leaving: AtomicBool::new(false),
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
             replication,
@@ -563,17 +567,20 @@ async fn follow_leader(
 }
 
 /// Runs the node until it is asked to stop: the client listener, the
-/// peer listener (if distinct) and the peer prober. Each message on
-/// `stops` is one such request (SIGTERM or Ctrl-C). At the first, the node
-/// stops being ready and a replicated node hands the leadership of the
-/// shards it leads to other replicas, waiting at most
-/// [`forkless_raftnet::balance::DRAIN_WITHIN`] (a second request ends the
-/// wait); then it stops taking connections and finishes the requests in
-/// flight. The channel closed counts as no request.
+/// peer listener (if distinct) and the peer prober. `stops` is called once
+/// the node serves (a request to stop before then is the caller's to
+/// handle: `forkless serve` leaves SIGTERM's default action until then),
+/// and each message on the channel it returns is one request to stop
+/// (SIGTERM or Ctrl-C). At the first, the node stops being ready and a
+/// replicated node hands the leadership of the shards it leads to other
+/// replicas, waiting at most [`forkless_raftnet::balance::DRAIN_WITHIN`]
+/// (a second request ends the wait); then it stops taking connections and
+/// finishes the requests in flight. The channel closed counts as no
+/// request.
 pub async fn run(
     cfg: ServerConfig,
     reload: Option<reload::Reload>,
-    mut stops: tokio::sync::mpsc::Receiver<()>,
+    stops: impl FnOnce() -> tokio::sync::mpsc::Receiver<()>,
 ) -> Result<(), StartupError> {
     // First of all: SIGHUP's default action ends the process, and a
     // service manager's `reload` may send it while the node starts (the
@@ -720,11 +727,6 @@ pub async fn run(
                 heard.clone(),
                 raft_stop_rx.clone(),
             ));
-            drain = Some(Drain {
-                shards: shards.clone(),
-                heard: heard.clone(),
-                rep: rep.clone(),
-            });
             {
                 // A shard's preferred leader is the first replica its
                 // placement names (spread evenly over the nodes), or the
@@ -733,7 +735,14 @@ pub async fn run(
                 // a pin's replicas (the same set), which moves the shard's
                 // preferred leader.
                 let running = app.clone();
-                let placed = Arc::new(move |shard| running.placed(shard));
+                let placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync> =
+                    Arc::new(move |shard| running.placed(shard));
+                drain = Some(Drain {
+                    shards: shards.clone(),
+                    placed: placed.clone(),
+                    heard: heard.clone(),
+                    rep: rep.clone(),
+                });
                 tokio::spawn(forkless_raftnet::balance::run(
                     shards,
                     placed,
@@ -747,11 +756,12 @@ pub async fn run(
     }
     {
         let app = app.clone();
+        let mut stops = stops();
         tokio::spawn(async move {
             if stops.recv().await.is_none() {
                 return;
             }
-            app.stopping.send_replace(true);
+            app.leaving.store(true, Ordering::Release);
             let _ = draining_tx.send(true);
             if let Some(d) = drain {
                 // A second request to stop ends the wait; the channel
@@ -769,6 +779,7 @@ pub async fn run(
                 }
             }
             tracing::info!("shutting down: finishing requests in flight");
+            app.stopping.send_replace(true);
             let _ = stop_tx.send(true);
         });
     }
@@ -804,6 +815,9 @@ pub async fn run(
 /// down.
 struct Drain {
     shards: forkless_raftnet::Hosted,
+    /// Each shard's replicas as the node runs its placement (the first
+    /// preferred).
+    placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
     heard: Arc<forkless_raftnet::quiesce::PeersHeard>,
     rep: forkless_store::Replication,
 }
@@ -822,6 +836,7 @@ impl Drain {
         let started = std::time::Instant::now();
         let done = forkless_raftnet::balance::drain(
             shards,
+            self.placed.as_ref(),
             self.heard,
             self.rep.peers.as_ref(),
             self.rep.timing,

@@ -1330,7 +1330,8 @@ pub(crate) async fn handle(
         if group.is_draining() && *r.to_node_id() == group.me() {
             // Costs the group an election's time of refused writes; the
             // leaders' balancers ask the node first (`Beat::led`), and it
-            // answers that it cannot lead.
+            // answers that it cannot lead (with the beats off they cannot
+            // ask: `Replication::draining`).
             tracing::warn!(
                 shard = group.replica.group,
                 "refused a leadership handover: this node is shutting down"

@@ -232,7 +232,10 @@ pub struct Replication {
     /// (`forkless_raftnet::balance::drain`): from then on none of its
     /// replicas takes a leadership. It stands for no election, refuses a
     /// handover to itself, and answers its peers' heartbeats that it
-    /// cannot lead (so their balancers hand nothing back to it).
+    /// cannot lead (a leader's balancer hands a shard only to a replica
+    /// whose node answered a beat sent since it led it, so nothing is
+    /// handed back while the beats run; with `quiesce` off there are no
+    /// beats, and a handover back is refused: that shard then elects).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
