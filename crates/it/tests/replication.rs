@@ -583,6 +583,13 @@ fn a_leader_stopped_on_purpose_hands_its_shards_over_first() {
             (l[0] == 1 && l[3] == 1).then_some(())
         },
     );
+    // No replica careful (a new cluster's, for a moment after its first
+    // election): such a replica takes no handover.
+    for n in 1..=NODES {
+        wait_until("no replica careful", Duration::from_secs(20), || {
+            none_fresh(&cl.client(n))
+        });
+    }
     let victim = 1;
     let led: Vec<u32> = vec![0, 3];
     // Three executions a shard, each with a writer of its own, through the
