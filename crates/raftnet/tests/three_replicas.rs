@@ -32,6 +32,9 @@ struct Node {
     cell: Arc<RwLock<Option<Arc<Store>>>>,
     /// Its data directory.
     path: std::path::PathBuf,
+    /// Set as it shuts down: its replica takes no leadership
+    /// (`Replication::draining`).
+    draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Node {
@@ -155,13 +158,14 @@ async fn cluster_of(
         let members = members.clone();
         let links = Links::new(id, "secret".into(), addrs.clone());
         let peers: Arc<dyn forkless_store::Peers> = Arc::new(links.clone());
+        let draining: Arc<std::sync::atomic::AtomicBool> = Arc::default();
         let rep = Replication {
             me: id,
             members: Arc::new(move |_| members.clone()),
             peers: peers.clone(),
             timing: forkless_store::RaftTiming::default(),
             log,
-            draining: Default::default(),
+            draining: draining.clone(),
         };
         let path = dir.join(id.to_string());
         let opened = path.clone();
@@ -191,6 +195,7 @@ async fn cluster_of(
             opener,
             cell,
             path: opened,
+            draining,
         };
         if !closed.contains(&id) {
             node.open().await;
@@ -1479,4 +1484,102 @@ async fn a_quiet_leader_cut_off_answers_a_vote_within_its_confirmation_bound() {
         took >= bound,
         "answered in {took:?}, before its confirmation's bound {bound:?}: did it try to confirm?"
     );
+}
+
+/// A leader shutting down (`forkless_raftnet::balance::drain`) hands its
+/// group to another replica, which leads at a later term and takes writes;
+/// the entries it proposed are applied on it first. Then every node is
+/// shutting down: the replica named refuses the handover, and the drain
+/// reports it not taken once its bound ran out, rather than counting it
+/// handed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_not_counted() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    for n in 1..=20 {
+        write(&nodes[l], n).await.expect("a write before the stop");
+    }
+    let before = nodes[l].status().expect("status");
+    // No node heartbeat runs here: the group's own answers say who is up.
+    let timing = forkless_store::RaftTiming {
+        quiesce: false,
+        ..forkless_store::RaftTiming::default()
+    };
+    let all: &(dyn Fn(ShardId) -> Vec<u64> + Send + Sync) = &|_| vec![1, 2, 3];
+    nodes[l].draining.store(true, Ordering::Release);
+    let done = forkless_raftnet::balance::drain(
+        vec![nodes[l].shard()],
+        all,
+        Arc::default(),
+        nodes[l].peers.as_ref(),
+        timing,
+        Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        done,
+        forkless_raftnet::balance::Drained {
+            handed: 1,
+            not_taken: 0,
+            no_replica: 0
+        }
+    );
+    // Another node leads at a later term, as the drained node sees it.
+    let until = Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        let s = nodes[l].status().expect("status");
+        if s.term > before.term && s.leader.is_some_and(|x| x != nodes[l].id) {
+            break s;
+        }
+        assert!(Instant::now() < until, "no other leader: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let new = after.leader.expect("a leader named") as usize - 1;
+    assert_ne!(new, l);
+    assert!(
+        after.applied >= before.last_log_index,
+        "the drained leader applied {:?}, it had proposed through {:?}",
+        after.applied,
+        before.last_log_index
+    );
+    write(&nodes[new], 21)
+        .await
+        .expect("a write on the new leader");
+
+    // Every node shutting down: the handover is refused.
+    for n in &nodes {
+        n.draining.store(true, Ordering::Release);
+    }
+    let term = nodes[new].status().expect("status").term;
+    let started = Instant::now();
+    let done = forkless_raftnet::balance::drain(
+        vec![nodes[new].shard()],
+        all,
+        Arc::default(),
+        nodes[new].peers.as_ref(),
+        timing,
+        Duration::from_millis(500),
+    )
+    .await;
+    assert_eq!(
+        done,
+        forkless_raftnet::balance::Drained {
+            handed: 0,
+            not_taken: 1,
+            no_replica: 0
+        }
+    );
+    assert!(started.elapsed() >= Duration::from_millis(500));
+    // No replica took it: none leads at a later term.
+    for n in &nodes {
+        let s = n.status().expect("status");
+        assert!(
+            !(s.state == "leader" && s.term > term),
+            "node {} leads at term {} though it is shutting down",
+            n.id,
+            s.term
+        );
+    }
 }
