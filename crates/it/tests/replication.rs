@@ -686,8 +686,9 @@ fn a_leader_stopped_on_purpose_hands_its_shards_over_first() {
             .expect("an ack after the stop");
         // A refusal that says nothing was executed (a 421 naming the new
         // leader, which a client follows) may still meet a leadership that
-        // moved twice within the origin's wait (about 1 run in 15); a write
-        // whose outcome is unknown may not.
+        // moved twice within the origin's wait (1 run in 14 before the
+        // handover went to the preferred replica first); a write whose
+        // outcome is unknown may not.
         let unknown: Vec<_> = batches
             .iter()
             .filter(|b| matches!(b.outcome, Outcome::Unknown))
@@ -712,16 +713,20 @@ fn a_leader_stopped_on_purpose_hands_its_shards_over_first() {
         );
         all.extend(batches);
     }
-    // It led shards 0 and 3, and maybe shard 1 (preferred by node 2, which
-    // its balancer may not have handed over yet).
+    // It led shards 0 and 3 at least (others too, if its balancer had not
+    // handed them to their preferred replicas yet).
     let said = node1_log
         .lines()
         .find(|l| l.contains("leaderships handed over"))
         .unwrap_or_else(|| panic!("node 1 did not say what it handed over:\n{node1_log}"));
+    let handed: usize = said
+        .split("handed=")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
     assert!(
-        (said.contains("handed=2") || said.contains("handed=3"))
-            && said.contains("not_taken=0")
-            && said.contains("no_replica=0"),
+        handed >= 2 && said.contains("not_taken=0") && said.contains("no_replica=0"),
         "node 1 did not hand every shard it led over: {said}"
     );
     cl.spawn(victim, &cl.node(victim).config.clone());

@@ -284,7 +284,7 @@ pub async fn run(
             if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
                 continue;
             }
-            // Only an answer to a beat sent since this node led the shard
+            // Only an answer to a beat made since this node led the shard
             // says whether `want` can lead it (a beat's answer speaks of
             // the shards the beat said its sender leads): a node shutting
             // down, just handed the shard by `drain`, said nothing of it
@@ -368,8 +368,9 @@ pub const DRAIN_WITHIN: Duration = TAKES_WITHIN;
 
 /// The voter a leader that is shutting down hands shard `shard`'s
 /// leadership to ([`drain`]): one whose link is up and that answered
-/// lately (its group, or its node's heartbeat when the beats run, which
-/// must then not say that it cannot lead the shard). Of those, the ones
+/// lately (when the node heartbeat runs, its node's answer, which must not
+/// say that it cannot lead the shard; without it, its group's answers or
+/// its node's). Of those, the ones
 /// nearly level ([`TRANSFER_LAG_MAX`]): the shard's `preferred` replica
 /// ([`preferred_replica`]) if it is one (its balancer would move the
 /// shard there anyway), else they take turns by shard id, so that a node
@@ -432,8 +433,8 @@ pub struct Drained {
     /// Shards handed over that no other replica took within the bound
     /// (or whose handover could not be asked).
     pub not_taken: usize,
-    /// Shards with no replica to hand them to (the others down or not
-    /// heard lately).
+    /// Shards with no replica to hand them to (the others down, not
+    /// heard lately, or saying they cannot lead it).
     pub no_replica: usize,
 }
 
@@ -441,8 +442,9 @@ pub struct Drained {
 /// ([`forkless_store::Replication::draining`]): hands the leadership of
 /// every shard of `shards` this node leads to another replica
 /// ([`hand_off_to`]), all at once, and waits at most `within` for each
-/// to be led at a later term and for the entries this node proposed while
-/// it led to be applied here (their writes are then answered). A shard
+/// to be led at a later term and for its log as it stood just after the
+/// handover was asked to be applied here (the writes this node proposed
+/// while it led are answered as their entries are). A shard
 /// handed over stops taking writes
 /// here (they are refused as not executed, and routed again to the new
 /// leader) for the moment the handover takes, instead of for the

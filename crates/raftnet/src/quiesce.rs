@@ -49,14 +49,30 @@ pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) -> Vec<u32> {
 /// leader balancer (a quiet group's followers answer nothing of their
 /// group's, and a new replica's group says nothing of its being new).
 #[derive(Debug, Default)]
-pub struct PeersHeard(Mutex<HashMap<u64, (Instant, Vec<u32>)>>);
+pub struct PeersHeard(Mutex<HashMap<u64, Heard>>);
+
+/// A peer's last answer to this node's heartbeat.
+#[derive(Debug)]
+struct Heard {
+    /// When it came.
+    at: Instant,
+    /// When the beat it answers was made (the groups it said this node
+    /// leads are those led then).
+    asked: Instant,
+    /// Of those groups, the ones the peer said it cannot lead.
+    cannot_lead: Vec<u32>,
+}
 
 impl PeersHeard {
-    pub(crate) fn heard(&self, peer: u64, cannot_lead: Vec<u32>) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer, (Instant::now(), cannot_lead));
+    pub(crate) fn heard(&self, peer: u64, asked: Instant, cannot_lead: Vec<u32>) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            peer,
+            Heard {
+                at: Instant::now(),
+                asked,
+                cannot_lead,
+            },
+        );
     }
 
     /// Whether `peer` answered a heartbeat within `within`.
@@ -65,16 +81,17 @@ impl PeersHeard {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
-            .is_some_and(|(at, _)| at.elapsed() <= within)
+            .is_some_and(|h| h.at.elapsed() <= within)
     }
 
-    /// Whether `peer`'s last answer came after `since`.
+    /// Whether `peer`'s last answer is to a beat made after `since` (so
+    /// the groups it speaks of are those this node led then).
     pub fn answered_since(&self, peer: u64, since: Instant) -> bool {
         self.0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
-            .is_some_and(|(at, _)| *at > since)
+            .is_some_and(|h| h.asked > since)
     }
 
     /// Whether `peer`'s last answer, within `within`, said it could not
@@ -85,7 +102,7 @@ impl PeersHeard {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
-            .is_some_and(|(at, cannot)| at.elapsed() <= within && cannot.contains(&shard))
+            .is_some_and(|h| h.at.elapsed() <= within && h.cannot_lead.contains(&shard))
     }
 }
 
@@ -123,6 +140,9 @@ pub async fn run(
             _ = ticks.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+        // Before the groups are looked at: every group led from then on
+        // is named in this beat.
+        let asked = Instant::now();
         let mut quiet = Vec::new();
         // Each quiet group's members (voters and learners).
         let mut members = Vec::new();
@@ -156,7 +176,7 @@ pub async fn run(
             tokio::spawn(async move {
                 match call.await {
                     Ok(forkless_store::RpcReply::Beat { cannot_lead, wake }) => {
-                        heard.heard(peer, cannot_lead);
+                        heard.heard(peer, asked, cannot_lead);
                         // Said once per wake, not at every beat until the
                         // follower has applied.
                         let woke: Vec<u32> = shards()
@@ -174,7 +194,7 @@ pub async fn run(
                         }
                     }
                     // An answer of another kind is still an answer.
-                    Ok(_) => heard.heard(peer, Vec::new()),
+                    Ok(_) => heard.heard(peer, asked, Vec::new()),
                     Err(_) => {}
                 }
             });

@@ -1487,11 +1487,10 @@ async fn a_quiet_leader_cut_off_answers_a_vote_within_its_confirmation_bound() {
 }
 
 /// A leader shutting down (`forkless_raftnet::balance::drain`) hands its
-/// group to another replica, which leads at a later term and takes writes;
-/// the entries it proposed are applied on it first. Then every node is
-/// shutting down: the replica named refuses the handover, and the drain
-/// reports it not taken once its bound ran out, rather than counting it
-/// handed.
+/// group to another replica, which leads at a later term and takes writes.
+/// Then every node is shutting down: the replica named refuses the
+/// handover, nobody stands for election, and the drain reports it not
+/// taken once its bound ran out, rather than counting it handed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_not_counted() {
     use std::sync::atomic::Ordering;
@@ -1538,12 +1537,6 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
     };
     let new = after.leader.expect("a leader named") as usize - 1;
     assert_ne!(new, l);
-    assert!(
-        after.applied >= before.last_log_index,
-        "the drained leader applied {:?}, it had proposed through {:?}",
-        after.applied,
-        before.last_log_index
-    );
     write(&nodes[new], 21)
         .await
         .expect("a write on the new leader");
@@ -1572,12 +1565,12 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
         }
     );
     assert!(started.elapsed() >= Duration::from_millis(500));
-    // No replica took it: none leads at a later term.
+    // No replica took it, nor stood for election: every term is as it was.
     for n in &nodes {
         let s = n.status().expect("status");
         assert!(
-            !(s.state == "leader" && s.term > term),
-            "node {} leads at term {} though it is shutting down",
+            s.term <= term,
+            "node {} is at term {} (was {term}) though every node is shutting down",
             n.id,
             s.term
         );

@@ -759,7 +759,9 @@ pub async fn run(
         let mut stops = stops();
         tokio::spawn(async move {
             if stops.recv().await.is_none() {
-                return;
+                // No request to stop will come: the node runs on (the
+                // senders below, dropped, would stop it).
+                std::future::pending::<()>().await;
             }
             app.leaving.store(true, Ordering::Release);
             let _ = draining_tx.send(true);

@@ -233,7 +233,7 @@ pub struct Replication {
     /// replicas takes a leadership. It stands for no election, refuses a
     /// handover to itself, and answers its peers' heartbeats that it
     /// cannot lead (a leader's balancer hands a shard only to a replica
-    /// whose node answered a beat sent since it led it, so nothing is
+    /// whose node answered a beat made since it led it, so nothing is
     /// handed back while the beats run; with `quiesce` off there are no
     /// beats, and a handover back is refused: that shard then elects).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
