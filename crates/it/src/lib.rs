@@ -2541,6 +2541,23 @@ pub mod workload {
         rep
     }
 
+    /// The longest `batches` went without an acknowledged answer from
+    /// `from` on (from `from` to the first, and between any two after);
+    /// `None` if none was acknowledged after `from`.
+    pub fn longest_without_ack(batches: &[Batch], from: std::time::Instant) -> Option<Duration> {
+        let mut acked: Vec<std::time::Instant> = batches
+            .iter()
+            .filter(|b| matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > from)
+            .map(|b| b.answered_at)
+            .collect();
+        acked.sort();
+        std::iter::once(from)
+            .chain(acked.iter().copied())
+            .zip(acked.iter().copied())
+            .map(|(a, b)| b.duration_since(a))
+            .max()
+    }
+
     /// Counts of (status, error) among `batches`, for a log line.
     pub fn histogram(batches: &[Batch]) -> Vec<(String, usize)> {
         let mut h: std::collections::BTreeMap<String, usize> = Default::default();

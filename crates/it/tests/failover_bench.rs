@@ -21,7 +21,7 @@
 //! without an acknowledged write from the stop on (a write in flight may
 //! be acknowledged just after a SIGTERM, before the node goes).
 
-use forkless_it::workload::{writer, Outcome, Shared};
+use forkless_it::workload::{longest_without_ack, writer, Outcome, Shared};
 use forkless_it::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
@@ -187,22 +187,7 @@ fn failover_after_a_leader_is_killed() {
         let logs: Vec<_> = shared.iter().map(Shared::take).collect();
         let gap = logs
             .iter()
-            .map(|log| {
-                let mut at: Vec<Instant> = log
-                    .iter()
-                    .filter(|b| {
-                        matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > killed
-                    })
-                    .map(|b| b.answered_at)
-                    .collect();
-                at.sort();
-                std::iter::once(killed)
-                    .chain(at.iter().copied())
-                    .zip(at.iter().copied())
-                    .map(|(a, b)| b.duration_since(a))
-                    .max()
-                    .unwrap_or_default()
-            })
+            .map(|log| longest_without_ack(log, killed).unwrap_or_default())
             .max()
             .expect("an affected shard");
         let acked = logs

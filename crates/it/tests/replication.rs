@@ -7,7 +7,7 @@
 //! same events (checked offline on each node's data directory).
 
 use forkless_it::workload::{
-    histogram, settle_unknowns, spawn_writers, verify, writer, Outcome, Shared,
+    histogram, longest_without_ack, settle_unknowns, spawn_writers, verify, writer, Outcome, Shared,
 };
 use forkless_it::*;
 use std::time::{Duration, Instant};
@@ -672,18 +672,7 @@ fn a_leader_stopped_on_purpose_hands_its_shards_over_first() {
         // The longest the shard went without an acknowledged write from
         // the SIGTERM on (writes in flight at node 1 may still be
         // acknowledged just after it).
-        let mut acked: Vec<Instant> = batches
-            .iter()
-            .filter(|b| matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > stopped_at)
-            .map(|b| b.answered_at)
-            .collect();
-        acked.sort();
-        let longest = std::iter::once(stopped_at)
-            .chain(acked.iter().copied())
-            .zip(acked.iter().copied())
-            .map(|(a, b)| b.duration_since(a))
-            .max()
-            .expect("an ack after the stop");
+        let longest = longest_without_ack(&batches, stopped_at).expect("an ack after the stop");
         // A refusal that says nothing was executed (a 421 naming the new
         // leader, which a client follows) may still meet a leadership that
         // moved twice within the origin's wait (1 run in 14 before the

@@ -102,19 +102,40 @@ fn takes_over(
     heard_within: Duration,
     link: Link,
 ) -> bool {
+    level(s, want) && reachable(s, want, heard_within, link)
+}
+
+/// The last entry of the leader's log that replica `v` matched, as the
+/// leader's status `s` shows it.
+fn matched(s: &forkless_store::RaftStatus, v: u64) -> Option<u64> {
+    s.matched
+        .iter()
+        .find(|(id, _)| *id == v)
+        .and_then(|(_, m)| *m)
+}
+
+/// Whether replica `v` lacks at most [`TRANSFER_LAG_MAX`] of the leader's
+/// entries.
+fn level(s: &forkless_store::RaftStatus, v: u64) -> bool {
     let last = s.last_log_index.unwrap_or(0);
-    let level = s.matched.iter().any(|(id, m)| {
-        *id == want && m.is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX)
-    });
+    matched(s, v).is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX)
+}
+
+/// Whether replica `v` may be handed the shard's leadership, level or
+/// not: its group or its node answered within `heard_within`, this node's
+/// connection to it is not known to be down, and, when the node
+/// heartbeat runs, its node answered it within the window without saying
+/// it cannot lead the shard.
+fn reachable(s: &forkless_store::RaftStatus, v: u64, heard_within: Duration, link: Link) -> bool {
     let heard = s.heard_ms_ago.iter().any(|(id, ago)| {
-        *id == want && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
+        *id == v && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
     }) || link.node_heard_lately;
     let can_lead = if link.beats {
         link.node_heard_lately && !link.cannot_lead
     } else {
         true
     };
-    level && heard && !link.down && can_lead
+    heard && !link.down && can_lead
 }
 
 /// The replica a shard's leadership goes to, given the replicas its
@@ -213,13 +234,7 @@ pub fn steps_down_to(
     if answering + 1 >= quorum {
         return None;
     }
-    let matched = |v: u64| {
-        s.matched
-            .iter()
-            .find(|(id, _)| *id == v)
-            .and_then(|(_, m)| *m)
-    };
-    let rank = |v: u64| (!cannot_lead(v), matched(v));
+    let rank = |v: u64| (!cannot_lead(v), matched(s, v));
     others
         .into_iter()
         .max_by(|a, b| rank(*a).cmp(&rank(*b)).then(b.cmp(a)))
@@ -384,45 +399,22 @@ pub fn hand_off_to(
     heard_within: Duration,
     link: impl Fn(u64) -> Link,
 ) -> Option<u64> {
-    let last = s.last_log_index.unwrap_or(0);
-    let matched = |v: u64| {
-        s.matched
-            .iter()
-            .find(|(id, _)| *id == v)
-            .and_then(|(_, m)| *m)
-    };
     let mut able: Vec<u64> = s
         .voters
         .iter()
         .copied()
-        .filter(|v| *v != s.me)
-        .filter(|v| {
-            let l = link(*v);
-            let group_heard = s.heard_ms_ago.iter().any(|(id, ago)| {
-                id == v && ago.is_some_and(|ms| u128::from(ms) <= heard_within.as_millis())
-            });
-            let alive = if l.beats {
-                l.node_heard_lately && !l.cannot_lead
-            } else {
-                group_heard || l.node_heard_lately
-            };
-            alive && !l.down
-        })
+        .filter(|v| *v != s.me && reachable(s, *v, heard_within, link(*v)))
         .collect();
     able.sort_unstable();
-    let level: Vec<u64> = able
-        .iter()
-        .copied()
-        .filter(|v| matched(*v).is_some_and(|m| last.saturating_sub(m) <= TRANSFER_LAG_MAX))
-        .collect();
-    if level.contains(&preferred) {
+    let nearly_level: Vec<u64> = able.iter().copied().filter(|v| level(s, *v)).collect();
+    if nearly_level.contains(&preferred) {
         return Some(preferred);
     }
-    if !level.is_empty() {
-        return Some(level[shard as usize % level.len()]);
+    if !nearly_level.is_empty() {
+        return Some(nearly_level[shard as usize % nearly_level.len()]);
     }
     able.into_iter()
-        .max_by(|a, b| matched(*a).cmp(&matched(*b)).then(b.cmp(a)))
+        .max_by(|a, b| matched(s, *a).cmp(&matched(s, *b)).then(b.cmp(a)))
 }
 
 /// What [`drain`] did with the shards this node led.
