@@ -499,7 +499,16 @@ fn a_write_that_meets_a_leadership_transfer_is_sent_on_to_the_new_leader() {
             std::thread::spawn(move || {
                 let (mut acked, mut failed, mut by_node3) = (0u64, Vec::new(), 0u64);
                 let mut i = 0u64;
-                while !stop.is_set() || i < 20 {
+                // Once the leaders are back, until a write was
+                // acknowledged by node 3 (10 s at most): node 1 may see
+                // node 3 lead before this writer's next write reaches it.
+                let mut stopped_at = None;
+                while !stop.is_set()
+                    || i < 20
+                    || (by_node3 == 0
+                        && stopped_at.get_or_insert_with(Instant::now).elapsed()
+                            < Duration::from_secs(10))
+                {
                     i += 1;
                     let body = workload::batch_body(&[format!("{exec}-{i}")], None).to_string();
                     match through.try_req(
@@ -727,6 +736,154 @@ fn a_leader_stopped_on_purpose_hands_its_shards_over_first() {
         assert!(report.acked >= 100, "{report:?}");
     }
     cl.stop_and_compare_replicas();
+}
+
+/// Four nodes, three replicas: node 4 holds no replica of shards 0 and 4
+/// (nodes 1, 2 and 3 do; node 1 is their preferred leader), and its probe
+/// round is 5 s, so it learns of a new leader only from its peers' words.
+/// Three writers write shard 0 through node 4 alone; shard 4 is written
+/// through nobody. Node 1 is stopped (SIGTERM) and hands both shards
+/// over:
+///
+/// - no write through node 4 is refused or unknown: node 1 answers a
+///   write it can no longer take once its group's new leader is elected,
+///   naming it at its term, and node 4 sends the write there;
+/// - by node 1's exit (within a second of it), node 4 names shard 4's new
+///   leader at a later term, though no request for shard 4 passed through
+///   it: the new leader told it; and a write on shard 4 through node 4
+///   right then is acknowledged (before, it went to node 1, gone: `503`).
+#[test]
+fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
+    let _deadline = deadline(
+        "replication: a planned stop seen from a node with no replica",
+        Duration::from_secs(180),
+    );
+    let (nodes, shards) = (4u16, 8u32);
+    let timing = PeerTiming {
+        probe_interval_ms: 5000,
+        ..PeerTiming::default()
+    };
+    let mut cl = Cluster::prepare_replicated(nodes, shards, 3, timing);
+    // Elections take 3-4 s: one cannot pass for a handover.
+    cl.raft_timing = Some((100, 3000, 4000));
+    let ids: Vec<u16> = (1..=nodes).collect();
+    cl.start_nodes(&ids, &[]);
+    let c4 = cl.client(4);
+    let led_by = |c: &Client, shard: usize| -> Option<(u16, u64)> {
+        let v = c
+            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+            .ok()?
+            .json();
+        let s = &v["shards"][shard];
+        Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?))
+    };
+    wait_until(
+        "node 4 names node 1 the leader of shards 0 and 4",
+        Duration::from_secs(60),
+        || (led_by(&c4, 0)?.0 == 1 && led_by(&c4, 4)?.0 == 1).then_some(()),
+    );
+    for n in 1..=nodes {
+        wait_until("no replica careful", Duration::from_secs(20), || {
+            none_fresh(&cl.client(n))
+        });
+    }
+    const EACH: usize = 3;
+    let execs: Vec<String> = (0..EACH)
+        .map(|k| {
+            let key = key_on_shard(&format!("through-4-{k}"), 0, shards);
+            id_of(&c4.start(&json!({"workflow": "w", "routing_key": key})))
+        })
+        .collect();
+    let idle = id_of(
+        &c4.start(&json!({"workflow": "w", "routing_key": key_on_shard("idle-4", 4, shards)})),
+    );
+    let shared = Shared::default();
+    let writers: Vec<_> = execs
+        .iter()
+        .enumerate()
+        .map(|(k, exec)| {
+            let (c, exec, sh) = (cl.client(4), exec.clone(), shared.clone());
+            std::thread::spawn(move || writer(vec![c], vec![exec], format!("w{k}"), sh, false))
+        })
+        .collect();
+    shared.wait_acks(50, "50 acknowledged writes through node 4 before the stop");
+    let (_, term_before) = led_by(&c4, 4).expect("node 4 answers");
+    let stopped_at = Instant::now();
+    cl.node(1).proc().sigterm();
+    let exit = cl
+        .node_mut(1)
+        .proc
+        .as_mut()
+        .expect("node 1 runs")
+        .wait_exit(Duration::from_secs(10));
+    let exited_at = Instant::now();
+    assert!(
+        exit.is_some_and(|e| e.success()),
+        "node 1 did not exit 0 within 10 s of SIGTERM: {exit:?}\n{}",
+        cl.logs()
+    );
+    // Told, not probed: its next probe round is seconds away.
+    let named = loop {
+        let now = led_by(&c4, 4).filter(|(l, t)| *l != 1 && *t > term_before);
+        if now.is_some() || exited_at.elapsed() > Duration::from_secs(1) {
+            break now.map(|n| (n, exited_at.elapsed()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    eprintln!("node 4's word for shard 4 after node 1's exit: {named:?}");
+    let body = workload::batch_body(&["idle-after".to_string()], None).to_string();
+    let idle_write = c4
+        .try_req(
+            "POST",
+            &format!("/api/executions/{idle}/events"),
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(5),
+        )
+        .map(|r| (r.status, r.text()));
+    wait_until(
+        "20 writes acknowledged through node 4 once node 1 is gone",
+        Duration::from_secs(20),
+        || {
+            (shared
+                .log
+                .lock()
+                .expect("log")
+                .iter()
+                .filter(|b| matches!(b.outcome, Outcome::Acked { .. }) && b.answered_at > exited_at)
+                .count()
+                >= 20)
+                .then_some(())
+        },
+    );
+    let batches = shared.finish(writers);
+    let longest = longest_without_ack(&batches, stopped_at).expect("an ack after the stop");
+    let not_acked: Vec<_> = batches
+        .iter()
+        .filter(|b| !matches!(b.outcome, Outcome::Acked { .. }))
+        .map(|b| (b.status, b.error.clone()))
+        .collect();
+    eprintln!(
+        "shard 0 through node 4: at most {longest:?} between acknowledged writes from SIGTERM on; answers {:?}",
+        histogram(&batches)
+    );
+    // Its last lines: a refusal per write would be thousands.
+    let log4 = strip_ansi(&cl.node(4).proc().log());
+    let log4 = log4.lines().rev().take(60).collect::<Vec<_>>();
+    let log4 = log4.into_iter().rev().collect::<Vec<_>>().join("\n");
+    assert!(
+        not_acked.is_empty(),
+        "writes through node 4 not acknowledged around node 1's stop: {} of them: {not_acked:?}\n{log4}",
+        not_acked.len(),
+    );
+    assert!(
+        named.is_some(),
+        "node 4 did not name a new leader of shard 4 within 1 s of node 1's exit\n{log4}"
+    );
+    assert!(
+        matches!(&idle_write, Ok((200, _))),
+        "a write on shard 4 through node 4 after node 1's exit: {idle_write:?}\n{log4}"
+    );
 }
 
 /// Leaders spread evenly: each shard's leadership goes to its preferred

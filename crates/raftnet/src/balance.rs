@@ -77,7 +77,7 @@ pub struct Link {
     /// which refuses a handover (`forkless_store` `fresh`). The leader's
     /// view of it may be level then: from before its disk was lost.
     pub cannot_lead: bool,
-    /// The node heartbeat runs (`RaftTiming::quiesce`): then only a
+    /// The node heartbeat runs (`PeersHeard::beating`): then only a
     /// replica whose node answered it within the window (and did not say
     /// it cannot lead) is handed a shard. Its group's answers alone do
     /// not do: a new replica's first answers to a leader it told come
@@ -311,7 +311,7 @@ pub async fn run(
                 node_heard_lately: heard.within(want, heard_within) && answered_since_led,
                 down: peers.link_down(want),
                 cannot_lead: heard.cannot_lead(want, shard, heard_within),
-                beats: timing.quiesce,
+                beats: heard.beating(),
             };
             if cut_off.is_none() && !takes_over(&s, want, heard_within, up) {
                 continue;
@@ -470,7 +470,7 @@ pub async fn drain(
             node_heard_lately: heard.within(v, heard_within),
             down: peers.link_down(v),
             cannot_lead: heard.cannot_lead(v, shard, heard_within),
-            beats: timing.quiesce,
+            beats: heard.beating(),
         });
         let Some(to) = to else {
             tracing::warn!(

@@ -49,7 +49,7 @@ use tokio::time::Instant;
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 /// The protocol's version: a peer that says another is refused.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 /// The most bytes one frame may hold. An AppendEntries carries at most
 /// openraft's `max_payload_entries` entries of at most a round's budget
 /// each; a frame over this closes the connection.
@@ -589,6 +589,21 @@ pub type Hosted = Arc<dyn Fn() -> Vec<Arc<ShardStore>> + Send + Sync>;
 /// whose data directory was lost): `None` if it cannot.
 pub type Join = Arc<dyn Fn(u32) -> Option<Arc<ShardStore>> + Send + Sync>;
 
+/// What a node makes of a peer's heartbeat naming the groups it leads:
+/// `(peer, [(shard, term)])` (a node holding no replica of a shard
+/// learns its leader so; a later term wins).
+pub type Told = Arc<dyn Fn(u64, &[(u32, u64)]) + Send + Sync>;
+
+/// What a node's Raft server does beyond handing calls to its groups.
+#[derive(Clone, Default)]
+pub struct Hooks {
+    /// Opens a replica of a shard this node holds none of, for a leader
+    /// that replicates to it; `None` refuses such calls.
+    pub join: Option<Join>,
+    /// Told the groups each peer leads, at every beat of its heartbeat.
+    pub told: Option<Told>,
+}
+
 /// Whether a peer (by its node id) may talk to this node's groups now:
 /// `Err` says why not (it was retired, or is not in this node's cluster
 /// file). Asked at hello and at every call, since a reload may retire a
@@ -608,7 +623,7 @@ pub async fn serve(
         listener,
         Handshake::secret(secret),
         groups,
-        None,
+        Hooks::default(),
         anyone,
         stop,
     )
@@ -617,21 +632,22 @@ pub async fn serve(
 
 /// [`serve`] for a node: only peers `admit` lets in are served, and a
 /// call that replicates to a shard this node holds no replica of
-/// (AppendEntries, a snapshot's chunk) first opens one with `join` (in
-/// the background: the call is refused meanwhile, and the leader sends
-/// it again).
+/// (AppendEntries, a snapshot's chunk) first opens one with `hooks.join`
+/// (in the background: the call is refused meanwhile, and the leader
+/// sends it again); each peer's heartbeat is told to `hooks.told`.
 pub async fn serve_node(
     listener: TcpListener,
     hello: Handshake,
     groups: Groups,
-    join: Option<Join>,
+    hooks: Hooks,
     admit: Admit,
     mut stop: watch::Receiver<bool>,
 ) {
     let joins = Arc::new(Joins {
-        join,
+        join: hooks.join,
         opening: Mutex::default(),
     });
+    let told = hooks.told;
     let open = Arc::new(AtomicUsize::new(0));
     let refusals = Arc::new(Refusals::default());
     let hello = Arc::new(hello);
@@ -654,17 +670,18 @@ pub async fn serve_node(
             continue;
         }
         let _ = tcp.set_nodelay(true);
-        let (open, refusals, hello, groups, joins, admit, stop) = (
+        let (open, refusals, hello, groups, joins, told, admit, stop) = (
             open.clone(),
             refusals.clone(),
             hello.clone(),
             groups.clone(),
             joins.clone(),
+            told.clone(),
             admit.clone(),
             stop.clone(),
         );
         tokio::spawn(async move {
-            match serve_connection(tcp, &hello, groups, joins, admit, stop).await {
+            match serve_connection(tcp, &hello, groups, joins, told, admit, stop).await {
                 Ok(()) => {}
                 // Such a node tries again and again: said once a minute.
                 Err(Closed::NotAPeer { node, why }) if refusals.first_in_a_while(node) => {
@@ -778,6 +795,7 @@ async fn serve_connection(
     hello: &Handshake,
     groups: Groups,
     joins: Arc<Joins>,
+    told: Option<Told>,
     admit: Admit,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Closed> {
@@ -892,10 +910,13 @@ async fn serve_connection(
             }
             rpc => rpc,
         };
-        let (groups, joins, out) = (groups.clone(), joins.clone(), out.clone());
+        let (groups, joins, told, out) = (groups.clone(), joins.clone(), told.clone(), out.clone());
         tokio::spawn(async move {
             let result = match rpc {
                 Rpc::Beat(beat) => {
+                    if let Some(told) = &told {
+                        told(peer, &beat.led);
+                    }
                     let wake = quiesce::heard(peer, &beat, &groups);
                     // A group of this node's, led quietly by the peer, that
                     // it holds no replica of: opened (it then tells the
@@ -908,7 +929,7 @@ async fn serve_connection(
                     let cannot_lead = beat
                         .led
                         .iter()
-                        .copied()
+                        .map(|(s, _)| *s)
                         .filter(|s| groups(*s).is_none_or(|st| !st.takes_leadership()))
                         .collect();
                     Ok(RpcReply::Beat { cannot_lead, wake })
@@ -1245,7 +1266,7 @@ mod tests {
             listener,
             placed(0xab),
             groups,
-            None,
+            Hooks::default(),
             anyone,
             stop,
         ));
@@ -1287,7 +1308,7 @@ mod tests {
             listener,
             Handshake::secret("s".into()),
             groups,
-            None,
+            Hooks::default(),
             admit,
             stop,
         ));

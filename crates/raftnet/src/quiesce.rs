@@ -49,7 +49,12 @@ pub(crate) fn heard(from: u64, beat: &Beat, groups: &Groups) -> Vec<u32> {
 /// leader balancer (a quiet group's followers answer nothing of their
 /// group's, and a new replica's group says nothing of its being new).
 #[derive(Debug, Default)]
-pub struct PeersHeard(Mutex<HashMap<u64, Heard>>);
+pub struct PeersHeard {
+    answers: Mutex<HashMap<u64, Heard>>,
+    /// The node's heartbeat runs ([`run`]): a peer's answers to it then
+    /// say whether it may be handed a shard.
+    beating: std::sync::atomic::AtomicBool,
+}
 
 /// A peer's last answer to this node's heartbeat.
 #[derive(Debug)]
@@ -64,20 +69,29 @@ struct Heard {
 }
 
 impl PeersHeard {
+    /// Whether this node's heartbeat runs: its answers then say which
+    /// peers may be handed a shard (`balance::Link::beats`).
+    pub fn beating(&self) -> bool {
+        self.beating.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     pub(crate) fn heard(&self, peer: u64, asked: Instant, cannot_lead: Vec<u32>) {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).insert(
-            peer,
-            Heard {
-                at: Instant::now(),
-                asked,
-                cannot_lead,
-            },
-        );
+        self.answers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(
+                peer,
+                Heard {
+                    at: Instant::now(),
+                    asked,
+                    cannot_lead,
+                },
+            );
     }
 
     /// Whether `peer` answered a heartbeat within `within`.
     pub fn within(&self, peer: u64, within: Duration) -> bool {
-        self.0
+        self.answers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
@@ -87,7 +101,7 @@ impl PeersHeard {
     /// Whether `peer`'s last answer is to a beat made after `since` (so
     /// the groups it speaks of are those this node led then).
     pub fn answered_since(&self, peer: u64, since: Instant) -> bool {
-        self.0
+        self.answers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
@@ -98,7 +112,7 @@ impl PeersHeard {
     /// take the leadership of `shard` (it held no replica of it, or a new
     /// one not caught up). No answer within it says nothing.
     pub fn cannot_lead(&self, peer: u64, shard: u32, within: Duration) -> bool {
-        self.0
+        self.answers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&peer)
@@ -111,20 +125,24 @@ impl PeersHeard {
 pub type PeerIds = Arc<dyn Fn() -> Vec<u64> + Send + Sync>;
 
 /// Sends this node's heartbeat to `peers` every heartbeat interval, and
-/// wakes the quiet followers among `shards` whose leader went silent,
-/// until `stop` turns true. With `timing.quiesce` off it does nothing
-/// (the groups keep their own timers).
+/// at once when `now` is notified (one of this node's replicas came to
+/// lead its group: every peer hears of it within a round trip, the nodes
+/// that hold no replica of the shard among them), and wakes the quiet
+/// followers among `shards` whose leader went silent, until `stop` turns
+/// true. With `timing.quiesce` off no group goes quiet here, and the beat
+/// names the groups led, for routing and for the leader balancer.
 pub async fn run(
     peers: Arc<dyn Peers>,
     peer_ids: PeerIds,
     shards: crate::Hosted,
     timing: RaftTiming,
     heard: Arc<PeersHeard>,
+    now: Arc<tokio::sync::Notify>,
     mut stop: watch::Receiver<bool>,
 ) {
-    if !timing.quiesce {
-        return;
-    }
+    heard
+        .beating
+        .store(true, std::sync::atomic::Ordering::Release);
     let every = Duration::from_millis(timing.heartbeat_ms);
     let idle = every * IDLE_BEATS;
     let silent_after = Duration::from_millis(timing.election_timeout_min_ms);
@@ -138,6 +156,9 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
+            // (A beat that comes sooner than its tick is no more than
+            // one more a leadership change: the notifications coalesce.)
+            _ = now.notified() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
         // Before the groups are looked at: every group led from then on
@@ -149,12 +170,17 @@ pub async fn run(
         // Every group this node leads, quiet or not.
         let mut led = Vec::new();
         for st in &shards() {
-            if let QuietAs::Leader { term } = st.quiesce_if_idle(idle) {
+            let quiet_as = if timing.quiesce {
+                st.quiesce_if_idle(idle)
+            } else {
+                QuietAs::Awake
+            };
+            if let QuietAs::Leader { term } = quiet_as {
                 quiet.push((st.id().get(), term));
                 members.push(st.members());
-                led.push(st.id().get());
-            } else if st.leadership().is_some_and(|l| l.leader == Some(l.me)) {
-                led.push(st.id().get());
+                led.push((st.id().get(), term));
+            } else if let Some(l) = st.leadership().filter(|l| l.leader == Some(l.me)) {
+                led.push((st.id().get(), l.term));
             }
         }
         for peer in peer_ids() {

@@ -116,6 +116,7 @@ impl Node {
             Arc::new(move || vec![st.clone()]),
             forkless_store::RaftTiming::default(),
             Arc::default(),
+            Arc::default(),
             self.stop.subscribe(),
         ));
     }
@@ -166,6 +167,7 @@ async fn cluster_of(
             timing: forkless_store::RaftTiming::default(),
             log,
             draining: draining.clone(),
+            beat_now: Arc::default(),
         };
         let path = dir.join(id.to_string());
         let opened = path.clone();
@@ -1140,7 +1142,7 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
 /// shard among those `from` leads: the shards it says it cannot lead.
 async fn cannot_lead(nodes: &[Node], from: usize, to: usize) -> Vec<u32> {
     let beat = forkless_store::Beat {
-        led: vec![SHARD.get()],
+        led: vec![(SHARD.get(), 1)],
         ..Default::default()
     };
     match nodes[from]

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use forkless_routing::{decide, Decision, Directory, Facts, FailClosed, Owner};
+use forkless_routing::{decide, Decision, Directory, Facts, FailClosed, Owner, OwnerHint};
 use forkless_store::{
     AppendRequest, ExecutionMeta, NewEvent, ShardStore, StartRequest, StoreError,
 };
@@ -428,7 +428,12 @@ where
     F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
-    let (owner, decided) = decision(app, route.shard, route.hops_taken);
+    let (mut owner, mut decided) = decision(app, route.shard, route.hops_taken);
+    if route.hops_taken > 0 && !matches!(owner, Owner::Remote(_)) {
+        if let Some(again) = after_an_election(app, route.shard, route.hops_taken).await {
+            (owner, decided) = again;
+        }
+    }
     let partition = route.partition.map(|p| p.get());
     let shard = route.shard.get();
     if route.stale_ok && method == Method::GET {
@@ -505,9 +510,24 @@ where
                         );
                         decision(app, route.shard, route.hops_taken)
                     } else {
-                        // It came forwarded, and its sender's timeout
-                        // runs: no wait; the leader named goes back in a
-                        // 421 (the hop is taken).
+                        // It came forwarded (the hop is taken): the
+                        // leader goes back in a 421, which its sender
+                        // follows once if it names a later term. So it
+                        // waits a moment (within half the sender's
+                        // forward timeout) for the group to name a
+                        // leader other than this node: in a handover
+                        // (this node stopping, or its balancer moving the
+                        // shard) the replica named is elected within a
+                        // round trip or two, and is then named at its
+                        // new term (at once, openraft names it at this
+                        // node's term, still campaigning).
+                        let (leader, term) =
+                            match st.leadership_settled(term, forwarded_wait(app)).await {
+                                Some(l) if l.leader.is_some() && l.leader != Some(l.me) => {
+                                    (l.leader, l.term)
+                                }
+                                _ => (leader, term),
+                            };
                         let owner = leader.map_or(Owner::Unknown { hint: None }, |l| {
                             leader_named(app, l, term)
                         });
@@ -584,13 +604,10 @@ where
                 // at most, the second forward another.
                 Ok(resp)
                     if resp.status() == StatusCode::MISDIRECTED_REQUEST
-                        && route.hops_taken == 0 =>
+                        && route.hops_taken == 0
+                        && app.replication.is_some() =>
                 {
-                    let again = match (forwarded_to, app.store.shard(route.shard)) {
-                        (Some(to), Some(st)) if st.is_replicated() => Some((to, st)),
-                        _ => None,
-                    };
-                    let Some((to, st)) = again else {
+                    let Some(to) = forwarded_to else {
                         return Routed::Answer(resp);
                     };
                     let within = settle_within(app).min(
@@ -602,22 +619,32 @@ where
                     if within.is_zero() {
                         return Routed::Answer(resp);
                     }
+                    let replica = app.store.shard(route.shard).filter(|st| st.is_replicated());
                     app.metrics.outcome(outcome::REROUTED);
-                    let now = st.leader_after(to.epoch.get(), within).await;
-                    tracing::info!(
-                        shard,
-                        refused_by = %to.node,
-                        at_term = to.epoch.get(),
-                        now = ?now.map(|l| (l.leader, l.term)),
-                        "the node taken for the shard's leader refused a request as the leadership moved; routing it again"
-                    );
+                    let later = match &replica {
+                        // Its own replica learns the group's next leader.
+                        Some(st) => {
+                            let now = st.leader_after(to.epoch.get(), within).await;
+                            tracing::info!(
+                                shard,
+                                refused_by = %to.node,
+                                at_term = to.epoch.get(),
+                                now = ?now.map(|l| (l.leader, l.term)),
+                                "the node taken for the shard's leader refused a request as the leadership moved; routing it again"
+                            );
+                            now.is_some_and(|l| l.leader.is_some() && l.term > to.epoch.get())
+                        }
+                        // No replica here: the refusal's word, if it
+                        // names a leader at a later term.
+                        None => later_leader_named(app, route.shard, &resp, &to),
+                    };
                     // No later leader within the wait: the refusal stands.
-                    if !now.is_some_and(|l| l.leader.is_some() && l.term > to.epoch.get()) {
+                    if !later {
                         return Routed::Answer(resp);
                     }
                     let (owner, d) = decision(app, route.shard, route.hops_taken);
-                    match d {
-                        Decision::Local { .. } if local.is_some() => {
+                    match (d, replica) {
+                        (Decision::Local { .. }, Some(st)) if local.is_some() => {
                             app.metrics.outcome(outcome::LOCAL);
                             match run_here(
                                 app,
@@ -635,23 +662,27 @@ where
                                 Err(e) => (owner, e.into_response()),
                             }
                         }
-                        // (Never so: this path did not run the step.)
-                        Decision::Local { .. } => return Routed::Answer(resp),
+                        // (Never so with a replica here: this path did
+                        // not run the step; without one, a refusal that
+                        // named this node.)
+                        (Decision::Local { .. }, _) => return Routed::Answer(resp),
                         // The same node at the same term: nothing new to
                         // try.
-                        Decision::Forward { owner: again, .. }
+                        (Decision::Forward { owner: again, .. }, _)
                             if again.node == to.node && again.epoch == to.epoch =>
                         {
                             return Routed::Answer(resp)
                         }
                         // Forwarded once more, or this node's own refusal
                         // now (the leader it knows is down, or unknown).
-                        d => match elsewhere(app, d, &owner, method, path_and_query, body, &route)
-                            .await
-                        {
-                            Ok(again) => return Routed::Answer(again),
-                            Err(again) => (owner, again),
-                        },
+                        (d, _) => {
+                            match elsewhere(app, d, &owner, method, path_and_query, body, &route)
+                                .await
+                            {
+                                Ok(again) => return Routed::Answer(again),
+                                Err(again) => (owner, again),
+                            }
+                        }
                     }
                 }
                 Ok(resp) => return Routed::Answer(resp),
@@ -661,6 +692,35 @@ where
     };
     RouteHeaders::new(app, &route, &owner).apply(&mut resp);
     Routed::Answer(resp)
+}
+
+/// A request that came forwarded to this node, whose replica of the
+/// shard knows no leader now (an election under way: this node handing
+/// its leadership over as it stops, or a leader lost): waits a moment for
+/// the group to name one (within half the sender's forward timeout), and
+/// decides again. Refused at once, it would name no leader; named, the
+/// leader's later term goes back in the 421, which the sender follows.
+/// `None` if there is no such replica here (nothing to wait for).
+async fn after_an_election(app: &App, shard: ShardId, hops: u8) -> Option<(Owner, Decision)> {
+    let st = app.store.shard(shard).filter(|st| st.is_replicated())?;
+    let l = st.leadership().filter(|l| l.leader.is_none())?;
+    let wait = forwarded_wait(app);
+    let now = st.leader_after(l.term.saturating_sub(1), wait).await;
+    tracing::debug!(
+        shard = shard.get(),
+        term = l.term,
+        now = ?now.map(|l| (l.leader, l.term)),
+        "a forwarded request met an election here; it waited for a leader"
+    );
+    Some(decision(app, shard, hops))
+}
+
+/// How long a request that came forwarded waits here for its shard's
+/// group to name a leader before it goes back: an election's longest
+/// timeout (`settle_within`), and at most half the forward timeout, so
+/// that its sender has the time to send it on.
+fn forwarded_wait(app: &App) -> Duration {
+    settle_within(app).min(app.cfg.peer.forward_timeout() / 2)
 }
 
 /// Runs a request's local step on `st` at `epoch`, once: first confirms,
@@ -689,6 +749,41 @@ where
         .take()
         .ok_or_else(|| ApiError::Internal("the local step ran twice".into()))?;
     run(epoch, st).await
+}
+
+/// Whether a peer's refusal (`resp`, a 421 to a request forwarded to
+/// `to`) names, in its route headers, a leader of `shard` at a later term
+/// than `to`'s: the directory then takes it (a later term wins), so that
+/// the request, sent once more, and those after it go there. A node
+/// holding no replica of the shard learns a new leader so between the
+/// heartbeats of its leader's node.
+fn later_leader_named(app: &App, shard: ShardId, resp: &Response, to: &OwnerHint) -> bool {
+    let number = |name: &HeaderName| {
+        resp.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    let (Some(node), Some(term)) = (
+        number(&route_header::OWNER).and_then(forkless_types::NodeId::new),
+        number(&route_header::EPOCH),
+    ) else {
+        return false;
+    };
+    if term <= to.epoch.get() {
+        return false;
+    }
+    let moved = app.dir.observe(shard, node, Epoch(term));
+    tracing::info!(
+        shard = shard.get(),
+        refused_by = %to.node,
+        at_term = to.epoch.get(),
+        named = %node,
+        term,
+        map_moved = moved == forkless_routing::Observation::Moved,
+        "the node taken for the shard's leader refused a request, naming a leader at a later term; routing it again"
+    );
+    true
 }
 
 /// How long a request refused by a shard's group as its leadership moved

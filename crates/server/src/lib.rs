@@ -450,6 +450,7 @@ fn store_replication(
         log,
         peers: Arc::new(links.clone()),
         draining: Default::default(),
+        beat_now: Default::default(),
     };
     Ok((replication, links))
 }
@@ -512,6 +513,32 @@ async fn follow_leaders(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
     tasks.abort_all();
 }
 
+/// A peer's heartbeat says it leads each of `led` (shard, term): the
+/// directory routes the shard to it from then on, unless it knows a later
+/// term (a beat sent before a newer election changes nothing).
+fn told_led(app: &App, peer: u64, led: &[(u32, u64)]) {
+    let Some(node) = forkless_types::NodeId::new(peer) else {
+        return;
+    };
+    for &(shard, term) in led {
+        let shard = ShardId(shard);
+        let known = app.dir.assignment(shard);
+        if known.is_none_or(|a| a.epoch.get() >= term) {
+            continue;
+        }
+        if app.dir.observe(shard, node, forkless_types::Epoch(term))
+            == forkless_routing::Observation::Moved
+        {
+            tracing::info!(
+                shard = shard.get(),
+                leader = peer,
+                term,
+                "shard leader known (its node said so)"
+            );
+        }
+    }
+}
+
 /// Spawns the task that follows `shard`'s leader (`follow_leaders`).
 fn follow_shard(tasks: &mut tokio::task::JoinSet<()>, app: Arc<App>, shard: ShardId) {
     tasks.spawn(async move {
@@ -547,6 +574,12 @@ async fn follow_leader(
                 Some(leader) => {
                     app.dir
                         .observe(shard, leader, forkless_types::Epoch(l.term));
+                    // Led here from now: every peer is told at once.
+                    if l.leader == Some(l.me) {
+                        if let Some(rep) = &app.replication {
+                            rep.beat_now.notify_one();
+                        }
+                    }
                     tracing::info!(
                         shard = shard.get(),
                         leader = l.leader,
@@ -698,11 +731,23 @@ pub async fn run(
             || forkless_raftnet::Handshake::secret(app.secret.clone()),
             forkless_raftnet::Links::handshake,
         );
+        // A peer's heartbeat names the groups it leads: a node learns so
+        // the leaders of the shards it holds no replica of within a round
+        // trip of their election (a new leader's node beats at once),
+        // not at its next probe.
+        let told: forkless_raftnet::Told = {
+            let app = app.clone();
+            Arc::new(move |peer, led| told_led(&app, peer, led))
+        };
+        let hooks = forkless_raftnet::Hooks {
+            join,
+            told: Some(told),
+        };
         raft_rt.spawn(forkless_raftnet::serve_node(
             listener,
             hello,
             groups,
-            join,
+            hooks,
             admit,
             raft_stop_rx.clone(),
         ));
@@ -725,6 +770,7 @@ pub async fn run(
                 shards.clone(),
                 rep.timing,
                 heard.clone(),
+                rep.beat_now.clone(),
                 raft_stop_rx.clone(),
             ));
             {

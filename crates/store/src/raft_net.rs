@@ -104,10 +104,14 @@ pub struct Beat {
     /// learner): a replica it may not hold yet (a move added it, or its
     /// disk was lost), which a quiet leader sends nothing to.
     pub yours: Vec<u32>,
-    /// Every group the sender leads now, quiet or not: the receiver
-    /// answers which of them it could not take the leadership of
-    /// ([`RpcReply::Beat`]), for the sender's leader balancer.
-    pub led: Vec<u32>,
+    /// (shard, term) of every group the sender leads now, quiet or not:
+    /// the receiver answers which of them it could not take the
+    /// leadership of ([`RpcReply::Beat`]), for the sender's leader
+    /// balancer, and routes those it holds no replica of to the sender
+    /// from then on (a later term wins: a new leader's node sends a beat
+    /// at once, so that a node holding no replica of the shard learns it
+    /// without waiting for a probe).
+    pub led: Vec<(u32, u64)>,
 }
 
 impl Rpc {
@@ -234,9 +238,12 @@ pub struct Replication {
     /// handover to itself, and answers its peers' heartbeats that it
     /// cannot lead (a leader's balancer hands a shard only to a replica
     /// whose node answered a beat made since it led it, so nothing is
-    /// handed back while the beats run; with `quiesce` off there are no
-    /// beats, and a handover back is refused: that shard then elects).
+    /// handed back).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Notified when one of this node's replicas comes to lead its group:
+    /// the node heartbeat then goes out at once
+    /// (`forkless_raftnet::quiesce::run`), telling every peer.
+    pub beat_now: Arc<tokio::sync::Notify>,
 }
 
 /// How much of its log a replicated group keeps in memory: it snapshots
