@@ -620,7 +620,6 @@ where
                         return Routed::Answer(resp);
                     }
                     let replica = app.store.shard(route.shard).filter(|st| st.is_replicated());
-                    app.metrics.outcome(outcome::REROUTED);
                     let later = match &replica {
                         // Its own replica learns the group's next leader.
                         Some(st) => {
@@ -642,6 +641,7 @@ where
                     if !later {
                         return Routed::Answer(resp);
                     }
+                    app.metrics.outcome(outcome::REROUTED);
                     let (owner, d) = decision(app, route.shard, route.hops_taken);
                     match (d, replica) {
                         (Decision::Local { .. }, Some(st)) if local.is_some() => {
