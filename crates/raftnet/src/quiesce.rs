@@ -75,18 +75,22 @@ impl PeersHeard {
         self.beating.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// `peer` answered the beat made at `asked`. An answer to an older
+    /// beat than the one kept (beats sent close together, answered out
+    /// of order) changes nothing: it may predate the peer's shutdown.
     pub(crate) fn heard(&self, peer: u64, asked: Instant, cannot_lead: Vec<u32>) {
-        self.answers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                peer,
-                Heard {
-                    at: Instant::now(),
-                    asked,
-                    cannot_lead,
-                },
-            );
+        let mut answers = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        if answers.get(&peer).is_some_and(|h| h.asked > asked) {
+            return;
+        }
+        answers.insert(
+            peer,
+            Heard {
+                at: Instant::now(),
+                asked,
+                cannot_lead,
+            },
+        );
     }
 
     /// Whether `peer` answered a heartbeat within `within`.
@@ -153,14 +157,24 @@ pub async fn run(
     let random = std::collections::hash_map::RandomState::new();
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Beats sooner than their tick (for leaderships won) come at most this
+    // often: the elections of many shards at once (a node's start, a
+    // failover) make a few beats, not one each.
+    let soonest = (every / 8).max(Duration::from_millis(5));
+    let mut last = Instant::now();
     loop {
-        tokio::select! {
-            _ = ticks.tick() => {}
-            // (A beat that comes sooner than its tick is no more than
-            // one more a leadership change: the notifications coalesce.)
-            _ = now.notified() => {}
+        let soon = tokio::select! {
+            _ = ticks.tick() => false,
+            _ = now.notified() => true,
             _ = stop.wait_for(|s| *s) => return,
+        };
+        if soon {
+            tokio::select! {
+                _ = tokio::time::sleep_until((last + soonest).into()) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
         }
+        last = Instant::now();
         // Before the groups are looked at: every group led from then on
         // is named in this beat.
         let asked = Instant::now();

@@ -35,6 +35,8 @@ struct Node {
     /// Set as it shuts down: its replica takes no leadership
     /// (`Replication::draining`).
     draining: Arc<std::sync::atomic::AtomicBool>,
+    /// Notified as its replica comes to lead (`Replication::beat_now`).
+    beat_now: Arc<tokio::sync::Notify>,
 }
 
 impl Node {
@@ -160,6 +162,7 @@ async fn cluster_of(
         let links = Links::new(id, "secret".into(), addrs.clone());
         let peers: Arc<dyn forkless_store::Peers> = Arc::new(links.clone());
         let draining: Arc<std::sync::atomic::AtomicBool> = Arc::default();
+        let beat_now: Arc<tokio::sync::Notify> = Arc::default();
         let rep = Replication {
             me: id,
             members: Arc::new(move |_| members.clone()),
@@ -167,7 +170,7 @@ async fn cluster_of(
             timing: forkless_store::RaftTiming::default(),
             log,
             draining: draining.clone(),
-            beat_now: Arc::default(),
+            beat_now: beat_now.clone(),
         };
         let path = dir.join(id.to_string());
         let opened = path.clone();
@@ -198,6 +201,7 @@ async fn cluster_of(
             cell,
             path: opened,
             draining,
+            beat_now,
         };
         if !closed.contains(&id) {
             node.open().await;
@@ -1577,4 +1581,105 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
             s.term
         );
     }
+}
+
+/// A replica that comes to lead its group has its node's heartbeat go out
+/// at once (`Replication::beat_now`), naming the group with its new term:
+/// a node that holds no replica of the shard (here a fourth listener with
+/// no groups, which records what each beat says) learns the new leader
+/// within moments, though the heartbeat's interval is a minute. Without
+/// the beat at once it would hear of it a minute later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_leader_tells_every_peer_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    type Told = Arc<std::sync::Mutex<Vec<(u64, u32, u64)>>>;
+    let told: Told = Arc::default();
+    let hooks = {
+        let told = told.clone();
+        forkless_raftnet::Hooks {
+            join: None,
+            told: Some(Arc::new(move |peer, led: &[(u32, u64)]| {
+                let mut t = told.lock().expect("told");
+                t.extend(led.iter().map(|(s, term)| (peer, *s, *term)));
+            })),
+        }
+    };
+    let (_stop4, stopped4) = tokio::sync::watch::channel(false);
+    tokio::spawn(forkless_raftnet::serve_node(
+        listener,
+        forkless_raftnet::Handshake::secret("secret".into()),
+        Arc::new(|_| None),
+        hooks,
+        Arc::new(|_| Ok(())),
+        stopped4,
+    ));
+    // Each node beats the others and node 4 once a minute (its first beat
+    // at once), and at once for a leadership won.
+    let timing = forkless_store::RaftTiming {
+        heartbeat_ms: 60_000,
+        ..forkless_store::RaftTiming::default()
+    };
+    for n in &nodes {
+        assert!(n.links.add_peer(4, addr.clone()));
+        let (me, st) = (n.id, n.shard());
+        tokio::spawn(forkless_raftnet::quiesce::run(
+            n.peers.clone(),
+            Arc::new(move || [1, 2, 3, 4].into_iter().filter(|p| *p != me).collect()),
+            Arc::new(move || vec![st.clone()]),
+            timing,
+            Arc::default(),
+            n.beat_now.clone(),
+            n.stop.subscribe(),
+        ));
+    }
+    let heard = |leader: u64, term: u64| {
+        told.lock()
+            .expect("told")
+            .iter()
+            .any(|t| *t == (leader, SHARD.get(), term))
+    };
+    let l = leader(&nodes).await;
+    let before = nodes[l].status().expect("status").term;
+    let until = Instant::now() + Duration::from_secs(10);
+    while !heard(nodes[l].id, before) {
+        assert!(Instant::now() < until, "node 4 never heard of the leader");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The leadership handed to another replica: node 4 hears of it from
+    // the new leader's node within moments.
+    let to = nodes[(l + 1) % 3].id;
+    nodes[l]
+        .shard()
+        .transfer_leader(to)
+        .await
+        .expect("asked for the handover");
+    let until = Instant::now() + Duration::from_secs(10);
+    let (led, term) = loop {
+        if let Some(s) = nodes.iter().find_map(|n| {
+            n.status()
+                .filter(|s| s.state == "leader" && s.term > before)
+        }) {
+            break (s.me, s.term);
+        }
+        assert!(Instant::now() < until, "no new leader after the handover");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let elected = Instant::now();
+    while !heard(led, term) {
+        assert!(
+            elected.elapsed() < Duration::from_secs(5),
+            "node 4 did not hear of node {led}'s leadership at term {term} within 5 s: {:?}",
+            told.lock().expect("told")
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!(
+        "node 4 heard of node {led}'s leadership at term {term} {:?} after it was seen",
+        elected.elapsed()
+    );
 }

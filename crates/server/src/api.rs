@@ -345,10 +345,12 @@ fn decision(app: &App, shard: ShardId, hops: u8) -> (Owner, Decision) {
             None => Owner::Unknown { hint: None },
         };
     }
-    // A request that came forwarded is not held here while this node's
+    // A request that came forwarded is not run here while this node's
     // replica knows no leader (its writer would wait for an election, and
     // its sender's forward timeout runs): the map's word that this node
-    // owns the shard is then only a stand-in, and the request goes back.
+    // owns the shard is then only a stand-in, and the request goes back
+    // (`route_request` first waits a moment for a leader:
+    // `after_an_election`).
     if replicated
         && hops > 0
         && matches!(owner, Owner::Local { .. })
@@ -428,9 +430,15 @@ where
     F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
     Fut: Future<Output = Result<T, ApiError>>,
 {
+    // A request that came forwarded waits here for its shard's group at
+    // most this long in all (its sender's forward timeout runs).
+    let wait_until = tokio::time::Instant::now() + forwarded_wait(app);
     let (mut owner, mut decided) = decision(app, route.shard, route.hops_taken);
-    if route.hops_taken > 0 && !matches!(owner, Owner::Remote(_)) {
-        if let Some(again) = after_an_election(app, route.shard, route.hops_taken).await {
+    // (A stale read is answered by a replica that knows no leader too.)
+    let stale_read = route.stale_ok && method == Method::GET;
+    if route.hops_taken > 0 && !stale_read && !matches!(owner, Owner::Remote(_)) {
+        if let Some(again) = after_an_election(app, route.shard, route.hops_taken, wait_until).await
+        {
             (owner, decided) = again;
         }
     }
@@ -521,15 +529,20 @@ where
                         // round trip or two, and is then named at its
                         // new term (at once, openraft names it at this
                         // node's term, still campaigning).
-                        let (leader, term) =
-                            match st.leadership_settled(term, forwarded_wait(app)).await {
-                                Some(l) if l.leader.is_some() && l.leader != Some(l.me) => {
-                                    (l.leader, l.term)
-                                }
-                                _ => (leader, term),
-                            };
-                        let owner = leader.map_or(Owner::Unknown { hint: None }, |l| {
-                            leader_named(app, l, term)
+                        // Not settled within the wait (this node still
+                        // leads at the refused term, or no leader is
+                        // known): no leader is named, rather than the
+                        // replica openraft names at a term it does not
+                        // lead at, which a sender's map would keep until
+                        // the next term.
+                        let left =
+                            wait_until.saturating_duration_since(tokio::time::Instant::now());
+                        let settled = st.leadership_settled(term, left).await.and_then(|l| {
+                            let moved = !(l.leader == Some(l.me) && l.term <= term);
+                            l.leader.filter(|_| moved).map(|n| (n, l.term))
+                        });
+                        let owner = settled.map_or(Owner::Unknown { hint: None }, |(l, t)| {
+                            leader_named(app, l, t)
                         });
                         let d = decide(&Facts {
                             routing_active: app.dir.routing_active(),
@@ -596,12 +609,14 @@ where
                 // The node this one took for the shard's leader refused it
                 // (421: nothing executed) as the group's leadership moved
                 // on (an election, a transfer: a new cluster's first
-                // moments, a node coming back). Where this node holds a
-                // replica and the request came from a client, it waits
-                // for the group to name a leader at a later term and
-                // routes the request once more, as if it had come then:
-                // the first forward and the wait take one forward timeout
-                // at most, the second forward another.
+                // moments, a node coming back). Where the request came
+                // from a client, and a leader at a later term is known
+                // (this node's replica waits for its group to name one;
+                // a node holding none takes the one the refusal names, if
+                // at a later term), the request is routed once more, as
+                // if it had come then: the first forward and the wait
+                // take one forward timeout at most, the second forward
+                // another.
                 Ok(resp)
                     if resp.status() == StatusCode::MISDIRECTED_REQUEST
                         && route.hops_taken == 0
@@ -697,14 +712,20 @@ where
 /// A request that came forwarded to this node, whose replica of the
 /// shard knows no leader now (an election under way: this node handing
 /// its leadership over as it stops, or a leader lost): waits a moment for
-/// the group to name one (within half the sender's forward timeout), and
-/// decides again. Refused at once, it would name no leader; named, the
+/// the group to name one (until `until`: within half the sender's forward
+/// timeout of its arrival, whatever else it waits for), and decides
+/// again. Refused at once, it would name no leader; named, the
 /// leader's later term goes back in the 421, which the sender follows.
 /// `None` if there is no such replica here (nothing to wait for).
-async fn after_an_election(app: &App, shard: ShardId, hops: u8) -> Option<(Owner, Decision)> {
+async fn after_an_election(
+    app: &App,
+    shard: ShardId,
+    hops: u8,
+    until: tokio::time::Instant,
+) -> Option<(Owner, Decision)> {
     let st = app.store.shard(shard).filter(|st| st.is_replicated())?;
     let l = st.leadership().filter(|l| l.leader.is_none())?;
-    let wait = forwarded_wait(app);
+    let wait = until.saturating_duration_since(tokio::time::Instant::now());
     let now = st.leader_after(l.term.saturating_sub(1), wait).await;
     tracing::debug!(
         shard = shard.get(),
@@ -770,7 +791,8 @@ fn later_leader_named(app: &App, shard: ShardId, resp: &Response, to: &OwnerHint
     ) else {
         return false;
     };
-    if term <= to.epoch.get() {
+    // This node holds no replica: it cannot lead the shard.
+    if term <= to.epoch.get() || node == app.cfg.node_id {
         return false;
     }
     let moved = app.dir.observe(shard, node, Epoch(term));

@@ -574,12 +574,6 @@ async fn follow_leader(
                 Some(leader) => {
                     app.dir
                         .observe(shard, leader, forkless_types::Epoch(l.term));
-                    // Led here from now: every peer is told at once.
-                    if l.leader == Some(l.me) {
-                        if let Some(rep) = &app.replication {
-                            rep.beat_now.notify_one();
-                        }
-                    }
                     tracing::info!(
                         shard = shard.get(),
                         leader = l.leader,

@@ -850,7 +850,7 @@ pub(crate) fn start_alone(
             (READY_WITHIN * 3).as_secs()
         )))
     })?;
-    let (stopped, closing) = watch_stop(shard, &raft, None)?;
+    let (stopped, closing) = watch_stop(shard, &raft, None, None)?;
     Ok(Group {
         raft,
         replicated: false,
@@ -955,7 +955,7 @@ pub(crate) fn start_replicated(
     // above, or from before this start), and only a trust or catching up
     // changes it, to not careful.
     let careful_replica = fresh.as_ref().map(|_| Arc::downgrade(&held));
-    let (stopped, closing) = watch_stop(shard, &raft, careful_replica)?;
+    let (stopped, closing) = watch_stop(shard, &raft, careful_replica, Some(rep.beat_now.clone()))?;
     Ok(Group {
         raft,
         replicated: true,
@@ -1028,10 +1028,15 @@ pub(crate) struct AppendCounts {
 /// next heartbeat, and one handing its leadership on, or restarted,
 /// before that would refuse votes it has no reason to (a test cluster
 /// without heartbeats kept its leader careful for good).
+///
+/// Each time the replica comes to lead its group, `led` is notified
+/// ([`crate::Replication::beat_now`]: the node's heartbeat then tells
+/// every peer at once).
 fn watch_stop(
     shard: forkless_types::ShardId,
     raft: &ShardRaft,
     careful: Option<std::sync::Weak<Replica>>,
+    led: Option<Arc<tokio::sync::Notify>>,
 ) -> Result<
     (
         Arc<std::sync::OnceLock<String>>,
@@ -1046,6 +1051,8 @@ fn watch_stop(
     let mut careful = careful;
     runtime()?.spawn(async move {
         let mut rx = raft.metrics();
+        // The term it last led at.
+        let mut led_at = None;
         let fatal = loop {
             let leading = {
                 let m = rx.borrow_watched();
@@ -1055,6 +1062,15 @@ fn watch_stop(
                 (m.state == openraft::ServerState::Leader)
                     .then(|| m.last_applied.map(|l| l.index))
             };
+            if leading.is_some() {
+                let term = rx.borrow_watched().current_term;
+                if led_at != Some(term) {
+                    led_at = Some(term);
+                    if let Some(led) = &led {
+                        led.notify_one();
+                    }
+                }
+            }
             if let (Some(applied), Some(r)) = (leading, careful.as_ref().and_then(|r| r.upgrade())) {
                 r.maybe_caught_up(applied, true);
                 // Caught up for good: nothing more to watch it for.

@@ -107,10 +107,10 @@ pub struct Beat {
     /// (shard, term) of every group the sender leads now, quiet or not:
     /// the receiver answers which of them it could not take the
     /// leadership of ([`RpcReply::Beat`]), for the sender's leader
-    /// balancer, and routes those it holds no replica of to the sender
-    /// from then on (a later term wins: a new leader's node sends a beat
-    /// at once, so that a node holding no replica of the shard learns it
-    /// without waiting for a probe).
+    /// balancer, and routes them to the sender from then on (a later term
+    /// wins; a new leader's node sends a beat at once, so that a node
+    /// holding no replica of the shard learns it without waiting for a
+    /// probe).
     pub led: Vec<(u32, u64)>,
 }
 
@@ -240,9 +240,10 @@ pub struct Replication {
     /// whose node answered a beat made since it led it, so nothing is
     /// handed back).
     pub draining: Arc<std::sync::atomic::AtomicBool>,
-    /// Notified when one of this node's replicas comes to lead its group:
-    /// the node heartbeat then goes out at once
-    /// (`forkless_raftnet::quiesce::run`), telling every peer.
+    /// Notified when one of this node's replicas comes to lead its group
+    /// (its group's watcher, `raft_group::watch_stop`): the node heartbeat
+    /// then goes out at once (`forkless_raftnet::quiesce::run`), telling
+    /// every peer.
     pub beat_now: Arc<tokio::sync::Notify>,
 }
 
