@@ -96,6 +96,13 @@ pub enum ClusterVerb {
     /// lost disk and the gone replica held is lost: say so with
     /// --accept-loss. Prints the node's answer.
     TrustReplica(TrustReplicaArgs),
+    /// Wait until every node of the cluster answers and every shard's
+    /// replicas are level with its leader: every shard led, each replica
+    /// the leader counts at most --lag-max entries behind its log, none
+    /// new and catching up. The moment to stop the next node of a rolling
+    /// restart. Exit 0 once level; exit 1 at --timeout, naming what is
+    /// not.
+    WaitLevel(WaitLevelArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -109,6 +116,19 @@ pub struct TrustReplicaArgs {
     /// that is gone held may be lost.
     #[arg(long)]
     accept_loss: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct WaitLevelArgs {
+    #[command(flatten)]
+    server: ServerArg,
+    /// How long to wait (e.g. 30s, 5m).
+    #[arg(long, default_value = "5m", value_parser = crate::bench::parse_duration)]
+    timeout: Duration,
+    /// The most entries a replica may lack of its leader's log and count
+    /// as level (16: what a leader hands its leadership over at).
+    #[arg(long, default_value_t = 16)]
+    lag_max: u64,
 }
 
 #[derive(clap::Args, Debug)]
@@ -450,6 +470,7 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
                 );
             }
         }
+        Verb::Cluster(ClusterVerb::WaitLevel(a)) => wait_level(&a).await?,
         Verb::Status(a) => {
             let map = client(&a.server)?.cluster().await?;
             if a.json {
@@ -460,6 +481,146 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
         }
     }
     Ok(())
+}
+
+/// `forkless cluster wait-level`: asks every node for its map, each round,
+/// until [`not_level`] finds nothing, or the timeout.
+async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
+    let started = tokio::time::Instant::now();
+    let until = started + a.timeout;
+    let first = client(&a.server)?.cluster().await?;
+    if !first.shards.iter().any(|s| s.replicas.is_some()) {
+        return Err(anyhow::anyhow!(
+            "node {} runs no replicated cluster: there are no replicas to wait for",
+            first.node
+        )
+        .into());
+    }
+    let mut said = tokio::time::Instant::now();
+    loop {
+        // Every node the first answer names, each asked for its own view.
+        let mut maps = Vec::new();
+        for n in &first.nodes {
+            let mut cfg = client_config(&ServerArg {
+                server: first.base_of(n),
+            });
+            // This node's own view, not whichever node the map would pick.
+            cfg.routing = forkless_client::Routing::Fixed;
+            cfg.retry = RetryPolicy {
+                max_attempts: 1,
+                ..RetryPolicy::default()
+            };
+            cfg.request_timeout = Duration::from_secs(2);
+            let map = match Client::with_config(cfg) {
+                Ok(c) => c
+                    .cluster()
+                    .await
+                    .map(|m| (*m).clone())
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            maps.push((n.id, map));
+        }
+        let pending = not_level(&maps, a.lag_max);
+        if pending.is_empty() {
+            println!(
+                "every shard's replicas are level with their leader ({} shards on {} nodes), after {:.1} s",
+                first.shards.len(),
+                first.nodes.len(),
+                started.elapsed().as_secs_f64()
+            );
+            return Ok(());
+        }
+        let now = tokio::time::Instant::now();
+        if now >= until {
+            for p in &pending {
+                eprintln!("not level: {p}");
+            }
+            return Err(anyhow::anyhow!(
+                "not level within {:.0} s ({} reason(s) above)",
+                a.timeout.as_secs_f64(),
+                pending.len()
+            )
+            .into());
+        }
+        if now.duration_since(said) >= Duration::from_secs(5) {
+            said = now;
+            eprintln!(
+                "waiting: {}{}",
+                pending[0],
+                if pending.len() > 1 {
+                    format!(" (and {} more)", pending.len() - 1)
+                } else {
+                    String::new()
+                }
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250).min(until - now)).await;
+    }
+}
+
+/// What keeps a replicated cluster from being level, given each node's
+/// own map (`Err`: it did not answer): a node that did not answer, a
+/// shard no node leads, a replica its leader counts that lacks more than
+/// `lag_max` entries of the leader's log (or that its leader has not
+/// heard), and a replica that is new and catching up. Empty: level.
+fn not_level(maps: &[(u16, Result<ClusterMap, String>)], lag_max: u64) -> Vec<String> {
+    let mut pending = Vec::new();
+    let answered: Vec<(u16, &ClusterMap)> = maps
+        .iter()
+        .filter_map(|(n, m)| match m {
+            Ok(m) => Some((*n, m)),
+            Err(e) => {
+                pending.push(format!("node {n} does not answer ({e})"));
+                None
+            }
+        })
+        .collect();
+    let shards = answered
+        .iter()
+        .map(|(_, m)| m.shards.len())
+        .max()
+        .unwrap_or(0);
+    for shard in 0..shards {
+        let at = |m: &ClusterMap| m.shards.iter().find(|s| s.shard as usize == shard).cloned();
+        // The node whose own replica leads, at the highest term.
+        let leader = answered
+            .iter()
+            .filter_map(|(n, m)| {
+                let s = at(m)?;
+                let r = s.raft.clone()?;
+                (r.state == "leader").then(|| (s.term.unwrap_or(0), *n, s, r))
+            })
+            .max_by_key(|(term, n, _, _)| (*term, *n));
+        let Some((_, led_by, s, r)) = leader else {
+            pending.push(format!("shard {shard}: no node leads it"));
+            continue;
+        };
+        for v in s.replicas.iter().flatten().filter(|v| **v != led_by) {
+            match r.followers.iter().find(|f| f.node == u64::from(*v)) {
+                Some(f) => match f.lag {
+                    Some(lag) if lag <= lag_max => {}
+                    Some(lag) => pending.push(format!(
+                        "shard {shard}: node {v} is {lag} entries behind its leader, node {led_by}"
+                    )),
+                    None => pending.push(format!(
+                        "shard {shard}: its leader, node {led_by}, does not know how far node {v} is"
+                    )),
+                },
+                None => pending.push(format!(
+                    "shard {shard}: its leader, node {led_by}, does not replicate to node {v}"
+                )),
+            }
+        }
+        for (n, m) in &answered {
+            if at(m).and_then(|s| s.raft).is_some_and(|r| r.fresh) {
+                pending.push(format!(
+                    "shard {shard}: node {n}'s replica is new (its data directory was lost) and catching up"
+                ));
+            }
+        }
+    }
+    pending
 }
 
 /// Most events the server returns in one page.
@@ -688,4 +849,95 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Node `me`'s map of a two-shard cluster of three replicas on nodes
+    /// 1-3: each shard as `(leader, this node's state, followers as (node,
+    /// lag) if it leads, fresh)`.
+    fn map(me: u16, shards: &[(u16, &str, &[(u64, Option<u64>)], bool)]) -> ClusterMap {
+        let shards: Vec<String> = shards
+            .iter()
+            .enumerate()
+            .map(|(i, (leader, state, followers, fresh))| {
+                let followers: Vec<String> = followers
+                    .iter()
+                    .map(|(n, lag)| {
+                        let lag = lag.map_or("null".to_string(), |l| l.to_string());
+                        format!(r#"{{"node":{n},"matched":1,"lag":{lag}}}"#)
+                    })
+                    .collect();
+                format!(
+                    r#"{{"shard":{i},"owner":{leader},"epoch":4,"leader":{leader},"term":4,"replicas":[1,2,3],
+                       "raft":{{"state":"{state}","followers":[{}],"fresh":{fresh}}}}}"#,
+                    followers.join(",")
+                )
+            })
+            .collect();
+        let body = format!(
+            r#"{{"node":{me},"shard_count":2,"map_version":1,"routing_active":true,
+               "nodes":[{{"id":1,"api_addr":"127.0.0.1:7071"}},{{"id":2,"api_addr":"127.0.0.1:7072"}},{{"id":3,"api_addr":"127.0.0.1:7073"}}],
+               "shards":[{}]}}"#,
+            shards.join(",")
+        );
+        ClusterMap::from_json(body.as_bytes(), "http://127.0.0.1:7071").expect("a valid map")
+    }
+
+    #[test]
+    fn level_once_every_node_answers_and_every_replica_is_caught_up() {
+        const UP: &[(u64, Option<u64>)] = &[(2, Some(0)), (3, Some(3))];
+        let leader = || map(1, &[(1, "leader", UP, false), (1, "leader", UP, false)]);
+        let follower = |me: u16, fresh: bool| {
+            map(
+                me,
+                &[(1, "follower", &[], fresh), (1, "follower", &[], false)],
+            )
+        };
+        let all = |n3: Result<ClusterMap, String>| {
+            vec![(1, Ok(leader())), (2, Ok(follower(2, false))), (3, n3)]
+        };
+        assert!(not_level(&all(Ok(follower(3, false))), 16).is_empty());
+        // Three entries behind is level at 16, not at 2.
+        assert_eq!(
+            not_level(&all(Ok(follower(3, false))), 2),
+            vec![
+                "shard 0: node 3 is 3 entries behind its leader, node 1".to_string(),
+                "shard 1: node 3 is 3 entries behind its leader, node 1".to_string(),
+            ]
+        );
+        assert_eq!(
+            not_level(&all(Err("connection refused".into())), 16),
+            vec!["node 3 does not answer (connection refused)".to_string()]
+        );
+        assert_eq!(
+            not_level(&all(Ok(follower(3, true))), 16),
+            vec![
+                "shard 0: node 3's replica is new (its data directory was lost) and catching up"
+                    .to_string()
+            ]
+        );
+        // Nobody leads shard 1; shard 0's leader does not know node 3.
+        let part: &[(u64, Option<u64>)] = &[(2, Some(0))];
+        let unled = vec![
+            (
+                1,
+                Ok(map(
+                    1,
+                    &[(1, "leader", part, false), (1, "candidate", &[], false)],
+                )),
+            ),
+            (2, Ok(follower(2, false))),
+            (3, Ok(follower(3, false))),
+        ];
+        assert_eq!(
+            not_level(&unled, 16),
+            vec![
+                "shard 0: its leader, node 1, does not replicate to node 3".to_string(),
+                "shard 1: no node leads it".to_string(),
+            ]
+        );
+    }
 }
