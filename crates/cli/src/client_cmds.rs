@@ -858,7 +858,10 @@ mod tests {
     /// Node `me`'s map of a two-shard cluster of three replicas on nodes
     /// 1-3: each shard as `(leader, this node's state, followers as (node,
     /// lag) if it leads, fresh)`.
-    fn map(me: u16, shards: &[(u16, &str, &[(u64, Option<u64>)], bool)]) -> ClusterMap {
+    /// A follower's node and lag, as its leader says.
+    type Lags<'a> = &'a [(u64, Option<u64>)];
+
+    fn map(me: u16, shards: &[(u16, &str, Lags, bool)]) -> ClusterMap {
         let shards: Vec<String> = shards
             .iter()
             .enumerate()
@@ -888,7 +891,7 @@ mod tests {
 
     #[test]
     fn level_once_every_node_answers_and_every_replica_is_caught_up() {
-        const UP: &[(u64, Option<u64>)] = &[(2, Some(0)), (3, Some(3))];
+        const UP: Lags = &[(2, Some(0)), (3, Some(3))];
         let leader = || map(1, &[(1, "leader", UP, false), (1, "leader", UP, false)]);
         let follower = |me: u16, fresh: bool| {
             map(
@@ -920,7 +923,7 @@ mod tests {
             ]
         );
         // Nobody leads shard 1; shard 0's leader does not know node 3.
-        let part: &[(u64, Option<u64>)] = &[(2, Some(0))];
+        let part: Lags = &[(2, Some(0))];
         let unled = vec![
             (
                 1,
