@@ -488,7 +488,15 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
 async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
     let started = tokio::time::Instant::now();
     let until = started + a.timeout;
-    let first = client(&a.server)?.cluster().await?;
+    // The node named may be the one just restarted, not serving yet: asked
+    // again until the timeout.
+    let first = loop {
+        match client(&a.server)?.cluster().await {
+            Ok(m) => break m,
+            Err(e) if tokio::time::Instant::now() >= until => return Err(e.into()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        }
+    };
     if !first.shards.iter().any(|s| s.replicas.is_some()) {
         return Err(anyhow::anyhow!(
             "node {} runs no replicated cluster: there are no replicas to wait for",
