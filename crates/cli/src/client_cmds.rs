@@ -103,6 +103,22 @@ pub enum ClusterVerb {
     /// restart. Exit 0 once level; exit 1 at --timeout, naming what is
     /// not.
     WaitLevel(WaitLevelArgs),
+    /// Drain the node named by --server: it takes no leadership from now
+    /// on and hands the shards it leads to other replicas (2 s at most),
+    /// and still serves and forwards every request. For a node under
+    /// maintenance that is not restarted (a restart's SIGTERM does the
+    /// same by itself). Until `forkless cluster undrain`, or its restart.
+    /// Prints the node's answer (what it handed over).
+    Drain(DrainArgs),
+    /// Undrain the node named by --server: it takes leaderships again, and
+    /// its preferred shards come back to it.
+    Undrain(DrainArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct DrainArgs {
+    #[command(flatten)]
+    server: ServerArg,
 }
 
 #[derive(clap::Args, Debug)]
@@ -471,6 +487,16 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
             }
         }
         Verb::Cluster(ClusterVerb::WaitLevel(a)) => wait_level(&a).await?,
+        Verb::Cluster(ClusterVerb::Drain(a)) | Verb::Cluster(ClusterVerb::Undrain(a))
+            if a.server.server.contains(',') =>
+        {
+            return Err(anyhow::anyhow!(
+                "--server: name one node (its own leaderships are drained), not a list"
+            )
+            .into());
+        }
+        Verb::Cluster(ClusterVerb::Drain(a)) => drain_node(&a, true).await?,
+        Verb::Cluster(ClusterVerb::Undrain(a)) => drain_node(&a, false).await?,
         Verb::Status(a) => {
             let map = client(&a.server)?.cluster().await?;
             if a.json {
@@ -480,6 +506,16 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
             }
         }
     }
+    Ok(())
+}
+
+/// `forkless cluster drain` / `undrain`: asks the node named, and no other.
+async fn drain_node(a: &DrainArgs, drain: bool) -> Result<(), Failed> {
+    let mut cfg = client_config(&a.server);
+    // This node, not whichever the map would pick.
+    cfg.routing = forkless_client::Routing::Fixed;
+    let answer = Client::with_config(cfg)?.drain_node(drain).await?;
+    print(&answer)?;
     Ok(())
 }
 
@@ -735,6 +771,13 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             out,
             "node(s) {} run with another node list than node {}: a cluster file edited and not reloaded there? (forkless cluster reload)",
             differ.join(", "),
+            m.node
+        )?;
+    }
+    if m.draining {
+        writeln!(
+            out,
+            "node {} is drained (or stopping): it takes no leadership (forkless cluster undrain --server ...)",
             m.node
         )?;
     }

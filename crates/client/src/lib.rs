@@ -683,6 +683,29 @@ impl Client {
         .await
     }
 
+    /// Drains (`drain` true) or undrains the node this client sends to
+    /// (with [`Routing::Fixed`]): drained, it takes no leadership and
+    /// hands the shards it leads to other replicas (`POST
+    /// /api/cluster/drain`, `/api/cluster/undrain`).
+    pub async fn drain_node(&self, drain: bool) -> Result<serde_json::Value, Error> {
+        self.json(Call {
+            method: Method::POST,
+            path: if drain {
+                "/api/cluster/drain"
+            } else {
+                "/api/cluster/undrain"
+            }
+            .into(),
+            body: None,
+            steer: Steer::Any,
+            // Asked twice, the second hands nothing more over.
+            idempotent: true,
+            // The handover's own bound (2 s) on top of the request's.
+            extra_timeout: Duration::from_secs(3),
+        })
+        .await
+    }
+
     /// Asks the node this client sends to (with [`Routing::Fixed`]) to
     /// trust its new replica of `shard` as caught up: an operator's
     /// override for a shard that cannot elect while a replica it needs is

@@ -104,6 +104,8 @@ struct Wire {
     map_version: u64,
     #[serde(default)]
     routing_active: bool,
+    #[serde(default)]
+    draining: bool,
     nodes: Vec<NodeInfo>,
     shards: Vec<ShardInfo>,
 }
@@ -117,6 +119,9 @@ pub struct ClusterMap {
     pub map_version: u64,
     /// False on a single node (one shard): everything is local there.
     pub routing_active: bool,
+    /// The answering node takes no leadership: drained by an operator
+    /// (`forkless cluster drain`), or stopping.
+    pub draining: bool,
     pub nodes: Vec<NodeInfo>,
     pub shards: Vec<ShardInfo>,
     /// The base URL the map was fetched from (`http://host:port`).
@@ -162,6 +167,7 @@ impl ClusterMap {
             shard_count: count.get(),
             map_version: w.map_version,
             routing_active: w.routing_active,
+            draining: w.draining,
             nodes: w.nodes,
             shards,
             fetched_from: fetched_from.trim_end_matches('/').to_string(),

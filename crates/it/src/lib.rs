@@ -1510,18 +1510,24 @@ impl Cluster {
         let state = if alive { "alive" } else { "down" };
         for &n in observers {
             let c = self.client(n);
-            wait_until(
-                &format!("node {n} to see node {peer} {state}"),
-                Duration::from_secs(10),
-                || {
-                    let v = c.get("/api/cluster").json();
-                    v["nodes"]
-                        .as_array()?
-                        .iter()
-                        .any(|x| x["id"] == peer && x["alive"] == alive)
-                        .then_some(())
-                },
-            );
+            let seen = || {
+                let v = c.get("/api/cluster").json();
+                v["nodes"]
+                    .as_array()?
+                    .iter()
+                    .any(|x| x["id"] == peer && x["alive"] == alive)
+                    .then_some(())
+            };
+            let until = Instant::now() + Duration::from_secs(10);
+            while seen().is_none() {
+                // With the nodes' logs: the prober's side of it.
+                assert!(
+                    Instant::now() < until,
+                    "timed out after 10s waiting for node {n} to see node {peer} {state}\n{}",
+                    self.logs()
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
     }
 

@@ -993,6 +993,81 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
     assert_eq!(cl.client(1).last_seq(&exec), 2);
 }
 
+/// An operator drains a node (`forkless cluster drain`): the shards it
+/// led go to other replicas at once and stay away (without the drain its
+/// peers' balancers hand its preferred shards back within a second or
+/// two), `/api/cluster` and `forkless status` say it is drained, and a
+/// write through it is still taken (forwarded). Undrained, it leads its
+/// preferred shards again.
+#[test]
+fn a_drained_node_leads_nothing_until_undrained() {
+    let _deadline = deadline("replication: a drained node", Duration::from_secs(120));
+    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
+    let spread = vec![1u16, 2, 3, 1];
+    let (c1, c2) = (cl.client(1), cl.client(2));
+    wait_until(
+        "every shard led by its preferred replica",
+        Duration::from_secs(30),
+        || (leaders_via(&c2)? == spread).then_some(()),
+    );
+    let exec =
+        id_of(&c2.start(&json!({"workflow": "w", "routing_key": key_on_shard("drain-0", 0, 4)})));
+    let server = format!("http://{}", cl.node(1).api);
+    let cli = |verb: &str| {
+        run_cli(
+            &["cluster", verb, "--server", &server],
+            Duration::from_secs(30),
+        )
+    };
+    let (code, out, err) = cli("drain");
+    let said: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_default();
+    assert!(
+        code == Some(0)
+            && said["draining"] == true
+            && said["handed"].as_u64() >= Some(2)
+            && said["not_taken"] == 0,
+        "forkless cluster drain: {code:?}\n{out}\n{err}"
+    );
+    let leads_none = |l: &[u16]| !l.contains(&1);
+    wait_until("node 1 leads no shard", Duration::from_secs(5), || {
+        leads_none(&leaders_via(&c2)?).then_some(())
+    });
+    // It stays so through three of its peers' balancer rounds (1 s each).
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_millis(3500) {
+        if let Some(l) = leaders_via(&c2) {
+            assert!(leads_none(&l), "drained node 1 leads a shard again: {l:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(c1.get("/api/cluster").json()["draining"], true);
+    let (_, status, _) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
+    assert!(status.contains("node 1 is drained"), "{status}");
+    // Still serving: a write through it is forwarded and taken.
+    let body = workload::batch_body(&["through-drained".to_string()], None).to_string();
+    let r = c1
+        .try_req(
+            "POST",
+            &format!("/api/executions/{exec}/events"),
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(5),
+        )
+        .expect("node 1 answers");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (code, out, err) = cli("undrain");
+    assert!(
+        code == Some(0) && out.contains("\"draining\":false"),
+        "forkless cluster undrain: {code:?}\n{out}\n{err}"
+    );
+    wait_until(
+        "shards 0 and 3 led by node 1 again",
+        Duration::from_secs(30),
+        || (leaders_via(&c2)? == spread).then_some(()),
+    );
+    assert_eq!(c1.get("/api/cluster").json()["draining"], false);
+}
+
 /// A replica whose data directory is lost (SIGKILL, the folder deleted,
 /// started again empty) rejoins and catches up by itself: the leaders'
 /// logs forgot the entries it needs (a snapshot every 20 entries, 5 kept),

@@ -120,6 +120,8 @@ fn router(app: Arc<App>) -> Router {
         .route("/api/cluster/placement", get(cluster_placement))
         .route("/api/cluster/remove-node", post(remove_node))
         .route("/api/cluster/reload", post(cluster_reload))
+        .route("/api/cluster/drain", post(cluster_drain))
+        .route("/api/cluster/undrain", post(cluster_undrain))
         .route("/api/shards/{shard}/replace", post(replace_replica))
         .route("/api/shards/{shard}/trust", post(trust_replica))
         .route("/healthz", get(|| async { Json(json!({"status": "ok"})) }))
@@ -2347,6 +2349,8 @@ async fn cluster(State(app): AppState) -> Response {
             "partition_count": forkless_types::PARTITION_COUNT,
             "map_version": app.dir.map_version(),
             "routing_active": app.dir.routing_active(),
+            // Takes no leadership (drained by an operator, or stopping).
+            "draining": app.drainer.get().is_some_and(|d| d.draining()),
             "nodes": nodes,
             "shards": shards,
         }),
@@ -2361,6 +2365,88 @@ fn node_json(a: &crate::reload::Added) -> serde_json::Value {
         "peer_addr": a.node.peer_addr,
         "raft_addr": a.raft_addr.map(|r| r.to_string()),
     })
+}
+
+/// The body of a request that takes none: empty (or white space), else a
+/// 400 naming it.
+async fn no_body(app: &App, body: Body, why: &str) -> Result<(), ApiError> {
+    let b = read_body(app, body).await?;
+    if b.iter().all(|c| c.is_ascii_whitespace()) {
+        Ok(())
+    } else {
+        Err(ApiError::invalid("body", format!("takes no body: {why}")))
+    }
+}
+
+/// The answer to a drain or an undrain on a node that runs no replicated
+/// cluster (it has no `Drain`: it leads nothing to hand over): 409.
+fn not_replicated(app: &App) -> Response {
+    json_response(
+        StatusCode::CONFLICT,
+        &json!({
+            "error": "not_replicated",
+            "message": format!(
+                "node {} runs no replicated cluster: it has no leadership to hand over",
+                app.cfg.node_id
+            ),
+        }),
+    )
+}
+
+/// `POST /api/cluster/drain`: this node takes no leadership from now on
+/// (its replicas stand for no election, a handover to it is refused, and
+/// its peers are told it cannot lead) and hands the shards it leads to
+/// other replicas now, waiting at most 2 s; it still serves and forwards
+/// every request. Until `POST /api/cluster/undrain`, or its restart.
+async fn cluster_drain(State(app): AppState, body: Body) -> Response {
+    if let Err(e) = no_body(&app, body, "it drains the node that answers").await {
+        return e.into_response();
+    }
+    let Some(d) = app.drainer.get() else {
+        return not_replicated(&app);
+    };
+    let (done, took_ms) = d.drain().await;
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "node": app.cfg.node_id.get(),
+            "draining": true,
+            "handed": done.handed,
+            "not_taken": done.not_taken,
+            "no_replica": done.no_replica,
+            "took_ms": took_ms,
+        }),
+    )
+}
+
+/// `POST /api/cluster/undrain`: a drained node takes leaderships again;
+/// its peers' balancers hand it its preferred shards back. A 409 once the
+/// node is stopping.
+async fn cluster_undrain(State(app): AppState, body: Body) -> Response {
+    if let Err(e) = no_body(&app, body, "it undrains the node that answers").await {
+        return e.into_response();
+    }
+    let Some(d) = app.drainer.get() else {
+        return not_replicated(&app);
+    };
+    if app.leaving.load(std::sync::atomic::Ordering::Acquire) {
+        return json_response(
+            StatusCode::CONFLICT,
+            &json!({
+                "error": "stopping",
+                "message": format!("node {} is stopping: it takes no leadership again", app.cfg.node_id),
+            }),
+        );
+    }
+    d.undo();
+    // A stop that came meanwhile keeps the node draining.
+    if app.leaving.load(std::sync::atomic::Ordering::Acquire) {
+        d.redo();
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({"node": app.cfg.node_id.get(), "draining": false}),
+    )
 }
 
 /// `POST /api/cluster/reload`: this node reads its cluster file again and

@@ -56,6 +56,10 @@ pub struct App {
     /// Set when the node is asked to stop, before it hands its leaderships
     /// over: `/readyz` says it is stopping.
     pub leaving: AtomicBool,
+    /// What hands this node's leaderships over, set once it serves in a
+    /// replicated cluster: at a stop, and on an operator's request
+    /// (`POST /api/cluster/drain`, `forkless cluster drain`).
+    pub drainer: std::sync::OnceLock<Drain>,
     /// Connections open now on each listener: the client API's, and the
     /// peer address's when it is a listener of its own. Each is bounded by
     /// `limits.connections_max` on its own, so clients that fill their
@@ -261,6 +265,7 @@ impl App {
             ready: AtomicBool::new(false),
             stopping: tokio::sync::watch::channel(false).0,
             leaving: AtomicBool::new(false),
+            drainer: std::sync::OnceLock::new(),
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
             replication,
@@ -777,12 +782,14 @@ pub async fn run(
                 let running = app.clone();
                 let placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync> =
                     Arc::new(move |shard| running.placed(shard));
-                drain = Some(Drain {
+                let drainer = Drain {
                     shards: shards.clone(),
                     placed: placed.clone(),
                     heard: heard.clone(),
                     rep: rep.clone(),
-                });
+                };
+                let _ = app.drainer.set(drainer.clone());
+                drain = Some(drainer);
                 tokio::spawn(forkless_raftnet::balance::run(
                     shards,
                     placed,
@@ -814,7 +821,7 @@ pub async fn run(
                     }
                 };
                 tokio::select! {
-                    () = d.run() => {}
+                    _ = d.run("shutting down") => {}
                     () = again => tracing::warn!(
                         "asked again to stop: stopping without waiting for the leaderships' handover"
                     ),
@@ -853,9 +860,10 @@ pub async fn run(
     Ok(())
 }
 
-/// What a replicated node needs to hand its leaderships over as it shuts
-/// down.
-struct Drain {
+/// What a replicated node needs to hand its leaderships over: as it
+/// shuts down, and when an operator drains it.
+#[derive(Clone)]
+pub struct Drain {
     shards: forkless_raftnet::Hosted,
     /// Each shard's replicas as the node runs its placement (the first
     /// preferred).
@@ -867,31 +875,59 @@ struct Drain {
 impl Drain {
     /// Its replicas take no leadership from now on, and every shard it
     /// leads is handed to another replica (`forkless_raftnet::balance::drain`).
-    async fn run(self) {
+    /// `why` starts its log lines ("shutting down", "drained").
+    async fn run(&self, why: &str) -> (forkless_raftnet::balance::Drained, u64) {
         self.rep.draining.store(true, Ordering::Release);
         let shards = (self.shards)();
         let within = forkless_raftnet::balance::DRAIN_WITHIN;
         tracing::info!(
             within_ms = within.as_millis() as u64,
-            "shutting down: handing the leadership of the shards this node leads to other replicas (stop again to skip)"
+            "{why}: handing the leadership of the shards this node leads to other replicas"
         );
         let started = std::time::Instant::now();
         let done = forkless_raftnet::balance::drain(
             shards,
             self.placed.as_ref(),
-            self.heard,
+            self.heard.clone(),
             self.rep.peers.as_ref(),
             self.rep.timing,
             within,
         )
         .await;
+        let took_ms = started.elapsed().as_millis() as u64;
         tracing::info!(
             handed = done.handed,
             not_taken = done.not_taken,
             no_replica = done.no_replica,
-            took_ms = started.elapsed().as_millis() as u64,
-            "shutting down: leaderships handed over"
+            took_ms,
+            "{why}: leaderships handed over"
         );
+        (done, took_ms)
+    }
+
+    /// An operator drains the node: its replicas take no leadership until
+    /// [`Drain::undo`], and the shards it leads are handed over now.
+    pub async fn drain(&self) -> (forkless_raftnet::balance::Drained, u64) {
+        self.run("drained").await
+    }
+
+    /// The node takes leaderships again (its balancer's peers hand it its
+    /// preferred shards back, and its replicas stand for election). Not
+    /// once it is stopping.
+    pub fn undo(&self) {
+        self.rep.draining.store(false, Ordering::Release);
+        tracing::info!("undrained: this node's replicas take leaderships again");
+    }
+
+    /// Takes no leadership again, handing nothing over (a stop that came
+    /// as [`Drain::undo`] ran hands over on its own).
+    pub fn redo(&self) {
+        self.rep.draining.store(true, Ordering::Release);
+    }
+
+    /// Whether the node takes no leadership now (drained, or stopping).
+    pub fn draining(&self) -> bool {
+        self.rep.draining.load(Ordering::Acquire)
     }
 }
 
