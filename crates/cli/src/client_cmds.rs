@@ -516,6 +516,18 @@ async fn drain_node(a: &DrainArgs, drain: bool) -> Result<(), Failed> {
     cfg.routing = forkless_client::Routing::Fixed;
     let answer = Client::with_config(cfg)?.drain_node(drain).await?;
     print(&answer)?;
+    // A shard no other replica took (or had none to take it) is still led
+    // there: said, and exit 1 (a drain asked again tries those again).
+    let left = ["not_taken", "no_replica"]
+        .iter()
+        .filter_map(|k| answer.get(*k).and_then(|v| v.as_u64()))
+        .sum::<u64>();
+    if drain && left > 0 {
+        return Err(anyhow::anyhow!(
+            "{left} shard(s) are still led by the node drained (no other replica took them, or none could): drain it again once their other replicas are up"
+        )
+        .into());
+    }
     Ok(())
 }
 
@@ -642,6 +654,11 @@ fn not_level(maps: &[(u16, Result<ClusterMap, String>)], lag_max: u64) -> Vec<St
         };
         for v in s.replicas.iter().flatten().filter(|v| **v != led_by) {
             match r.followers.iter().find(|f| f.node == u64::from(*v)) {
+                // Never matched: the leader's lag for it is its whole log,
+                // which may be short; not taken for level.
+                Some(f) if f.matched.is_none() => pending.push(format!(
+                    "shard {shard}: its leader, node {led_by}, has not heard how far node {v} is"
+                )),
                 Some(f) => match f.lag {
                     Some(lag) if lag <= lag_max => {}
                     Some(lag) => pending.push(format!(
@@ -920,8 +937,12 @@ mod tests {
                 let followers: Vec<String> = followers
                     .iter()
                     .map(|(n, lag)| {
-                        let lag = lag.map_or("null".to_string(), |l| l.to_string());
-                        format!(r#"{{"node":{n},"matched":1,"lag":{lag}}}"#)
+                        // No lag given: the leader never heard it (no
+                        // matched index; the server's lag is then the
+                        // whole log's length).
+                        let matched = if lag.is_none() { "null" } else { "1" };
+                        let lag = lag.map_or("2".to_string(), |l| l.to_string());
+                        format!(r#"{{"node":{n},"matched":{matched},"lag":{lag}}}"#)
                     })
                     .collect();
                 format!(
@@ -972,6 +993,24 @@ mod tests {
                 "shard 0: node 3's replica is new (its data directory was lost) and catching up"
                     .to_string()
             ]
+        );
+        // A follower its leader never heard from is not level, however
+        // short the log (its lag is then the log's length, 2 here).
+        let never: Lags = &[(2, Some(0)), (3, None)];
+        let unheard = vec![
+            (
+                1,
+                Ok(map(
+                    1,
+                    &[(1, "leader", UP, false), (1, "leader", never, false)],
+                )),
+            ),
+            (2, Ok(follower(2, false))),
+            (3, Ok(follower(3, false))),
+        ];
+        assert_eq!(
+            not_level(&unheard, 16),
+            vec!["shard 1: its leader, node 1, has not heard how far node 3 is".to_string()]
         );
         // Nobody leads shard 1; shard 0's leader does not know node 3.
         let part: Lags = &[(2, Some(0))];

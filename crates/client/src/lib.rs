@@ -698,7 +698,8 @@ impl Client {
             .into(),
             body: None,
             steer: Steer::Any,
-            // Asked twice, the second hands nothing more over.
+            // Asked twice, the second hands over only what the first
+            // left led there.
             idempotent: true,
             // The handover's own bound (2 s) on top of the request's.
             extra_timeout: Duration::from_secs(3),

@@ -2429,7 +2429,7 @@ async fn cluster_undrain(State(app): AppState, body: Body) -> Response {
     let Some(d) = app.drainer.get() else {
         return not_replicated(&app);
     };
-    if app.leaving.load(std::sync::atomic::Ordering::Acquire) {
+    if app.leaving.load(std::sync::atomic::Ordering::SeqCst) {
         return json_response(
             StatusCode::CONFLICT,
             &json!({
@@ -2440,7 +2440,7 @@ async fn cluster_undrain(State(app): AppState, body: Body) -> Response {
     }
     d.undo();
     // A stop that came meanwhile keeps the node draining.
-    if app.leaving.load(std::sync::atomic::Ordering::Acquire) {
+    if app.leaving.load(std::sync::atomic::Ordering::SeqCst) {
         d.redo();
     }
     json_response(

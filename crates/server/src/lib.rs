@@ -810,7 +810,7 @@ pub async fn run(
                 // senders below, dropped, would stop it).
                 std::future::pending::<()>().await;
             }
-            app.leaving.store(true, Ordering::Release);
+            app.leaving.store(true, Ordering::SeqCst);
             let _ = draining_tx.send(true);
             if let Some(d) = drain {
                 // A second request to stop ends the wait; the channel
@@ -877,7 +877,9 @@ impl Drain {
     /// leads is handed to another replica (`forkless_raftnet::balance::drain`).
     /// `why` starts its log lines ("shutting down", "drained").
     async fn run(&self, why: &str) -> (forkless_raftnet::balance::Drained, u64) {
-        self.rep.draining.store(true, Ordering::Release);
+        // SeqCst, as `undo`'s check of `App::leaving` is: a stop and an
+        // undrain at once leave the node draining.
+        self.rep.draining.store(true, Ordering::SeqCst);
         let shards = (self.shards)();
         let within = forkless_raftnet::balance::DRAIN_WITHIN;
         tracing::info!(
@@ -915,14 +917,14 @@ impl Drain {
     /// preferred shards back, and its replicas stand for election). Not
     /// once it is stopping.
     pub fn undo(&self) {
-        self.rep.draining.store(false, Ordering::Release);
+        self.rep.draining.store(false, Ordering::SeqCst);
         tracing::info!("undrained: this node's replicas take leaderships again");
     }
 
     /// Takes no leadership again, handing nothing over (a stop that came
     /// as [`Drain::undo`] ran hands over on its own).
     pub fn redo(&self) {
-        self.rep.draining.store(true, Ordering::Release);
+        self.rep.draining.store(true, Ordering::SeqCst);
     }
 
     /// Whether the node takes no leadership now (drained, or stopping).
