@@ -359,6 +359,19 @@ fn a_follower_killed_while_its_groups_are_quiet_applies_again_once_restarted() {
 }
 
 /// Each shard's leader as node `via` sees it, once it knows every one.
+/// Appends one event (`marker`, no expected seq) to `exec` through `c`,
+/// waiting 5 s at most for the answer.
+fn append_one(c: &Client, exec: &str, marker: &str) -> std::io::Result<Resp> {
+    let body = workload::batch_body(&[marker.to_string()], None).to_string();
+    c.try_req(
+        "POST",
+        &format!("/api/executions/{exec}/events"),
+        &[],
+        Some(body.as_bytes()),
+        Duration::from_secs(5),
+    )
+}
+
 fn leaders_via(c: &Client) -> Option<Vec<u16>> {
     let v = c
         .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
@@ -831,16 +844,7 @@ fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
         std::thread::sleep(Duration::from_millis(5));
     };
     eprintln!("node 4's word for shard 4 after node 1's exit: {named:?}");
-    let body = workload::batch_body(&["idle-after".to_string()], None).to_string();
-    let idle_write = c4
-        .try_req(
-            "POST",
-            &format!("/api/executions/{idle}/events"),
-            &[],
-            Some(body.as_bytes()),
-            Duration::from_secs(5),
-        )
-        .map(|r| (r.status, r.text()));
+    let idle_write = append_one(&c4, &idle, "idle-after").map(|r| (r.status, r.text()));
     wait_until(
         "20 writes acknowledged through node 4 once node 1 is gone",
         Duration::from_secs(20),
@@ -982,16 +986,7 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
     );
     // Writes are taken (retried while a transfer or election runs).
     wait_until("a write on shard 0", Duration::from_secs(20), || {
-        let body = workload::batch_body(&["spread-after".to_string()], None).to_string();
-        let r = c
-            .try_req(
-                "POST",
-                &format!("/api/executions/{exec}/events"),
-                &[],
-                Some(body.as_bytes()),
-                Duration::from_secs(5),
-            )
-            .ok()?;
+        let r = append_one(&c, &exec, "spread-after").ok()?;
         (r.status == 200).then_some(())
     });
     assert_eq!(cl.client(1).last_seq(&exec), 2);
@@ -1048,16 +1043,7 @@ fn a_drained_node_leads_nothing_until_undrained() {
     let (_, status, _) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
     assert!(status.contains("node 1 is drained"), "{status}");
     // Still serving: a write through it is forwarded and taken.
-    let body = workload::batch_body(&["through-drained".to_string()], None).to_string();
-    let r = c1
-        .try_req(
-            "POST",
-            &format!("/api/executions/{exec}/events"),
-            &[],
-            Some(body.as_bytes()),
-            Duration::from_secs(5),
-        )
-        .expect("node 1 answers");
+    let r = append_one(&c1, &exec, "through-drained").expect("node 1 answers");
     assert_eq!(r.status, 200, "{}", r.text());
     let (code, out, err) = cli("undrain");
     assert!(
