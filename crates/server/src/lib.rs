@@ -665,7 +665,6 @@ pub async fn run(
     // Turns true as the node starts shutting down, before it stops: what
     // must not outlive the leaderships' handover (the leader balancer).
     let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
-    let mut drain: Option<Drain> = None;
     let service = api::service(app.clone());
     let mut tasks = Vec::new();
     for (listener, which) in std::iter::once((api_listener, Listener::Api))
@@ -782,14 +781,12 @@ pub async fn run(
                 let running = app.clone();
                 let placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync> =
                     Arc::new(move |shard| running.placed(shard));
-                let drainer = Drain {
+                let _ = app.drainer.set(Drain {
                     shards: shards.clone(),
                     placed: placed.clone(),
                     heard: heard.clone(),
                     rep: rep.clone(),
-                };
-                let _ = app.drainer.set(drainer.clone());
-                drain = Some(drainer);
+                });
                 tokio::spawn(forkless_raftnet::balance::run(
                     shards,
                     placed,
@@ -812,7 +809,7 @@ pub async fn run(
             }
             app.leaving.store(true, Ordering::SeqCst);
             let _ = draining_tx.send(true);
-            if let Some(d) = drain {
+            if let Some(d) = app.drainer.get() {
                 // A second request to stop ends the wait; the channel
                 // closed does not.
                 let again = async {
