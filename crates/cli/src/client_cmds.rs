@@ -517,14 +517,15 @@ async fn drain_node(a: &DrainArgs, drain: bool) -> Result<(), Failed> {
     let answer = Client::with_config(cfg)?.drain_node(drain).await?;
     print(&answer)?;
     // A shard no other replica took (or had none to take it) is still led
-    // there: said, and exit 1 (a drain asked again tries those again).
+    // there: said, and exit 1 (the node's balancer hands it over once a
+    // replica can take it).
     let left = ["not_taken", "no_replica"]
         .iter()
         .filter_map(|k| answer.get(*k).and_then(|v| v.as_u64()))
         .sum::<u64>();
     if drain && left > 0 {
         return Err(anyhow::anyhow!(
-            "{left} shard(s) are still led by the node drained (no other replica took them, or none could): drain it again once their other replicas are up"
+            "{left} shard(s) are still led by the node drained (no other replica took them, or none could): it hands them over as soon as another replica can take them (`forkless status` shows where they are)"
         )
         .into());
     }
@@ -537,12 +538,22 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
     let started = tokio::time::Instant::now();
     let until = started + a.timeout;
     // The node named may be the one just restarted, not serving yet: asked
-    // again until the timeout.
+    // again until the timeout (each ask bounded by what is left of it).
     let first = loop {
-        match client(&a.server)?.cluster().await {
-            Ok(m) => break m,
-            Err(e) if tokio::time::Instant::now() >= until => return Err(e.into()),
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
+        let left = until.saturating_duration_since(tokio::time::Instant::now());
+        let c = client(&a.server)?;
+        match tokio::time::timeout(left, c.cluster()).await {
+            Ok(Ok(m)) => break m,
+            Ok(Err(e)) if tokio::time::Instant::now() >= until => return Err(e.into()),
+            Err(_) => {
+                return Err(anyhow::anyhow!(
+                    "{} did not answer within {:.0} s",
+                    a.server.server,
+                    a.timeout.as_secs_f64()
+                )
+                .into())
+            }
+            Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     };
     if !first.shards.iter().any(|s| s.replicas.is_some()) {
@@ -554,8 +565,13 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
     }
     let mut said = tokio::time::Instant::now();
     loop {
-        // Every node the first answer names, each asked for its own view.
-        let mut maps = Vec::new();
+        // Every node the first answer names, each asked for its own view,
+        // all at once: a node that does not answer costs one ask's
+        // bound (2 s, or what is left of the timeout), not one per node.
+        let ask_within = Duration::from_secs(2)
+            .min(until.saturating_duration_since(tokio::time::Instant::now()))
+            .max(Duration::from_millis(100));
+        let mut asks = tokio::task::JoinSet::new();
         for n in &first.nodes {
             let mut cfg = client_config(&ServerArg {
                 server: first.base_of(n),
@@ -566,17 +582,28 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
                 max_attempts: 1,
                 ..RetryPolicy::default()
             };
-            cfg.request_timeout = Duration::from_secs(2);
-            let map = match Client::with_config(cfg) {
-                Ok(c) => c
-                    .cluster()
-                    .await
-                    .map(|m| (*m).clone())
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            maps.push((n.id, map));
+            cfg.request_timeout = ask_within;
+            let id = n.id;
+            asks.spawn(async move {
+                let map = match Client::with_config(cfg) {
+                    Ok(c) => match tokio::time::timeout(ask_within, c.cluster()).await {
+                        Ok(m) => m.map(|m| (*m).clone()).map_err(|e| e.to_string()),
+                        Err(_) => Err(format!("no answer within {} ms", ask_within.as_millis())),
+                    },
+                    Err(e) => Err(e.to_string()),
+                };
+                (id, map)
+            });
         }
+        let mut maps = Vec::new();
+        while let Some(done) = asks.join_next().await {
+            match done {
+                Ok(m) => maps.push(m),
+                Err(e) => return Err(anyhow::anyhow!("asking a node for its map: {e}").into()),
+            }
+        }
+        // In the order the first answer names the nodes.
+        maps.sort_by_key(|(id, _)| first.nodes.iter().position(|n| n.id == *id));
         let pending = not_level(&maps, a.lag_max);
         if pending.is_empty() {
             println!(

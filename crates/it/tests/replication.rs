@@ -990,6 +990,27 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
         (r.status == 200).then_some(())
     });
     assert_eq!(cl.client(1).last_seq(&exec), 2);
+    // Nodes that take connections and answer nothing (paused) are asked
+    // at once, each ask bounded by what is left of the timeout: with a
+    // 1 s timeout it gives up within moments (asked one after the other,
+    // 2 s each, it took more than 4 s), naming both.
+    for n in [1u16, 3] {
+        cl.node(n).proc().sigstop();
+    }
+    let asked = Instant::now();
+    let (code, out, err) = wait_level("1s");
+    let took = asked.elapsed();
+    eprintln!("wait-level gave up on two paused nodes after {took:?}");
+    for n in [1u16, 3] {
+        cl.node(n).proc().sigcont();
+    }
+    assert!(
+        code == Some(1)
+            && err.contains("not level: node 1 does not answer")
+            && err.contains("not level: node 3 does not answer")
+            && took < Duration::from_millis(3500),
+        "wait-level with nodes 1 and 3 paused, {took:?}: {code:?}\n{out}\n{err}"
+    );
 }
 
 /// An operator drains a node (`forkless cluster drain`): the shards it
@@ -1056,6 +1077,98 @@ fn a_drained_node_leads_nothing_until_undrained() {
         || (leaders_via(&c2)? == spread).then_some(()),
     );
     assert_eq!(c1.get("/api/cluster").json()["draining"], false);
+}
+
+/// A drained node keeps handing over what its drain could not: with
+/// nodes 2 and 3 drained, a drain of node 1 hands nothing over (every
+/// other replica says it cannot lead) and exits 1, and node 1 keeps its
+/// shards, trying no handover to a drained node; once node 2 is
+/// undrained, node 1's balancer hands it every shard node 1 leads, its
+/// preferred ones too (without it node 1 kept shards 0 and 3, whose
+/// preferred replica it is, and shard 2, whose preferred replica node 3
+/// is drained). Undrained, every node leads its preferred shards again.
+#[test]
+fn a_drained_node_hands_over_what_its_drain_could_not() {
+    let _deadline = deadline(
+        "replication: a drained node hands over later",
+        Duration::from_secs(150),
+    );
+    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
+    let spread = vec![1u16, 2, 3, 1];
+    let c2 = cl.client(2);
+    wait_until(
+        "every shard led by its preferred replica",
+        Duration::from_secs(30),
+        || (leaders_via(&c2)? == spread).then_some(()),
+    );
+    let cli = |verb: &str, node: u16| {
+        let server = format!("http://{}", cl.node(node).api);
+        run_cli(
+            &["cluster", verb, "--server", &server],
+            Duration::from_secs(30),
+        )
+    };
+    for node in [2u16, 3] {
+        // (A shard its drain hands to a node drained a moment before,
+        // whose word had not come yet, is refused and handed on by the
+        // balancer: the exit code is not asserted.)
+        let (_, out, err) = cli("drain", node);
+        assert!(
+            out.contains("\"draining\":true"),
+            "drain node {node}:\n{out}\n{err}"
+        );
+    }
+    wait_until("node 1 leads every shard", Duration::from_secs(15), || {
+        (leaders_via(&c2)? == [1, 1, 1, 1]).then_some(())
+    });
+    let (code, out, err) = cli("drain", 1);
+    let said: serde_json::Value = serde_json::from_str(out.trim()).unwrap_or_default();
+    assert!(
+        code == Some(1)
+            && said["draining"] == true
+            && said["handed"] == 0
+            && err.contains("still led by the node drained"),
+        "forkless cluster drain of the last node: {code:?}\n{out}\n{err}"
+    );
+    // No replica can take them: node 1 keeps them through two balancer
+    // rounds (1 s each), handing none to a drained node.
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_millis(2500) {
+        if let Some(l) = leaders_via(&c2) {
+            assert_eq!(
+                l,
+                [1, 1, 1, 1],
+                "a shard left node 1 with no node to take it"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (code, out, err) = cli("undrain", 2);
+    assert!(code == Some(0), "undrain node 2: {code:?}\n{out}\n{err}");
+    wait_until(
+        "node 2, the one node not drained, leads every shard",
+        Duration::from_secs(15),
+        || (leaders_via(&c2)? == [2, 2, 2, 2]).then_some(()),
+    );
+    // Writes go on through the drained node 1.
+    let exec = id_of(
+        &cl.client(1)
+            .start(&json!({"workflow": "w", "routing_key": key_on_shard("drain-later-0", 0, 4)})),
+    );
+    let r = append_one(&cl.client(1), &exec, "after-the-handover").expect("node 1 answers");
+    assert_eq!(r.status, 200, "{}", r.text());
+    for node in [1u16, 3] {
+        let (code, out, err) = cli("undrain", node);
+        assert!(
+            code == Some(0),
+            "undrain node {node}: {code:?}\n{out}\n{err}"
+        );
+    }
+    wait_until(
+        "every shard led by its preferred replica again",
+        Duration::from_secs(30),
+        || (leaders_via(&c2)? == spread).then_some(()),
+    );
 }
 
 /// A replica whose data directory is lost (SIGKILL, the folder deleted,

@@ -24,6 +24,7 @@
 
 use forkless_types::ShardId;
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -243,12 +244,18 @@ pub fn steps_down_to(
 /// Hands each of `shards` this node leads to its preferred replica
 /// ([`preferred_replica`] of the replicas `placed` names), and hands away the leadership of a shard no quorum has
 /// answered for a while ([`steps_down_to`]), until `stop` turns true.
+/// While the node is drained (`drained`, `forkless cluster drain`) it
+/// hands every shard it still leads to another replica that can take it
+/// ([`hand_off_to`], nearly level and heard lately), its preferred one or
+/// not: a shard the drain itself could not hand over (no replica could
+/// take it then) goes once one can.
 pub async fn run(
     shards: crate::Hosted,
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: Arc<dyn forkless_store::Peers>,
     timing: forkless_store::RaftTiming,
+    drained: Arc<std::sync::atomic::AtomicBool>,
     mut stop: watch::Receiver<bool>,
 ) {
     let heard_within = Duration::from_millis(timing.heartbeat_ms) * HEARD_WITHIN_BEATS;
@@ -294,9 +301,23 @@ pub async fn run(
                 // counts: a leader cut off has heard nothing lately.
                 |v| heard.cannot_lead(v, shard, silent_for * CANNOT_LEAD_KEPT),
             );
-            let want =
-                cut_off.unwrap_or_else(|| preferred_replica(st.id(), &placed(st.id()), &s.voters));
-            if s.state != "leader" || s.leader != Some(s.me) || want == s.me {
+            let leads = s.state == "leader" && s.leader == Some(s.me);
+            let preferred = preferred_replica(st.id(), &placed(st.id()), &s.voters);
+            // Drained: any replica that can take it, the preferred first
+            // (this node, preferred or not, keeps it only if none can).
+            let drained_now = leads && cut_off.is_none() && drained.load(Ordering::Acquire);
+            let want = match cut_off {
+                Some(to) => to,
+                None if drained_now => hand_off_to(&s, shard, preferred, heard_within, |v| Link {
+                    node_heard_lately: heard.within(v, heard_within),
+                    down: peers.link_down(v),
+                    cannot_lead: heard.cannot_lead(v, shard, heard_within),
+                    beats: heard.beating(),
+                })
+                .unwrap_or(s.me),
+                None => preferred,
+            };
+            if !leads || want == s.me {
                 continue;
             }
             // Only an answer to a beat made since this node led the shard
@@ -341,6 +362,14 @@ pub async fn run(
                     silent_ms = silent_for.as_millis() as u64,
                     failed_before = failures - 1,
                     "no quorum of the shard's replicas has answered this leader: handing its leadership away"
+                );
+            } else if drained_now {
+                tracing::info!(
+                    shard,
+                    term = s.term,
+                    to = want,
+                    failed_before = failures - 1,
+                    "this node is drained: handing the shard's leadership to another replica"
                 );
             } else {
                 tracing::info!(
@@ -417,6 +446,35 @@ pub fn hand_off_to(
         .max_by(|a, b| matched(s, *a).cmp(&matched(s, *b)).then(b.cmp(a)))
 }
 
+/// Why [`drain`] runs: what its log lines say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    /// The node is shutting down.
+    Stop,
+    /// An operator drained it (`forkless cluster drain`); it runs on.
+    Drain,
+}
+
+impl Why {
+    /// What starts each of its log lines.
+    pub fn label(self) -> &'static str {
+        match self {
+            Why::Stop => "shutting down",
+            Why::Drain => "drained",
+        }
+    }
+
+    /// What becomes of a shard no other replica took.
+    fn stays(self) -> &'static str {
+        match self {
+            Why::Stop => "it elects a leader once this node is gone",
+            Why::Drain => {
+                "it stays led here until another replica can take it (the node's balancer hands it over then)"
+            }
+        }
+    }
+}
+
 /// What [`drain`] did with the shards this node led.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Drained {
@@ -442,6 +500,7 @@ pub struct Drained {
 /// leader) for the moment the handover takes, instead of for the
 /// election its followers would hold once this node is gone.
 pub async fn drain(
+    why: Why,
     shards: Vec<Arc<forkless_store::ShardStore>>,
     placed: &(dyn Fn(ShardId) -> Vec<u64> + Send + Sync),
     heard: Arc<crate::quiesce::PeersHeard>,
@@ -449,6 +508,7 @@ pub async fn drain(
     timing: forkless_store::RaftTiming,
     within: Duration,
 ) -> Drained {
+    let (stays, why) = (why.stays(), why.label());
     let started = tokio::time::Instant::now();
     let until = started + within;
     let beat = Duration::from_millis(timing.heartbeat_ms.max(1));
@@ -476,7 +536,7 @@ pub async fn drain(
             tracing::warn!(
                 shard,
                 term = s.term,
-                "shutting down: no other replica of the shard answered lately; it elects a leader once this node is gone"
+                "{why}: no other replica of the shard answered lately; {stays}"
             );
             done.no_replica += 1;
             continue;
@@ -485,12 +545,12 @@ pub async fn drain(
             shard,
             term = s.term,
             to,
-            "shutting down: handing the shard's leadership over"
+            "{why}: handing the shard's leadership over"
         );
         let heard = heard.clone();
         handing.spawn(async move {
             if let Err(e) = st.transfer_leader(to).await {
-                tracing::warn!(shard, to, error = %e, "shutting down: handing the shard's leadership over failed");
+                tracing::warn!(shard, to, error = %e, "{why}: handing the shard's leadership over failed");
                 return false;
             }
             let left = until.saturating_duration_since(tokio::time::Instant::now());
@@ -511,7 +571,7 @@ pub async fn drain(
             let led = tokio::select! {
                 l = st.leader_after(s.term, left) => l,
                 () = refused => {
-                    tracing::info!(shard, to, "shutting down: the replica handed the shard's leadership refused it (its node is shutting down too)");
+                    tracing::info!(shard, to, "{why}: the replica handed the shard's leadership refused it (its node is drained or shutting down too)");
                     return false;
                 }
             };
@@ -519,7 +579,7 @@ pub async fn drain(
                 // (On a timeout `leader_after` says where the group stands:
                 // a later term with no leader yet is not a handover.)
                 Some(l) if l.term > s.term && l.leader.is_some_and(|x| x != s.me) => {
-                    tracing::info!(shard, term = l.term, leader = ?l.leader, "shutting down: the shard is led by another replica");
+                    tracing::info!(shard, term = l.term, leader = ?l.leader, "{why}: the shard is led by another replica");
                     // The writes this node proposed while it led wait for
                     // their entries, which the new leader commits: once
                     // they are applied here, they are answered.
@@ -528,7 +588,7 @@ pub async fn drain(
                         tracing::warn!(
                             shard,
                             last_log_index = ?last,
-                            "shutting down: the entries this node proposed as the shard's leader were not applied here in time; their writes are answered when they are, or as unknown"
+                            "{why}: the entries this node proposed as the shard's leader were not applied here in time; their writes are answered when they are, or as unknown"
                         );
                     }
                     true
@@ -538,7 +598,7 @@ pub async fn drain(
                         shard,
                         to,
                         within_ms = within.as_millis() as u64,
-                        "shutting down: no other replica took the shard's leadership in time; it elects a leader once this node is gone"
+                        "{why}: no other replica took the shard's leadership in time; {stays}"
                     );
                     false
                 }

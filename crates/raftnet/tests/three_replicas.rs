@@ -1515,6 +1515,7 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
     let all: &(dyn Fn(ShardId) -> Vec<u64> + Send + Sync) = &|_| vec![1, 2, 3];
     nodes[l].draining.store(true, Ordering::Release);
     let done = forkless_raftnet::balance::drain(
+        forkless_raftnet::balance::Why::Stop,
         vec![nodes[l].shard()],
         all,
         Arc::default(),
@@ -1554,6 +1555,7 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
     let term = nodes[new].status().expect("status").term;
     let started = Instant::now();
     let done = forkless_raftnet::balance::drain(
+        forkless_raftnet::balance::Why::Stop,
         vec![nodes[new].shard()],
         all,
         Arc::default(),

@@ -793,6 +793,7 @@ pub async fn run(
                     heard,
                     rep.peers.clone(),
                     rep.timing,
+                    rep.draining.clone(),
                     draining_rx.clone(),
                 ));
             }
@@ -818,7 +819,7 @@ pub async fn run(
                     }
                 };
                 tokio::select! {
-                    _ = d.run("shutting down") => {}
+                    _ = d.run(forkless_raftnet::balance::Why::Stop) => {}
                     () = again => tracing::warn!(
                         "asked again to stop: stopping without waiting for the leaderships' handover"
                     ),
@@ -859,7 +860,6 @@ pub async fn run(
 
 /// What a replicated node needs to hand its leaderships over: as it
 /// shuts down, and when an operator drains it.
-#[derive(Clone)]
 pub struct Drain {
     shards: forkless_raftnet::Hosted,
     /// Each shard's replicas as the node runs its placement (the first
@@ -872,19 +872,24 @@ pub struct Drain {
 impl Drain {
     /// Its replicas take no leadership from now on, and every shard it
     /// leads is handed to another replica (`forkless_raftnet::balance::drain`).
-    /// `why` starts its log lines ("shutting down", "drained").
-    async fn run(&self, why: &str) -> (forkless_raftnet::balance::Drained, u64) {
+    /// `why` says what its log lines start with.
+    async fn run(
+        &self,
+        why: forkless_raftnet::balance::Why,
+    ) -> (forkless_raftnet::balance::Drained, u64) {
         // SeqCst, as `undo`'s check of `App::leaving` is: a stop and an
         // undrain at once leave the node draining.
         self.rep.draining.store(true, Ordering::SeqCst);
         let shards = (self.shards)();
         let within = forkless_raftnet::balance::DRAIN_WITHIN;
+        let label = why.label();
         tracing::info!(
             within_ms = within.as_millis() as u64,
-            "{why}: handing the leadership of the shards this node leads to other replicas"
+            "{label}: handing the leadership of the shards this node leads to other replicas"
         );
         let started = std::time::Instant::now();
         let done = forkless_raftnet::balance::drain(
+            why,
             shards,
             self.placed.as_ref(),
             self.heard.clone(),
@@ -899,7 +904,7 @@ impl Drain {
             not_taken = done.not_taken,
             no_replica = done.no_replica,
             took_ms,
-            "{why}: leaderships handed over"
+            "{label}: leaderships handed over"
         );
         (done, took_ms)
     }
@@ -907,7 +912,7 @@ impl Drain {
     /// An operator drains the node: its replicas take no leadership until
     /// [`Drain::undo`], and the shards it leads are handed over now.
     pub async fn drain(&self) -> (forkless_raftnet::balance::Drained, u64) {
-        self.run("drained").await
+        self.run(forkless_raftnet::balance::Why::Drain).await
     }
 
     /// The node takes leaderships again (its balancer's peers hand it its
