@@ -525,7 +525,7 @@ async fn drain_node(a: &DrainArgs, drain: bool) -> Result<(), Failed> {
         .sum::<u64>();
     if drain && left > 0 {
         return Err(anyhow::anyhow!(
-            "{left} shard(s) are still led by the node drained (no other replica took them, or none could): it hands them over as soon as another replica can take them (`forkless status` shows where they are)"
+            "{left} shard(s) are still led by the node drained (no other replica took them, or none could): it hands them over once another replica can take them (`forkless status` shows where they are)"
         )
         .into());
     }
@@ -535,25 +535,31 @@ async fn drain_node(a: &DrainArgs, drain: bool) -> Result<(), Failed> {
 /// `forkless cluster wait-level`: asks every node for its map, each round,
 /// until [`not_level`] finds nothing, or the timeout.
 async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
+    // One ask of a node: at most this long, and at least the floor below
+    // even when less of the timeout is left (a round cut shorter would
+    // take a loaded node for one that does not answer).
+    const ASK_MAX: Duration = Duration::from_secs(2);
+    const ASK_MIN: Duration = Duration::from_millis(500);
     let started = tokio::time::Instant::now();
     let until = started + a.timeout;
+    let left = || until.saturating_duration_since(tokio::time::Instant::now());
     // The node named may be the one just restarted, not serving yet: asked
-    // again until the timeout (each ask bounded by what is left of it).
+    // again until the timeout; what it last said is what is reported.
     let first = loop {
-        let left = until.saturating_duration_since(tokio::time::Instant::now());
         let c = client(&a.server)?;
-        match tokio::time::timeout(left, c.cluster()).await {
+        match tokio::time::timeout(left().clamp(ASK_MIN, ASK_MAX), c.cluster()).await {
             Ok(Ok(m)) => break m,
-            Ok(Err(e)) if tokio::time::Instant::now() >= until => return Err(e.into()),
-            Err(_) => {
+            Ok(Err(e)) if left().is_zero() => return Err(e.into()),
+            Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250).min(left())).await,
+            Err(_) if left().is_zero() => {
                 return Err(anyhow::anyhow!(
-                    "{} did not answer within {:.0} s",
+                    "{} did not answer within {:?}",
                     a.server.server,
-                    a.timeout.as_secs_f64()
+                    a.timeout
                 )
                 .into())
             }
-            Ok(Err(_)) => tokio::time::sleep(Duration::from_millis(250)).await,
+            Err(_) => {}
         }
     };
     if !first.shards.iter().any(|s| s.replicas.is_some()) {
@@ -564,13 +570,25 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
         .into());
     }
     let mut said = tokio::time::Instant::now();
+    // What the last round found not level.
+    let mut last: Vec<String> = Vec::new();
     loop {
+        // Not enough time left for a round: the last round's word stands.
+        if !last.is_empty() && left() < ASK_MIN {
+            for p in &last {
+                eprintln!("not level: {p}");
+            }
+            return Err(anyhow::anyhow!(
+                "not level within {:?} ({} reason(s) above)",
+                a.timeout,
+                last.len()
+            )
+            .into());
+        }
         // Every node the first answer names, each asked for its own view,
-        // all at once: a node that does not answer costs one ask's
-        // bound (2 s, or what is left of the timeout), not one per node.
-        let ask_within = Duration::from_secs(2)
-            .min(until.saturating_duration_since(tokio::time::Instant::now()))
-            .max(Duration::from_millis(100));
+        // all at once: nodes that do not answer cost one ask's bound, not
+        // one each.
+        let ask_within = left().clamp(ASK_MIN, ASK_MAX);
         let mut asks = tokio::task::JoinSet::new();
         for n in &first.nodes {
             let mut cfg = client_config(&ServerArg {
@@ -588,7 +606,7 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
                 let map = match Client::with_config(cfg) {
                     Ok(c) => match tokio::time::timeout(ask_within, c.cluster()).await {
                         Ok(m) => m.map(|m| (*m).clone()).map_err(|e| e.to_string()),
-                        Err(_) => Err(format!("no answer within {} ms", ask_within.as_millis())),
+                        Err(_) => Err(format!("no answer within {ask_within:?}")),
                     },
                     Err(e) => Err(e.to_string()),
                 };
@@ -615,17 +633,6 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
             return Ok(());
         }
         let now = tokio::time::Instant::now();
-        if now >= until {
-            for p in &pending {
-                eprintln!("not level: {p}");
-            }
-            return Err(anyhow::anyhow!(
-                "not level within {:.0} s ({} reason(s) above)",
-                a.timeout.as_secs_f64(),
-                pending.len()
-            )
-            .into());
-        }
         if now.duration_since(said) >= Duration::from_secs(5) {
             said = now;
             eprintln!(
@@ -638,7 +645,8 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
                 }
             );
         }
-        tokio::time::sleep(Duration::from_millis(250).min(until - now)).await;
+        last = pending;
+        tokio::time::sleep(Duration::from_millis(250).min(left())).await;
     }
 }
 

@@ -1130,10 +1130,20 @@ fn a_drained_node_hands_over_what_its_drain_could_not() {
             && err.contains("still led by the node drained"),
         "forkless cluster drain of the last node: {code:?}\n{out}\n{err}"
     );
-    // No replica can take them: node 1 keeps them through two balancer
-    // rounds (1 s each), handing none to a drained node.
+    // No replica can take them: node 1 keeps them through its balancer's
+    // wait for the drain (2 s) and two rounds (1 s each) after it, handing
+    // none to a drained node (which would refuse it, and say so).
+    let refusals = || {
+        [2u16, 3].map(|n| {
+            std::fs::read_to_string(&cl.node(n).log)
+                .unwrap_or_default()
+                .matches("refused a leadership handover")
+                .count()
+        })
+    };
+    let refused_before = refusals();
     let watched = Instant::now();
-    while watched.elapsed() < Duration::from_millis(2500) {
+    while watched.elapsed() < Duration::from_millis(4500) {
         if let Some(l) = leaders_via(&c2) {
             assert_eq!(
                 l,
@@ -1143,6 +1153,12 @@ fn a_drained_node_hands_over_what_its_drain_could_not() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+    assert_eq!(
+        refusals(),
+        refused_before,
+        "node 1 handed a shard to a drained node\n{}",
+        cl.logs()
+    );
     let (code, out, err) = cli("undrain", 2);
     assert!(code == Some(0), "undrain node 2: {code:?}\n{out}\n{err}");
     wait_until(

@@ -21,6 +21,10 @@
 //! A leader that no quorum has answered for a while (it still sends, and
 //! hears nothing) hands its leadership away the same way
 //! ([`steps_down_to`]), whichever replica is preferred.
+//!
+//! A node drained by an operator hands every shard it still leads to
+//! any replica that can take it ([`hand_off_to`]), its own preferred
+//! shards too, once its drain's own handovers are done ([`run`]).
 
 use forkless_types::ShardId;
 use std::collections::HashMap;
@@ -248,7 +252,9 @@ pub fn steps_down_to(
 /// hands every shard it still leads to another replica that can take it
 /// ([`hand_off_to`], nearly level and heard lately), its preferred one or
 /// not: a shard the drain itself could not hand over (no replica could
-/// take it then) goes once one can.
+/// take it then) goes once one can. It starts [`DRAIN_WITHIN`] after it
+/// first sees the node drained (the drain's handovers are done by then),
+/// and asks the next replica in turn after one that did not take it.
 pub async fn run(
     shards: crate::Hosted,
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
@@ -271,6 +277,12 @@ pub async fn run(
     // Each shard this node leads: the term, and when this loop first saw
     // it lead in that term.
     let mut leading: HashMap<u32, (u64, Instant)> = HashMap::new();
+    // When this loop first saw the node drained (since its last undrain).
+    // For DRAIN_WITHIN from then the drain's own handovers may be under
+    // way: this loop hands over nothing but a cut-off leader's shards (a
+    // second handover of the same shard, to another replica, would have
+    // two replicas stand in one term).
+    let mut drained_since: Option<Instant> = None;
 
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -279,6 +291,17 @@ pub async fn run(
             _ = ticks.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
+        match (drained.load(Ordering::Acquire), drained_since) {
+            (true, None) => {
+                drained_since = Some(Instant::now());
+                // What failed before the drain does not hold back the
+                // drained node's handovers.
+                tried.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            }
+            (false, Some(_)) => drained_since = None,
+            _ => {}
+        }
+        let drain_settled = drained_since.is_some_and(|t| t.elapsed() >= DRAIN_WITHIN);
         for st in &shards() {
             let Some(s) = st.raft_status() else { continue };
             let shard = st.id().get();
@@ -303,18 +326,29 @@ pub async fn run(
             );
             let leads = s.state == "leader" && s.leader == Some(s.me);
             let preferred = preferred_replica(st.id(), &placed(st.id()), &s.voters);
+            if leads && cut_off.is_none() && drained_since.is_some() && !drain_settled {
+                continue;
+            }
             // Drained: any replica that can take it, the preferred first
-            // (this node, preferred or not, keeps it only if none can).
-            let drained_now = leads && cut_off.is_none() && drained.load(Ordering::Acquire);
+            // (this node, preferred or not, keeps it only if none can),
+            // another after each that did not take it.
+            let drained_now = leads && cut_off.is_none() && drain_settled;
             let want = match cut_off {
                 Some(to) => to,
-                None if drained_now => hand_off_to(&s, shard, preferred, heard_within, |v| Link {
-                    node_heard_lately: heard.within(v, heard_within),
-                    down: peers.link_down(v),
-                    cannot_lead: heard.cannot_lead(v, shard, heard_within),
-                    beats: heard.beating(),
-                })
-                .unwrap_or(s.me),
+                None if drained_now => {
+                    let turn = tried
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&shard)
+                        .map_or(0, |t| t.failures);
+                    hand_off_to(&s, shard, preferred, turn, heard_within, |v| Link {
+                        node_heard_lately: heard.within(v, heard_within),
+                        down: peers.link_down(v),
+                        cannot_lead: heard.cannot_lead(v, shard, heard_within),
+                        beats: heard.beating(),
+                    })
+                    .unwrap_or(s.me)
+                }
                 None => preferred,
             };
             if !leads || want == s.me {
@@ -421,10 +455,16 @@ pub const DRAIN_WITHIN: Duration = TAKES_WITHIN;
 /// leading many shards spreads them over the others; with none level, the
 /// one that matched the most (ties: the lowest id). `None` when no replica
 /// can take it: the shard elects once the node is gone, as after a crash.
+/// `turn` counts the handovers of the shard that did not take, in a row
+/// (a drained node's balancer tries again): with one or more the
+/// preferred replica is not put first and the turn moves on by that
+/// many, so a replica that keeps not taking the shard is not the only one
+/// asked.
 pub fn hand_off_to(
     s: &forkless_store::RaftStatus,
     shard: u32,
     preferred: u64,
+    turn: u32,
     heard_within: Duration,
     link: impl Fn(u64) -> Link,
 ) -> Option<u64> {
@@ -436,11 +476,12 @@ pub fn hand_off_to(
         .collect();
     able.sort_unstable();
     let nearly_level: Vec<u64> = able.iter().copied().filter(|v| level(s, *v)).collect();
-    if nearly_level.contains(&preferred) {
+    if turn == 0 && nearly_level.contains(&preferred) {
         return Some(preferred);
     }
     if !nearly_level.is_empty() {
-        return Some(nearly_level[shard as usize % nearly_level.len()]);
+        let at = (shard as usize).wrapping_add(turn as usize) % nearly_level.len();
+        return Some(nearly_level[at]);
     }
     able.into_iter()
         .max_by(|a, b| matched(s, *a).cmp(&matched(s, *b)).then(b.cmp(a)))
@@ -526,7 +567,7 @@ pub async fn drain(
             continue;
         }
         let preferred = preferred_replica(st.id(), &placed(st.id()), &s.voters);
-        let to = hand_off_to(&s, shard, preferred, heard_within, |v| Link {
+        let to = hand_off_to(&s, shard, preferred, 0, heard_within, |v| Link {
             node_heard_lately: heard.within(v, heard_within),
             down: peers.link_down(v),
             cannot_lead: heard.cannot_lead(v, shard, heard_within),
@@ -843,17 +884,23 @@ mod tests {
         };
         // Leader 3; voters 1 and 2 both level: shards take turns.
         let both = leader_of(100, 1, 99, 10);
-        assert_eq!(hand_off_to(&both, 0, NONE, within, up), Some(1));
-        assert_eq!(hand_off_to(&both, 1, NONE, within, up), Some(2));
-        assert_eq!(hand_off_to(&both, 2, NONE, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 0, NONE, 0, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 1, NONE, 0, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 2, NONE, 0, within, up), Some(1));
         // The shard's preferred replica first, when it is level.
-        assert_eq!(hand_off_to(&both, 0, 2, within, up), Some(2));
-        assert_eq!(hand_off_to(&both, 1, 1, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 0, 2, 0, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 1, 1, 0, within, up), Some(1));
         // Replica 1 far behind: the level one, whatever the shard.
         let behind = leader_of(100, 1, 10, 10);
-        assert_eq!(hand_off_to(&behind, 0, NONE, within, up), Some(2));
-        assert_eq!(hand_off_to(&behind, 1, NONE, within, up), Some(2));
-        assert_eq!(hand_off_to(&behind, 1, 1, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 0, NONE, 0, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 1, NONE, 0, within, up), Some(2));
+        assert_eq!(hand_off_to(&behind, 1, 1, 0, within, up), Some(2));
+        // A drained node's balancer asking again after handovers that did
+        // not take: the preferred replica no longer first, the turn moves
+        // on.
+        assert_eq!(hand_off_to(&both, 0, 2, 1, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 0, 2, 2, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 1, 2, 1, within, up), Some(1));
         // Replica 2's node shutting down too (it says it cannot lead),
         // its link down, or not heard lately: replica 1, level or not.
         let not_2 = |say: Link| {
@@ -868,16 +915,19 @@ mod tests {
         let mut refuses = up(2);
         refuses.cannot_lead = true;
         assert_eq!(
-            hand_off_to(&behind, 1, NONE, within, not_2(refuses)),
+            hand_off_to(&behind, 1, NONE, 0, within, not_2(refuses)),
             Some(1)
         );
         let mut down = up(2);
         down.down = true;
-        assert_eq!(hand_off_to(&behind, 1, NONE, within, not_2(down)), Some(1));
+        assert_eq!(
+            hand_off_to(&behind, 1, NONE, 0, within, not_2(down)),
+            Some(1)
+        );
         let mut silent = up(2);
         silent.node_heard_lately = false;
         assert_eq!(
-            hand_off_to(&behind, 1, NONE, within, not_2(silent)),
+            hand_off_to(&behind, 1, NONE, 0, within, not_2(silent)),
             Some(1)
         );
         // With the beats off, the group's own answers count.
@@ -888,9 +938,9 @@ mod tests {
             beats: false,
         };
         // Both answered their group lately; replica 1 is not level.
-        assert_eq!(hand_off_to(&behind, 0, NONE, within, no_beats), Some(2));
+        assert_eq!(hand_off_to(&behind, 0, NONE, 0, within, no_beats), Some(2));
         let unheard = leader_of(100, 1, 100, 400);
-        let only_2 = hand_off_to(&unheard, 0, NONE, within, no_beats);
+        let only_2 = hand_off_to(&unheard, 0, NONE, 0, within, no_beats);
         assert_eq!(only_2, Some(2));
         // No one to take it.
         let nobody = |_| Link {
@@ -899,6 +949,6 @@ mod tests {
             cannot_lead: false,
             beats: true,
         };
-        assert_eq!(hand_off_to(&both, 0, NONE, within, nobody), None);
+        assert_eq!(hand_off_to(&both, 0, NONE, 0, within, nobody), None);
     }
 }

@@ -908,7 +908,7 @@ pub(crate) fn start_replicated(
         campaign: Arc::new(move |last| {
             if draining.load(std::sync::atomic::Ordering::Acquire) {
                 return Some(format!(
-                    "node {me} is shutting down: its replica of group {} does not stand for election",
+                    "node {me} is drained or shutting down: its replica of group {} does not stand for election",
                     shard.get()
                 ));
             }
@@ -1350,9 +1350,11 @@ pub(crate) async fn handle(
             // ask: `Replication::draining`).
             tracing::warn!(
                 shard = group.replica.group,
-                "refused a leadership handover: this node is shutting down"
+                "refused a leadership handover: this node is drained or shutting down"
             );
-            return Err("this node is shutting down: it does not take the leadership".into());
+            return Err(
+                "this node is drained or shutting down: it does not take the leadership".into(),
+            );
         }
     }
     if let Some(f) = group.fresh.as_ref().filter(|f| f.active()) {
