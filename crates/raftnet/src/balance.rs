@@ -540,11 +540,13 @@ pub struct Drained {
 /// here (they are refused as not executed, and routed again to the new
 /// leader) for the moment the handover takes, instead of for the
 /// election its followers would hold once this node is gone.
+#[allow(clippy::too_many_arguments)]
 pub async fn drain(
     why: Why,
     shards: Vec<Arc<forkless_store::ShardStore>>,
     placed: &(dyn Fn(ShardId) -> Vec<u64> + Send + Sync),
     heard: Arc<crate::quiesce::PeersHeard>,
+    beat_now: &tokio::sync::Notify,
     peers: &dyn forkless_store::Peers,
     timing: forkless_store::RaftTiming,
     within: Duration,
@@ -554,6 +556,28 @@ pub async fn drain(
     let until = started + within;
     let beat = Duration::from_millis(timing.heartbeat_ms.max(1));
     let heard_within = beat * HEARD_WITHIN_BEATS;
+    // A beat now, and its answers waited for (a round trip when the peers
+    // are up; at most `heard_within`): a peer's word that it cannot lead
+    // a shard (it is drained or stopping too) comes only in answer to a
+    // beat naming the shard, and this node may have come to lead some
+    // a moment ago (another node's drain handed them here). Handed one
+    // of those on older word, a drained peer refuses it, which costs the
+    // shard an election's time of refused writes, or, with no replica
+    // left to stand, its writes until one is undrained.
+    let asked = std::time::Instant::now();
+    let beating = heard.beating();
+    if beating {
+        let mut others: Vec<u64> = shards
+            .iter()
+            .filter_map(|st| st.raft_status())
+            .filter(|s| s.state == "leader" && s.leader == Some(s.me))
+            .flat_map(|s| s.voters.into_iter().filter(move |v| *v != s.me))
+            .collect();
+        others.sort_unstable();
+        others.dedup();
+        beat_now.notify_one();
+        heard.answers_since(&others, asked, heard_within).await;
+    }
     let mut done = Drained::default();
     let mut handing = tokio::task::JoinSet::new();
     for st in shards {
@@ -568,7 +592,12 @@ pub async fn drain(
         }
         let preferred = preferred_replica(st.id(), &placed(st.id()), &s.voters);
         let to = hand_off_to(&s, shard, preferred, 0, heard_within, |v| Link {
-            node_heard_lately: heard.within(v, heard_within),
+            // With the beats on, only an answer to the beat just made.
+            node_heard_lately: if beating {
+                heard.answered_since(v, asked)
+            } else {
+                heard.within(v, heard_within)
+            },
             down: peers.link_down(v),
             cannot_lead: heard.cannot_lead(v, shard, heard_within),
             beats: heard.beating(),

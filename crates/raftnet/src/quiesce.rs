@@ -54,6 +54,8 @@ pub struct PeersHeard {
     /// The node's heartbeat runs ([`run`]): a peer's answers to it then
     /// say whether it may be handed a shard.
     beating: std::sync::atomic::AtomicBool,
+    /// Notified as each answer comes ([`PeersHeard::answers_since`]).
+    answered: tokio::sync::Notify,
 }
 
 /// A peer's last answer to this node's heartbeat.
@@ -91,6 +93,31 @@ impl PeersHeard {
                 cannot_lead,
             },
         );
+        drop(answers);
+        self.answered.notify_waiters();
+    }
+
+    /// Waits until each of `peers` heard lately (within `within`) has
+    /// answered a beat made after `asked`, or `within` has passed: what
+    /// they then say they cannot lead speaks of every group this node led
+    /// at `asked` (an answer to an older beat says nothing of a group
+    /// this node came to lead since). A peer not heard within `within` is
+    /// not waited for.
+    pub async fn answers_since(&self, peers: &[u64], asked: Instant, within: Duration) {
+        let until = tokio::time::Instant::now() + within;
+        loop {
+            // Made before the check: an answer between the two wakes it.
+            let answer = self.answered.notified();
+            if peers
+                .iter()
+                .all(|p| self.answered_since(*p, asked) || !self.within(*p, within))
+            {
+                return;
+            }
+            if tokio::time::timeout_at(until, answer).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Whether `peer` answered a heartbeat within `within`.

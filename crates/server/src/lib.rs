@@ -893,6 +893,7 @@ impl Drain {
             shards,
             self.placed.as_ref(),
             self.heard.clone(),
+            &self.rep.beat_now,
             self.rep.peers.as_ref(),
             self.rep.timing,
             within,
