@@ -3,8 +3,11 @@
 //! write load through every node: rounds of SIGKILL and restart, SIGSTOP
 //! past the election timeout and SIGCONT, one node cut off from the
 //! others, the nodes split 2/3 (the leader of a shard on either side),
-//! and a node's disk lost (SIGKILL, its data directory deleted, started
-//! again empty), each healed before the next. Groups snapshot every 100
+//! a node's disk lost (SIGKILL, its data directory deleted, started
+//! again empty), a node stopped on purpose (SIGTERM: it hands its
+//! leaderships over and finishes its requests; started again), and a
+//! node drained (`POST /api/cluster/drain`; undrained), each healed
+//! before the next. Groups snapshot every 100
 //! entries and keep 20, so a node back from a fault usually catches up
 //! by a snapshot. Afterwards every acknowledged
 //! write is at its seq, nothing refused or never sent is there, every
@@ -35,6 +38,11 @@ enum Fault {
     Split(Vec<u16>),
     /// SIGKILL, the data directory deleted, started again empty.
     Wipe(u16),
+    /// SIGTERM (a planned stop: leaderships handed over first), waited
+    /// for, started again.
+    Stop(u16),
+    /// Drained (it leads nothing; still serves), then undrained.
+    Drain(u16),
 }
 
 #[test]
@@ -83,11 +91,13 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         } else {
             1 + rng.below(NODES as u64) as u16
         };
-        let fault = match rng.below(5) {
+        let fault = match rng.below(7) {
             0 => Fault::Kill(target),
             1 => Fault::Pause(target),
             2 => Fault::Cut(target),
             3 => Fault::Wipe(target),
+            4 => Fault::Stop(target),
+            5 => Fault::Drain(target),
             _ => {
                 let mut side = vec![target];
                 while side.len() < 2 {
@@ -111,11 +121,45 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             Fault::Pause(n) => cl.node(*n).proc().sigstop(),
             Fault::Cut(n) => lab.cut(*n),
             Fault::Split(side) => lab.split(side),
+            Fault::Stop(n) => {
+                // A stop waits at most 2 s for the handover, then for the
+                // requests in flight (a write waits at most 10 s).
+                cl.node(*n).proc().sigterm();
+                let exit = cl
+                    .node_mut(*n)
+                    .proc
+                    .as_mut()
+                    .expect("the node runs")
+                    .wait_exit(Duration::from_secs(30));
+                assert!(
+                    exit.is_some_and(|e| e.success()),
+                    "node {n} did not stop cleanly within 30 s of SIGTERM: {exit:?} (seed {seed})\n{}",
+                    cl.logs()
+                );
+            }
+            Fault::Drain(n) => {
+                let r = cl
+                    .client(*n)
+                    .try_req(
+                        "POST",
+                        "/api/cluster/drain",
+                        &[],
+                        None,
+                        Duration::from_secs(10),
+                    )
+                    .expect("the drain is answered");
+                assert_eq!(r.status, 200, "drain node {n}: {} (seed {seed})", r.text());
+            }
         }
         // The majority side elects where it must and serves; wait for it
         // through a node the fault left alone, for a node faulted alone.
         let faulted: Vec<u16> = match &fault {
-            Fault::Kill(n) | Fault::Pause(n) | Fault::Cut(n) | Fault::Wipe(n) => vec![*n],
+            Fault::Kill(n)
+            | Fault::Pause(n)
+            | Fault::Cut(n)
+            | Fault::Wipe(n)
+            | Fault::Stop(n)
+            | Fault::Drain(n) => vec![*n],
             Fault::Split(side) => side.clone(),
         };
         if faulted.len() == 1 {
@@ -135,7 +179,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         );
         let healed = Instant::now();
         match &fault {
-            Fault::Kill(n) | Fault::Wipe(n) => {
+            Fault::Kill(n) | Fault::Wipe(n) | Fault::Stop(n) => {
                 let cfg = cl.node(*n).config.clone();
                 cl.spawn(*n, &cfg);
                 cl.wait_ready(*n);
@@ -177,6 +221,24 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             }
             Fault::Pause(n) => cl.node(*n).proc().sigcont(),
             Fault::Cut(_) | Fault::Split(_) => lab.heal_all(),
+            Fault::Drain(n) => {
+                let r = cl
+                    .client(*n)
+                    .try_req(
+                        "POST",
+                        "/api/cluster/undrain",
+                        &[],
+                        None,
+                        Duration::from_secs(10),
+                    )
+                    .expect("the undrain is answered");
+                assert_eq!(
+                    r.status,
+                    200,
+                    "undrain node {n}: {} (seed {seed})",
+                    r.text()
+                );
+            }
         }
         for id in &ids {
             cl.wait_leaders_known(*id, &[]);
