@@ -20,10 +20,20 @@ use clap::{Parser, Subcommand};
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use std::process::ExitCode;
 
+/// `forkless --version`: the release and the peer protocol, which an
+/// operator compares before a rolling upgrade.
+static VERSION: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{} (peer protocol {})",
+        env!("CARGO_PKG_VERSION"),
+        forkless_server::PEER_PROTOCOL_VERSION
+    )
+});
+
 #[derive(Parser)]
 #[command(
     name = "forkless",
-    version,
+    version = VERSION.as_str(),
     about = "Single-owner, never-forking event logs for workflow executions"
 )]
 struct Cli {

@@ -27,6 +27,11 @@ use std::sync::Arc;
 
 /// Hops a forwarded request has taken. Only peers may set it.
 pub const HOPS_HEADER: &str = "x-forkless-hops";
+/// The version of the protocol replicated nodes speak to each other (the
+/// Raft transport and the node heartbeat): nodes of different versions
+/// refuse each other's connections, so an upgrade across it is not a
+/// rolling one (`forkless --version` names it).
+pub const PEER_PROTOCOL_VERSION: u32 = forkless_raftnet::PROTOCOL_VERSION;
 /// The cluster secret, proving a request comes from a peer.
 pub const PEER_TOKEN_HEADER: &str = "x-forkless-peer-token";
 /// The node that produced an answer.
