@@ -562,7 +562,7 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
             Err(_) => {}
         }
     };
-    if !first.shards.iter().any(|s| s.replicas.is_some()) {
+    if !first.shards.iter().any(|s| s.replicas.is_some()) || first.nodes.is_empty() {
         return Err(anyhow::anyhow!(
             "node {} runs no replicated cluster: there are no replicas to wait for",
             first.node

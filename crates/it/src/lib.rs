@@ -1670,6 +1670,12 @@ impl Cluster {
             self.held.remove(&p.port());
         }
         let n = self.node_mut(id);
+        // The process before (exited on its own, say), let go first: its
+        // drop, after the new one's start, would take the new pid off the
+        // list of processes to kill if the pid was reused.
+        if let Some(mut before) = n.proc.take() {
+            before.kill9();
+        }
         n.proc = Some(Proc::spawn_in(&args, &n.log, n.netns.as_deref()));
     }
 

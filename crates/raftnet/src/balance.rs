@@ -28,13 +28,23 @@
 
 use forkless_types::ShardId;
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
 /// How often a node looks at the shards it leads.
 pub const BALANCE_EVERY: Duration = Duration::from_secs(1);
+/// A node's drain as its balancer sees it ([`run`]).
+#[derive(Clone, Default)]
+pub struct DrainState {
+    /// The node is drained or stopping (`forkless_store::Replication::draining`).
+    pub on: Arc<AtomicBool>,
+    /// How many drains have started ([`drain`] runs, an operator's or a
+    /// stop's): the balancer waits out the latest one's handovers.
+    pub runs: Arc<AtomicU64>,
+}
+
 /// How long a node waits before it tries again to hand over a shard its
 /// preferred replica did not take.
 pub const TRANSFER_BACKOFF: Duration = Duration::from_secs(10);
@@ -261,7 +271,7 @@ pub async fn run(
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: Arc<dyn forkless_store::Peers>,
     timing: forkless_store::RaftTiming,
-    drained: Arc<std::sync::atomic::AtomicBool>,
+    drain: DrainState,
     mut stop: watch::Receiver<bool>,
 ) {
     let heard_within = Duration::from_millis(timing.heartbeat_ms) * HEARD_WITHIN_BEATS;
@@ -277,12 +287,14 @@ pub async fn run(
     // Each shard this node leads: the term, and when this loop first saw
     // it lead in that term.
     let mut leading: HashMap<u32, (u64, Instant)> = HashMap::new();
-    // When this loop first saw the node drained (since its last undrain).
-    // For DRAIN_WITHIN from then the drain's own handovers may be under
-    // way: this loop hands over nothing but a cut-off leader's shards (a
-    // second handover of the same shard, to another replica, would have
-    // two replicas stand in one term).
+    // When this loop first saw the node drained, or saw a drain start
+    // since (a drain asked again of a drained node). For DRAIN_WITHIN
+    // from then that drain's own handovers may be under way: this loop
+    // hands over nothing but a cut-off leader's shards (a second handover
+    // of the same shard, to another replica, would have two replicas
+    // stand in one term).
     let mut drained_since: Option<Instant> = None;
+    let mut drains_seen = drain.runs.load(Ordering::Acquire);
 
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -291,15 +303,20 @@ pub async fn run(
             _ = ticks.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        match (drained.load(Ordering::Acquire), drained_since) {
-            (true, None) => {
-                drained_since = Some(Instant::now());
-                // What failed before the drain does not hold back the
-                // drained node's handovers.
-                tried.lock().unwrap_or_else(|e| e.into_inner()).clear();
-            }
-            (false, Some(_)) => drained_since = None,
-            _ => {}
+        let (on, drains) = (
+            drain.on.load(Ordering::Acquire),
+            drain.runs.load(Ordering::Acquire),
+        );
+        let started_since = drains != drains_seen;
+        drains_seen = drains;
+        // What failed before a drain (or while drained) does not hold back
+        // the handovers after it (or after the undrain).
+        if on && (drained_since.is_none() || started_since) {
+            drained_since = Some(Instant::now());
+            tried.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        } else if !on && drained_since.is_some() {
+            drained_since = None;
+            tried.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
         let drain_settled = drained_since.is_some_and(|t| t.elapsed() >= DRAIN_WITHIN);
         for st in &shards() {
@@ -333,6 +350,7 @@ pub async fn run(
             // (this node, preferred or not, keeps it only if none can),
             // another after each that did not take it.
             let drained_now = leads && cut_off.is_none() && drain_settled;
+            // (`drain_settled` implies the flag was on at this tick.)
             let want = match cut_off {
                 Some(to) => to,
                 None if drained_now => {
@@ -456,10 +474,9 @@ pub const DRAIN_WITHIN: Duration = TAKES_WITHIN;
 /// one that matched the most (ties: the lowest id). `None` when no replica
 /// can take it: the shard elects once the node is gone, as after a crash.
 /// `turn` counts the handovers of the shard that did not take, in a row
-/// (a drained node's balancer tries again): with one or more the
-/// preferred replica is not put first and the turn moves on by that
-/// many, so a replica that keeps not taking the shard is not the only one
-/// asked.
+/// (a drained node's balancer tries again): the choice moves on from the
+/// first by that many among the nearly level, so a replica that keeps
+/// not taking the shard is not the only one asked.
 pub fn hand_off_to(
     s: &forkless_store::RaftStatus,
     shard: u32,
@@ -476,11 +493,14 @@ pub fn hand_off_to(
         .collect();
     able.sort_unstable();
     let nearly_level: Vec<u64> = able.iter().copied().filter(|v| level(s, *v)).collect();
-    if turn == 0 && nearly_level.contains(&preferred) {
-        return Some(preferred);
-    }
     if !nearly_level.is_empty() {
-        let at = (shard as usize).wrapping_add(turn as usize) % nearly_level.len();
+        // The first choice: the preferred replica, else by shard id; each
+        // turn after it the next one.
+        let first = nearly_level
+            .iter()
+            .position(|v| *v == preferred)
+            .unwrap_or(shard as usize % nearly_level.len());
+        let at = first.wrapping_add(turn as usize) % nearly_level.len();
         return Some(nearly_level[at]);
     }
     able.into_iter()
@@ -573,10 +593,15 @@ pub async fn drain(
             .filter(|s| s.state == "leader" && s.leader == Some(s.me))
             .flat_map(|s| s.voters.into_iter().filter(move |v| *v != s.me))
             .collect();
+        others.retain(|p| !peers.link_down(*p));
         others.sort_unstable();
         others.dedup();
         beat_now.notify_one();
-        heard.answers_since(&others, asked, heard_within).await;
+        // A quarter of the handover's bound at most (heartbeats may be
+        // configured long): the rest is the handovers'.
+        heard
+            .answers_since(&others, asked, heard_within.min(within / 4))
+            .await;
     }
     let mut done = Drained::default();
     let mut handing = tokio::task::JoinSet::new();
@@ -927,9 +952,10 @@ mod tests {
         // A drained node's balancer asking again after handovers that did
         // not take: the preferred replica no longer first, the turn moves
         // on.
-        assert_eq!(hand_off_to(&both, 0, 2, 1, within, up), Some(2));
-        assert_eq!(hand_off_to(&both, 0, 2, 2, within, up), Some(1));
-        assert_eq!(hand_off_to(&both, 1, 2, 1, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 0, 2, 1, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 0, 2, 2, within, up), Some(2));
+        assert_eq!(hand_off_to(&both, 1, NONE, 1, within, up), Some(1));
+        assert_eq!(hand_off_to(&both, 1, NONE, 2, within, up), Some(2));
         // Replica 2's node shutting down too (it says it cannot lead),
         // its link down, or not heard lately: replica 1, level or not.
         let not_2 = |say: Link| {

@@ -786,11 +786,17 @@ pub async fn run(
                 let running = app.clone();
                 let placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync> =
                     Arc::new(move |shard| running.placed(shard));
+                let drains = forkless_raftnet::balance::DrainState {
+                    on: rep.draining.clone(),
+                    runs: Arc::default(),
+                };
                 let _ = app.drainer.set(Drain {
                     shards: shards.clone(),
                     placed: placed.clone(),
                     heard: heard.clone(),
                     rep: rep.clone(),
+                    runs: drains.runs.clone(),
+                    one_at_a_time: tokio::sync::Mutex::new(()),
                 });
                 tokio::spawn(forkless_raftnet::balance::run(
                     shards,
@@ -798,7 +804,7 @@ pub async fn run(
                     heard,
                     rep.peers.clone(),
                     rep.timing,
-                    rep.draining.clone(),
+                    drains,
                     draining_rx.clone(),
                 ));
             }
@@ -872,6 +878,11 @@ pub struct Drain {
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
     heard: Arc<forkless_raftnet::quiesce::PeersHeard>,
     rep: forkless_store::Replication,
+    /// The drains started, for the balancer (`balance::DrainState`).
+    runs: Arc<std::sync::atomic::AtomicU64>,
+    /// One drain at a time (two at once could hand one shard to two
+    /// replicas): a second waits for the first, then finds what is left.
+    one_at_a_time: tokio::sync::Mutex<()>,
 }
 
 impl Drain {
@@ -882,9 +893,13 @@ impl Drain {
         &self,
         why: forkless_raftnet::balance::Why,
     ) -> (forkless_raftnet::balance::Drained, u64) {
+        let _alone = self.one_at_a_time.lock().await;
         // SeqCst, as `undo`'s check of `App::leaving` is: a stop and an
         // undrain at once leave the node draining.
         self.rep.draining.store(true, Ordering::SeqCst);
+        // The balancer hands over nothing of its own until this drain's
+        // handovers are done.
+        self.runs.fetch_add(1, Ordering::SeqCst);
         let shards = (self.shards)();
         let within = forkless_raftnet::balance::DRAIN_WITHIN;
         let label = why.label();
