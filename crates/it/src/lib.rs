@@ -1504,6 +1504,24 @@ impl Cluster {
         }
     }
 
+    /// `POST /api/cluster/drain` (`undrain` when `drain` is false) on node
+    /// `id`: its answer, asserted 200.
+    pub fn drain_node(&self, id: u16, drain: bool) -> serde_json::Value {
+        let verb = if drain { "drain" } else { "undrain" };
+        let r = self
+            .client(id)
+            .try_req(
+                "POST",
+                &format!("/api/cluster/{verb}"),
+                &[],
+                None,
+                Duration::from_secs(10),
+            )
+            .unwrap_or_else(|e| panic!("{verb} of node {id} not answered: {e}"));
+        assert_eq!(r.status, 200, "{verb} of node {id}: {}", r.text());
+        r.json()
+    }
+
     /// Waits (up to 10 s) until each of `observers` reports `peer` in
     /// `/api/cluster` as alive, or as down when `alive` is false.
     pub fn wait_peer_seen(&self, observers: &[u16], peer: u16, alive: bool) {

@@ -138,17 +138,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                 );
             }
             Fault::Drain(n) => {
-                let r = cl
-                    .client(*n)
-                    .try_req(
-                        "POST",
-                        "/api/cluster/drain",
-                        &[],
-                        None,
-                        Duration::from_secs(10),
-                    )
-                    .expect("the drain is answered");
-                assert_eq!(r.status, 200, "drain node {n}: {} (seed {seed})", r.text());
+                cl.drain_node(*n, true);
             }
         }
         // The majority side elects where it must and serves; wait for it
@@ -222,22 +212,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             Fault::Pause(n) => cl.node(*n).proc().sigcont(),
             Fault::Cut(_) | Fault::Split(_) => lab.heal_all(),
             Fault::Drain(n) => {
-                let r = cl
-                    .client(*n)
-                    .try_req(
-                        "POST",
-                        "/api/cluster/undrain",
-                        &[],
-                        None,
-                        Duration::from_secs(10),
-                    )
-                    .expect("the undrain is answered");
-                assert_eq!(
-                    r.status,
-                    200,
-                    "undrain node {n}: {} (seed {seed})",
-                    r.text()
-                );
+                cl.drain_node(*n, false);
             }
         }
         for id in &ids {

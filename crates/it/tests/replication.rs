@@ -1118,20 +1118,7 @@ fn a_drained_node_hands_over_what_its_drain_could_not() {
     // answer to an older beat, which said it could lead, and node 2
     // refused the handover, costing the shard its writes until an
     // election).
-    let drain_now = |node: u16| {
-        let r = cl
-            .client(node)
-            .try_req(
-                "POST",
-                "/api/cluster/drain",
-                &[],
-                None,
-                Duration::from_secs(10),
-            )
-            .expect("the drain is answered");
-        assert_eq!(r.status, 200, "drain node {node}: {}", r.text());
-        r.json()
-    };
+    let drain_now = |node: u16| cl.drain_node(node, true);
     let said2 = drain_now(2);
     let said3 = drain_now(3);
     assert!(

@@ -258,13 +258,14 @@ pub fn steps_down_to(
 /// Hands each of `shards` this node leads to its preferred replica
 /// ([`preferred_replica`] of the replicas `placed` names), and hands away the leadership of a shard no quorum has
 /// answered for a while ([`steps_down_to`]), until `stop` turns true.
-/// While the node is drained (`drained`, `forkless cluster drain`) it
+/// While the node is drained (`drain.on`, `forkless cluster drain`) it
 /// hands every shard it still leads to another replica that can take it
 /// ([`hand_off_to`], nearly level and heard lately), its preferred one or
 /// not: a shard the drain itself could not hand over (no replica could
 /// take it then) goes once one can. It starts [`DRAIN_WITHIN`] after it
-/// first sees the node drained (the drain's handovers are done by then),
-/// and asks the next replica in turn after one that did not take it.
+/// first sees the node drained or a drain start (that drain's handovers
+/// are done by then), and asks the next replica in turn after one that
+/// did not take it.
 pub async fn run(
     shards: crate::Hosted,
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
@@ -577,7 +578,7 @@ pub async fn drain(
     let beat = Duration::from_millis(timing.heartbeat_ms.max(1));
     let heard_within = beat * HEARD_WITHIN_BEATS;
     // A beat now, and its answers waited for (a round trip when the peers
-    // are up; at most `heard_within`): a peer's word that it cannot lead
+    // are up; at most `heard_within` and a quarter of `within`): a peer's word that it cannot lead
     // a shard (it is drained or stopping too) comes only in answer to a
     // beat naming the shard, and this node may have come to lead some
     // a moment ago (another node's drain handed them here). Handed one
@@ -950,8 +951,8 @@ mod tests {
         assert_eq!(hand_off_to(&behind, 1, NONE, 0, within, up), Some(2));
         assert_eq!(hand_off_to(&behind, 1, 1, 0, within, up), Some(2));
         // A drained node's balancer asking again after handovers that did
-        // not take: the preferred replica no longer first, the turn moves
-        // on.
+        // not take: the turn moves on from the first choice (the preferred
+        // replica, else by shard id).
         assert_eq!(hand_off_to(&both, 0, 2, 1, within, up), Some(1));
         assert_eq!(hand_off_to(&both, 0, 2, 2, within, up), Some(2));
         assert_eq!(hand_off_to(&both, 1, NONE, 1, within, up), Some(1));
