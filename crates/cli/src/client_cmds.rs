@@ -328,6 +328,14 @@ fn client(s: &ServerArg) -> Result<Client, Failed> {
 
 /// A client configuration for a person waiting: safe retries, given up
 /// within seconds.
+/// [`client_config`] for what asks a node about itself: sent to the node
+/// `s` names and no other, not whichever node the cluster map would pick.
+fn one_node(s: &ServerArg) -> Config {
+    let mut cfg = client_config(s);
+    cfg.routing = forkless_client::Routing::Fixed;
+    cfg
+}
+
 fn client_config(s: &ServerArg) -> Config {
     let mut cfg = s.config();
     // A person is waiting: retry what is safe, but give up within seconds.
@@ -432,11 +440,9 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
         Verb::Cluster(ClusterVerb::Reload(a)) => {
             let mut failed = Vec::new();
             for server in a.server.config().servers {
-                let mut cfg = client_config(&ServerArg {
+                let cfg = one_node(&ServerArg {
                     server: server.clone(),
                 });
-                // This node, not whichever the map would pick.
-                cfg.routing = forkless_client::Routing::Fixed;
                 let answer = match Client::with_config(cfg) {
                     Ok(c) => c.reload_cluster().await.map_err(|e| e.to_json()),
                     Err(e) => Err(e.to_json()),
@@ -466,10 +472,10 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
                 )
                 .into());
             }
-            let mut cfg = client_config(&a.server);
-            // This node's replica, not whichever node the map would pick.
-            cfg.routing = forkless_client::Routing::Fixed;
-            let answer = Client::with_config(cfg)?.trust_replica(a.shard).await?;
+            // This node's replica.
+            let answer = Client::with_config(one_node(&a.server))?
+                .trust_replica(a.shard)
+                .await?;
             print(&answer)?;
         }
         Verb::Cluster(ClusterVerb::Placement(a)) => {
@@ -511,10 +517,9 @@ async fn run_verb(v: Verb) -> Result<(), Failed> {
 
 /// `forkless cluster drain` / `undrain`: asks the node named, and no other.
 async fn drain_node(a: &DrainArgs, drain: bool) -> Result<(), Failed> {
-    let mut cfg = client_config(&a.server);
-    // This node, not whichever the map would pick.
-    cfg.routing = forkless_client::Routing::Fixed;
-    let answer = Client::with_config(cfg)?.drain_node(drain).await?;
+    let answer = Client::with_config(one_node(&a.server))?
+        .drain_node(drain)
+        .await?;
     print(&answer)?;
     // A shard no other replica took (or had none to take it) is still led
     // there: said, and exit 1 (the node's balancer hands it over once a
@@ -591,11 +596,10 @@ async fn wait_level(a: &WaitLevelArgs) -> Result<(), Failed> {
         let ask_within = left().clamp(ASK_MIN, ASK_MAX);
         let mut asks = tokio::task::JoinSet::new();
         for n in &first.nodes {
-            let mut cfg = client_config(&ServerArg {
+            // This node's own view.
+            let mut cfg = one_node(&ServerArg {
                 server: first.base_of(n),
             });
-            // This node's own view, not whichever node the map would pick.
-            cfg.routing = forkless_client::Routing::Fixed;
             cfg.retry = RetryPolicy {
                 max_attempts: 1,
                 ..RetryPolicy::default()

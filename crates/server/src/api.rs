@@ -2455,13 +2455,8 @@ async fn cluster_undrain(State(app): AppState, body: Body) -> Response {
 /// left for a restart.
 async fn cluster_reload(State(app): AppState, body: Body) -> Response {
     // No body is taken: a client that sends one is told so.
-    match read_body(&app, body).await {
-        Ok(b) if b.iter().all(|c| c.is_ascii_whitespace()) => {}
-        Ok(_) => {
-            return ApiError::invalid("body", "takes no body: the node reads its cluster file")
-                .into_response()
-        }
-        Err(e) => return e.into_response(),
+    if let Err(e) = no_body(&app, body, "the node reads its cluster file").await {
+        return e.into_response();
     }
     match crate::reload::run(&app).await {
         Ok(done) => json_response(
