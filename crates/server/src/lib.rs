@@ -903,9 +903,16 @@ impl Drain {
         let shards = (self.shards)();
         let within = forkless_raftnet::balance::DRAIN_WITHIN;
         let label = why.label();
+        // (A stop's line says how to skip the wait, as it said before
+        // drains shared it.)
+        let skip = if why == forkless_raftnet::balance::Why::Stop {
+            " (stop again to skip)"
+        } else {
+            ""
+        };
         tracing::info!(
             within_ms = within.as_millis() as u64,
-            "{label}: handing the leadership of the shards this node leads to other replicas"
+            "{label}: handing the leadership of the shards this node leads to other replicas{skip}"
         );
         let started = std::time::Instant::now();
         let done = forkless_raftnet::balance::drain(
