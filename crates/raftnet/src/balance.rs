@@ -43,6 +43,10 @@ pub struct DrainState {
     /// How many drains have started ([`drain`] runs, an operator's or a
     /// stop's): the balancer waits out the latest one's handovers.
     pub runs: Arc<AtomicU64>,
+    /// Makes the node heartbeat beat at once
+    /// (`forkless_store::Replication::beat_now`): the balancer of a
+    /// drained node beats before it hands a shard over.
+    pub beat_now: Arc<tokio::sync::Notify>,
 }
 
 /// How long a node waits before it tries again to hand over a shard its
@@ -320,7 +324,34 @@ pub async fn run(
             tried.lock().unwrap_or_else(|e| e.into_inner()).clear();
         }
         let drain_settled = drained_since.is_some_and(|t| t.elapsed() >= DRAIN_WITHIN);
-        for st in &shards() {
+        let hosted = shards();
+        // Drained, with the beats on: a beat first, and the handovers
+        // only to peers whose answer to it says they can lead (as in
+        // `drain`). A peer's last answer may predate its own drain by up
+        // to the beats' window, and a drained peer handed a shard refuses
+        // it, which costs the shard an election's time of refused writes.
+        let asked = if drain_settled && heard.beating() {
+            Some(
+                beat_first(
+                    &hosted,
+                    &heard,
+                    &drain.beat_now,
+                    peers.as_ref(),
+                    heard_within,
+                    heard_within.min(DRAIN_WITHIN / 4),
+                )
+                .await,
+            )
+        } else {
+            None
+        };
+        // What a drained node's handover may go by: an answer to the beat
+        // just made, or (the beats off) any answer heard lately.
+        let answered = |v: u64| match asked {
+            Some(asked) => heard.answered_since(v, asked),
+            None => heard.within(v, heard_within),
+        };
+        for st in &hosted {
             let Some(s) = st.raft_status() else { continue };
             let shard = st.id().get();
             let led_for = if s.state == "leader" && s.leader == Some(s.me) {
@@ -361,7 +392,7 @@ pub async fn run(
                         .get(&shard)
                         .map_or(0, |t| t.failures);
                     hand_off_to(&s, shard, preferred, turn, heard_within, |v| Link {
-                        node_heard_lately: heard.within(v, heard_within),
+                        node_heard_lately: answered(v),
                         down: peers.link_down(v),
                         cannot_lead: heard.cannot_lead(v, shard, heard_within),
                         beats: heard.beating(),
@@ -382,7 +413,11 @@ pub async fn run(
                 .get(&shard)
                 .is_none_or(|(_, since)| heard.answered_since(want, *since));
             let up = Link {
-                node_heard_lately: heard.within(want, heard_within) && answered_since_led,
+                node_heard_lately: if drained_now {
+                    answered(want)
+                } else {
+                    heard.within(want, heard_within)
+                } && answered_since_led,
                 down: peers.link_down(want),
                 cannot_lead: heard.cannot_lead(want, shard, heard_within),
                 beats: heard.beating(),
@@ -550,6 +585,39 @@ pub struct Drained {
     pub no_replica: usize,
 }
 
+/// Makes the node heartbeat beat now (`beat_now`) and waits for the
+/// answers of the other voters of every shard of `shards` this node
+/// leads (those whose link is up and that answered within `lately`), at
+/// most `wait`; returns when the beat was asked for. An answer to it
+/// speaks of every shard this node leads now ([`crate::quiesce::PeersHeard::answers_since`]):
+/// only such an answer tells whether a peer drained or stopping a moment
+/// ago can lead a shard.
+async fn beat_first(
+    shards: &[Arc<forkless_store::ShardStore>],
+    heard: &crate::quiesce::PeersHeard,
+    beat_now: &tokio::sync::Notify,
+    peers: &dyn forkless_store::Peers,
+    lately: Duration,
+    wait: Duration,
+) -> Instant {
+    let asked = Instant::now();
+    let mut others: Vec<u64> = shards
+        .iter()
+        .filter_map(|st| st.raft_status())
+        .filter(|s| s.state == "leader" && s.leader == Some(s.me))
+        .flat_map(|s| s.voters.into_iter().filter(move |v| *v != s.me))
+        .collect();
+    others.retain(|p| !peers.link_down(*p));
+    others.sort_unstable();
+    others.dedup();
+    if others.is_empty() {
+        return asked;
+    }
+    beat_now.notify_one();
+    heard.answers_since(&others, asked, lately, wait).await;
+    asked
+}
+
 /// On a node shutting down, once its replicas take no leadership
 /// ([`forkless_store::Replication::draining`]): hands the leadership of
 /// every shard of `shards` this node leads to another replica
@@ -585,25 +653,22 @@ pub async fn drain(
     // of those on older word, a drained peer refuses it, which costs the
     // shard an election's time of refused writes, or, with no replica
     // left to stand, its writes until one is undrained.
-    let asked = std::time::Instant::now();
     let beating = heard.beating();
-    if beating {
-        let mut others: Vec<u64> = shards
-            .iter()
-            .filter_map(|st| st.raft_status())
-            .filter(|s| s.state == "leader" && s.leader == Some(s.me))
-            .flat_map(|s| s.voters.into_iter().filter(move |v| *v != s.me))
-            .collect();
-        others.retain(|p| !peers.link_down(*p));
-        others.sort_unstable();
-        others.dedup();
-        beat_now.notify_one();
+    let asked = if beating {
         // A quarter of the handover's bound at most (heartbeats may be
         // configured long): the rest is the handovers'.
-        heard
-            .answers_since(&others, asked, heard_within.min(within / 4))
-            .await;
-    }
+        beat_first(
+            &shards,
+            &heard,
+            beat_now,
+            peers,
+            heard_within,
+            heard_within.min(within / 4),
+        )
+        .await
+    } else {
+        std::time::Instant::now()
+    };
     let mut done = Drained::default();
     let mut handing = tokio::task::JoinSet::new();
     for st in shards {

@@ -97,20 +97,26 @@ impl PeersHeard {
         self.answered.notify_waiters();
     }
 
-    /// Waits until each of `peers` heard lately (within `within`) has
-    /// answered a beat made after `asked`, or `within` has passed: what
+    /// Waits until each of `peers` heard lately (within `lately`) has
+    /// answered a beat made after `asked`, or `wait` has passed: what
     /// they then say they cannot lead speaks of every group this node led
     /// at `asked` (an answer to an older beat says nothing of a group
-    /// this node came to lead since). A peer not heard within `within` is
+    /// this node came to lead since). A peer not heard within `lately` is
     /// not waited for.
-    pub async fn answers_since(&self, peers: &[u64], asked: Instant, within: Duration) {
-        let until = tokio::time::Instant::now() + within;
+    pub async fn answers_since(
+        &self,
+        peers: &[u64],
+        asked: Instant,
+        lately: Duration,
+        wait: Duration,
+    ) {
+        let until = tokio::time::Instant::now() + wait;
         loop {
             // Made before the check: an answer between the two wakes it.
             let answer = self.answered.notified();
             if peers
                 .iter()
-                .all(|p| self.answered_since(*p, asked) || !self.within(*p, within))
+                .all(|p| self.answered_since(*p, asked) || !self.within(*p, lately))
             {
                 return;
             }

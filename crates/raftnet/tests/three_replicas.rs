@@ -1587,6 +1587,117 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
     }
 }
 
+/// A drained leader's balancer (`forkless_raftnet::balance::run`) beats
+/// before it hands a shard over, and hands it only to a peer whose answer
+/// to that beat says it can lead. The node heartbeat here beats once a
+/// minute (and at once when asked), so the peers' last answers, which
+/// said they could lead, predate their own drains: a handover on that
+/// word is refused, and the leader, having asked for it, takes no more
+/// writes. Then one peer is undrained: the next beat's answer says so,
+/// and the balancer hands it the shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_leaders_balancer_hands_over_by_an_answer_to_a_fresh_beat() {
+    use std::sync::atomic::Ordering;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    write(&nodes[l], 1)
+        .await
+        .expect("a write before the drains");
+    let timing = forkless_store::RaftTiming {
+        heartbeat_ms: 60_000,
+        quiesce: false,
+        ..forkless_store::RaftTiming::default()
+    };
+    let heard: Vec<Arc<forkless_raftnet::quiesce::PeersHeard>> =
+        nodes.iter().map(|_| Arc::default()).collect();
+    // The balancer first, the leader its shard's preferred replica (it
+    // keeps the shard while not drained); its first round, at once, sees
+    // the shard led here: only answers after it count.
+    let me = nodes[l].id;
+    let placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync> = Arc::new(move |_| {
+        std::iter::once(me)
+            .chain((1..=3).filter(|p| *p != me))
+            .collect()
+    });
+    let st = nodes[l].shard();
+    tokio::spawn(forkless_raftnet::balance::run(
+        Arc::new(move || vec![st.clone()]),
+        placed,
+        heard[l].clone(),
+        nodes[l].peers.clone(),
+        timing,
+        forkless_raftnet::balance::DrainState {
+            on: nodes[l].draining.clone(),
+            runs: Arc::default(),
+            beat_now: nodes[l].beat_now.clone(),
+        },
+        nodes[l].stop.subscribe(),
+    ));
+    // (Nothing shows the balancer's first round: a moment for it.)
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for (n, heard) in nodes.iter().zip(&heard) {
+        let st = n.shard();
+        let me = n.id;
+        tokio::spawn(forkless_raftnet::quiesce::run(
+            n.peers.clone(),
+            Arc::new(move || (1..=3).filter(|p| *p != me).collect()),
+            Arc::new(move || vec![st.clone()]),
+            timing,
+            heard.clone(),
+            n.beat_now.clone(),
+            n.stop.subscribe(),
+        ));
+    }
+    let peers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    // The first beats' answers: both peers can lead.
+    let until = Instant::now() + Duration::from_secs(10);
+    while !peers
+        .iter()
+        .all(|p| heard[l].within(nodes[*p].id, Duration::from_secs(60)))
+    {
+        assert!(Instant::now() < until, "the peers did not answer a beat");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for p in &peers {
+        nodes[*p].draining.store(true, Ordering::Release);
+    }
+    let term = nodes[l].status().expect("status").term;
+    nodes[l].draining.store(true, Ordering::Release);
+    // The balancer waits out a drain's own handovers, then looks every
+    // second: three of its rounds.
+    tokio::time::sleep(
+        forkless_raftnet::balance::DRAIN_WITHIN + forkless_raftnet::balance::BALANCE_EVERY * 3,
+    )
+    .await;
+    let s = nodes[l].status().expect("status");
+    assert!(
+        s.state == "leader" && s.term == term,
+        "the drained leader did not keep its shard though every replica is drained: {s:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(5), write(&nodes[l], 2))
+        .await
+        .expect("a write on the drained leader did not end within 5 s")
+        .expect("a write on the drained leader, which no replica can relieve (did it hand the shard to a drained peer?)");
+
+    // One peer undrained: handed the shard by the next round's beat.
+    let to = peers[0];
+    nodes[to].draining.store(false, Ordering::Release);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = nodes[to].status().expect("status");
+        if s.state == "leader" && s.leader == Some(nodes[to].id) && s.term > term {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the undrained peer was not handed the shard within 10 s: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    write_soon(&nodes[to], 3, "a write on the peer handed the shard").await;
+}
+
 /// A replica that comes to lead its group has its node's heartbeat go out
 /// at once (`Replication::beat_now`), naming the group with its new term:
 /// a node that holds no replica of the shard (here a fourth listener with

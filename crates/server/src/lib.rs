@@ -789,6 +789,7 @@ pub async fn run(
                 let drains = forkless_raftnet::balance::DrainState {
                     on: rep.draining.clone(),
                     runs: Arc::default(),
+                    beat_now: rep.beat_now.clone(),
                 };
                 let _ = app.drainer.set(Drain {
                     shards: shards.clone(),
