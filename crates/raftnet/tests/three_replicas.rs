@@ -1587,6 +1587,92 @@ async fn a_leader_shutting_down_hands_its_group_over_and_a_refused_handover_is_n
     }
 }
 
+/// Runs each node's heartbeat (`forkless_raftnet::quiesce::run`) as
+/// `timing` says, each recording its peers' answers in its `heard`.
+fn heartbeats(
+    nodes: &[Node],
+    timing: forkless_store::RaftTiming,
+    heard: &[Arc<forkless_raftnet::quiesce::PeersHeard>],
+) {
+    for (n, heard) in nodes.iter().zip(heard) {
+        let st = n.shard();
+        let me = n.id;
+        tokio::spawn(forkless_raftnet::quiesce::run(
+            n.peers.clone(),
+            Arc::new(move || (1..=3).filter(|p| *p != me).collect()),
+            Arc::new(move || vec![st.clone()]),
+            timing,
+            heard.clone(),
+            n.beat_now.clone(),
+            n.stop.subscribe(),
+        ));
+    }
+}
+
+/// Waits (at most 10 s) until node `i` heard both others answer its
+/// heartbeat.
+async fn answered_all(nodes: &[Node], i: usize, heard: &forkless_raftnet::quiesce::PeersHeard) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !nodes
+        .iter()
+        .enumerate()
+        .filter(|(j, _)| *j != i)
+        .all(|(_, n)| heard.within(n.id, Duration::from_secs(60)))
+    {
+        assert!(Instant::now() < until, "the peers did not answer a beat");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A drain with the node heartbeat configured long (a beat every 2 s:
+/// the drain's wait for its beat's answers, a quarter of its 2 s bound,
+/// is shorter than a beat) waits for the peers last heard a second ago,
+/// whose answers to its beat come within a round trip, and hands the
+/// shard over. Before, it did not wait for a peer it had not heard within
+/// its wait's bound, found no peer that answered its beat, and counted
+/// the shard as having no replica.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_with_long_heartbeats_waits_for_its_beats_answers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    let timing = forkless_store::RaftTiming {
+        heartbeat_ms: 2_000,
+        quiesce: false,
+        ..forkless_store::RaftTiming::default()
+    };
+    let heard: Vec<Arc<forkless_raftnet::quiesce::PeersHeard>> =
+        nodes.iter().map(|_| Arc::default()).collect();
+    heartbeats(&nodes, timing, &heard);
+    answered_all(&nodes, l, &heard[l]).await;
+    // The last answers a second old: more than the wait's 500 ms, less
+    // than the next beat.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    nodes[l]
+        .draining
+        .store(true, std::sync::atomic::Ordering::Release);
+    let all: &(dyn Fn(ShardId) -> Vec<u64> + Send + Sync) = &|_| vec![1, 2, 3];
+    let done = forkless_raftnet::balance::drain(
+        forkless_raftnet::balance::Why::Drain,
+        vec![nodes[l].shard()],
+        all,
+        heard[l].clone(),
+        &nodes[l].beat_now,
+        nodes[l].peers.as_ref(),
+        timing,
+        forkless_raftnet::balance::DRAIN_WITHIN,
+    )
+    .await;
+    assert_eq!(
+        done,
+        forkless_raftnet::balance::Drained {
+            handed: 1,
+            not_taken: 0,
+            no_replica: 0
+        }
+    );
+}
+
 /// A drained leader's balancer (`forkless_raftnet::balance::run`) beats
 /// before it hands a shard over, and hands it only to a peer whose answer
 /// to that beat says it can lead. The node heartbeat here beats once a
@@ -1636,29 +1722,10 @@ async fn a_drained_leaders_balancer_hands_over_by_an_answer_to_a_fresh_beat() {
     ));
     // (Nothing shows the balancer's first round: a moment for it.)
     tokio::time::sleep(Duration::from_millis(100)).await;
-    for (n, heard) in nodes.iter().zip(&heard) {
-        let st = n.shard();
-        let me = n.id;
-        tokio::spawn(forkless_raftnet::quiesce::run(
-            n.peers.clone(),
-            Arc::new(move || (1..=3).filter(|p| *p != me).collect()),
-            Arc::new(move || vec![st.clone()]),
-            timing,
-            heard.clone(),
-            n.beat_now.clone(),
-            n.stop.subscribe(),
-        ));
-    }
-    let peers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    heartbeats(&nodes, timing, &heard);
     // The first beats' answers: both peers can lead.
-    let until = Instant::now() + Duration::from_secs(10);
-    while !peers
-        .iter()
-        .all(|p| heard[l].within(nodes[*p].id, Duration::from_secs(60)))
-    {
-        assert!(Instant::now() < until, "the peers did not answer a beat");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    answered_all(&nodes, l, &heard[l]).await;
+    let peers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
     for p in &peers {
         nodes[*p].draining.store(true, Ordering::Release);
     }
