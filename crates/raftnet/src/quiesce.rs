@@ -27,6 +27,10 @@ use tokio::sync::watch;
 /// quiet.
 pub const IDLE_BEATS: u32 = 3;
 
+/// The longest a beat asked for sooner than its tick waits after the
+/// node's last beat.
+const SOONER_AT_MOST: Duration = Duration::from_millis(25);
+
 /// What a node does with a peer's heartbeat: each group the peer leads
 /// quietly goes quiet here too, if this replica follows that peer at that
 /// term. Returns those of them quiet here with entries not applied (the
@@ -190,10 +194,14 @@ pub async fn run(
     let random = std::collections::hash_map::RandomState::new();
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Beats sooner than their tick (for leaderships won) come at most this
-    // often: the elections of many shards at once (a node's start, a
-    // failover) make a few beats, not one each.
-    let soonest = (every / 8).max(Duration::from_millis(5));
+    // Beats sooner than their tick (for leaderships won, a drain's ask)
+    // come at most this often: the elections of many shards at once (a
+    // node's start, a failover) make a few beats, not one each. An eighth
+    // of the interval, within [5 ms, SOONER_AT_MOST]: with the interval
+    // configured long, an eighth of it kept a new leader's beat (and a
+    // drain's, which waits at most a quarter of its 2 s for the answers)
+    // waiting seconds after the node's last beat.
+    let soonest = (every / 8).clamp(Duration::from_millis(5), SOONER_AT_MOST);
     let mut last = Instant::now();
     loop {
         let soon = tokio::select! {

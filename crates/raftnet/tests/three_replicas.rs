@@ -1781,11 +1781,14 @@ async fn a_new_leader_tells_every_peer_at_once() {
     let addr = listener.local_addr().expect("addr").to_string();
     type Told = Arc<std::sync::Mutex<Vec<(u64, u32, u64)>>>;
     let told: Told = Arc::default();
+    // The nodes whose beat node 4 has heard, leading or not.
+    let beat: Arc<std::sync::Mutex<Vec<u64>>> = Arc::default();
     let hooks = {
-        let told = told.clone();
+        let (told, beat) = (told.clone(), beat.clone());
         forkless_raftnet::Hooks {
             join: None,
             told: Some(Arc::new(move |peer, led: &[(u32, u64)]| {
+                beat.lock().expect("beat").push(peer);
                 let mut t = told.lock().expect("told");
                 t.extend(led.iter().map(|(s, term)| (peer, *s, *term)));
             })),
@@ -1827,14 +1830,32 @@ async fn a_new_leader_tells_every_peer_at_once() {
     };
     let l = leader(&nodes).await;
     let before = nodes[l].status().expect("status").term;
+    let to = nodes[(l + 1) % 3].id;
     let until = Instant::now() + Duration::from_secs(10);
     while !heard(nodes[l].id, before) {
         assert!(Instant::now() < until, "node 4 never heard of the leader");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    // A beat of the node the leadership goes to, asked for now, heard by
+    // node 4: its node's last beat is a moment ago when it comes to lead
+    // (beats sooner than their tick are spaced: a new leader's beat once
+    // waited an eighth of the minute's interval, 7.5 s, after it).
+    let beats_of_to = || {
+        beat.lock()
+            .expect("beat")
+            .iter()
+            .filter(|p| **p == to)
+            .count()
+    };
+    let had = beats_of_to();
+    nodes[(l + 1) % 3].beat_now.notify_one();
+    let until = Instant::now() + Duration::from_secs(10);
+    while beats_of_to() == had {
+        assert!(Instant::now() < until, "node 4 never heard node {to} beat");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // The leadership handed to another replica: node 4 hears of it from
     // the new leader's node within moments.
-    let to = nodes[(l + 1) % 3].id;
     nodes[l]
         .shard()
         .transfer_leader(to)
