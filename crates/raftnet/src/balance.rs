@@ -264,12 +264,13 @@ pub fn steps_down_to(
 /// answered for a while ([`steps_down_to`]), until `stop` turns true.
 /// While the node is drained (`drain.on`, `forkless cluster drain`) it
 /// hands every shard it still leads to another replica that can take it
-/// ([`hand_off_to`], nearly level and heard lately), its preferred one or
-/// not: a shard the drain itself could not hand over (no replica could
-/// take it then) goes once one can. It starts [`DRAIN_WITHIN`] after it
-/// first sees the node drained or a drain start (that drain's handovers
-/// are done by then), and asks the next replica in turn after one that
-/// did not take it.
+/// ([`hand_off_to`], nearly level and heard lately: with the node
+/// heartbeat on, answering a beat made for the round, [`beat_first`]),
+/// its preferred one or not: a shard the drain itself could not hand over
+/// (no replica could take it then) goes once one can. It starts
+/// [`DRAIN_WITHIN`] after it first sees the node drained or a drain start
+/// (that drain's handovers are done by then), and asks the next replica
+/// in turn after one that did not take it.
 pub async fn run(
     shards: crate::Hosted,
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
@@ -331,17 +332,39 @@ pub async fn run(
         // to the beats' window, and a drained peer handed a shard refuses
         // it, which costs the shard an election's time of refused writes.
         let asked = if drain_settled && heard.beating() {
-            Some(
-                beat_first(
-                    &hosted,
+            // For the shards a round may hand over now: not those waiting
+            // out a failed handover's backoff.
+            let due: Vec<_> = {
+                let t = tried.lock().unwrap_or_else(|e| e.into_inner());
+                hosted
+                    .iter()
+                    .filter(|st| {
+                        t.get(&st.id().get())
+                            .is_none_or(|last| last.at.elapsed() >= last.wait())
+                    })
+                    .cloned()
+                    .collect()
+            };
+            let asked = tokio::select! {
+                asked = beat_first(
+                    &due,
                     &heard,
                     &drain.beat_now,
                     peers.as_ref(),
                     heard_within,
                     heard_within.min(DRAIN_WITHIN / 4),
-                )
-                .await,
-            )
+                ) => asked,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            // A drain started, or the node undrained, during the wait:
+            // no handover this round (a drain's own go first, and an
+            // undrained node keeps its preferred shards).
+            if drain.on.load(Ordering::Acquire) != on
+                || drain.runs.load(Ordering::Acquire) != drains
+            {
+                continue;
+            }
+            Some(asked)
         } else {
             None
         };

@@ -1720,19 +1720,38 @@ async fn a_drained_leaders_balancer_hands_over_by_an_answer_to_a_fresh_beat() {
         },
         nodes[l].stop.subscribe(),
     ));
-    // (Nothing shows the balancer's first round: a moment for it.)
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    let balancing = Instant::now();
     heartbeats(&nodes, timing, &heard);
-    // The first beats' answers: both peers can lead.
     answered_all(&nodes, l, &heard[l]).await;
+    // Answers made after the balancer's first round (which comes at once,
+    // and a second a round later: nothing shows it) saw the shard led
+    // here: both peers can lead.
+    tokio::time::sleep(
+        (balancing + forkless_raftnet::balance::BALANCE_EVERY + Duration::from_millis(200))
+            .saturating_duration_since(Instant::now()),
+    )
+    .await;
     let peers: Vec<usize> = (0..3).filter(|i| *i != l).collect();
+    let asked = std::time::Instant::now();
+    nodes[l].beat_now.notify_one();
+    let until = Instant::now() + Duration::from_secs(10);
+    while !peers
+        .iter()
+        .all(|p| heard[l].answered_since(nodes[*p].id, asked))
+    {
+        assert!(
+            Instant::now() < until,
+            "the peers did not answer a beat asked for"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     for p in &peers {
         nodes[*p].draining.store(true, Ordering::Release);
     }
     let term = nodes[l].status().expect("status").term;
     nodes[l].draining.store(true, Ordering::Release);
-    // The balancer waits out a drain's own handovers, then looks every
-    // second: three of its rounds.
+    // The balancer sees the drain within a round, waits out a drain's own
+    // handovers (2 s), then looks every second: a round or two of it.
     tokio::time::sleep(
         forkless_raftnet::balance::DRAIN_WITHIN + forkless_raftnet::balance::BALANCE_EVERY * 3,
     )
