@@ -1095,6 +1095,9 @@ impl ClusterNode {
 
 /// A replica's (node, last log index, applied index).
 type ReplicaProgress = (u16, Option<u64>, Option<u64>);
+/// A node's replica of a shard: its progress, whether it leads, and the
+/// voters its group counts.
+type ReplicaView = (ReplicaProgress, bool, Vec<u16>);
 
 /// Whether node `c` says none of its replicas is new and still catching
 /// up (`raft.fresh`); `None` while one is, or while it does not answer.
@@ -1323,44 +1326,74 @@ impl Cluster {
         ids
     }
 
-    /// Waits (up to 20 s) until every running node holding a replica of a
-    /// shard has applied every entry that shard's replicas hold, so that
-    /// the replicas can be compared.
+    /// Each running node's view of its replicas: by shard, (node, last
+    /// log index, applied, whether it leads, its group's voters); `false`
+    /// if a running node did not answer.
+    fn replica_views(&self) -> (bool, std::collections::BTreeMap<u64, Vec<ReplicaView>>) {
+        let mut by_shard: std::collections::BTreeMap<u64, Vec<_>> = Default::default();
+        let mut answered = true;
+        for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
+            let Ok(r) =
+                n.client()
+                    .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+            else {
+                answered = false;
+                continue;
+            };
+            let v = r.json();
+            for s in v["shards"].as_array().into_iter().flatten() {
+                let r = &s["raft"];
+                if r.is_null() {
+                    continue;
+                }
+                let shard = s["shard"].as_u64().unwrap_or(u64::MAX);
+                let voters = r["voters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|v| v.as_u64().map(|v| v as u16))
+                    .collect();
+                by_shard.entry(shard).or_default().push((
+                    (n.id, r["last_log_index"].as_u64(), r["applied"].as_u64()),
+                    r["state"] == "leader",
+                    voters,
+                ));
+            }
+        }
+        (answered, by_shard)
+    }
+
+    /// Waits (up to 20 s) until every shard has a leader among the
+    /// running nodes and every running node holding a voting replica of
+    /// it (one its leader counts) has applied every entry that shard's
+    /// voters hold, so that the replicas can be compared. A replica its
+    /// group left behind (moved to another node) is not waited for.
     pub fn wait_replicas_level(&self) {
         let until = Instant::now() + Duration::from_secs(20);
         loop {
-            // (node, last log index, applied) of each replica, by shard.
-            let mut by_shard: std::collections::BTreeMap<u64, Vec<ReplicaProgress>> =
-                Default::default();
-            let mut answered = true;
-            for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
-                let Ok(r) =
-                    n.client()
-                        .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-                else {
-                    answered = false;
-                    continue;
-                };
-                let v = r.json();
-                for s in v["shards"].as_array().into_iter().flatten() {
-                    let r = &s["raft"];
-                    if r.is_null() {
-                        continue;
-                    }
-                    let shard = s["shard"].as_u64().unwrap_or(u64::MAX);
-                    by_shard.entry(shard).or_default().push((
-                        n.id,
-                        r["last_log_index"].as_u64(),
-                        r["applied"].as_u64(),
-                    ));
-                }
-            }
-            let seen = format!("(node, last log index, applied) per shard: {by_shard:?}");
-            let level = by_shard.values().all(|v| {
+            let (answered, views) = self.replica_views();
+            let voting: std::collections::BTreeMap<u64, Vec<ReplicaProgress>> = views
+                .iter()
+                .map(|(shard, v)| {
+                    let voters = v.iter().find(|(_, leads, _)| *leads).map(|(_, _, vs)| vs);
+                    let held = v
+                        .iter()
+                        .filter(|((id, ..), _, _)| voters.is_some_and(|vs| vs.contains(id)))
+                        .map(|(p, _, _)| *p)
+                        .collect();
+                    (*shard, held)
+                })
+                .collect();
+            let seen = format!(
+                "(node, last log index, applied) of each voting replica, by shard: {voting:?}; \
+                 every replica's view (progress, leads, voters): {views:?}"
+            );
+            let led = views.values().all(|v| v.iter().any(|(_, leads, _)| *leads));
+            let level = voting.values().all(|v| {
                 let last = v.iter().filter_map(|(_, l, _)| *l).max();
-                v.iter().all(|(_, l, a)| *l == last && *a == last)
+                !v.is_empty() && v.iter().all(|(_, l, a)| *l == last && *a == last)
             });
-            if answered && level && by_shard.len() == self.shard_count as usize {
+            if answered && led && level && views.len() == self.shard_count as usize {
                 return;
             }
             assert!(
@@ -1372,11 +1405,40 @@ impl Cluster {
         }
     }
 
+    /// Each shard's voters as its leader among the running nodes counts
+    /// them (waits up to 20 s for a leader of every shard).
+    pub fn shard_voters(&self) -> std::collections::BTreeMap<u64, Vec<u16>> {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, views) = self.replica_views();
+            let voters: std::collections::BTreeMap<u64, Vec<u16>> = views
+                .iter()
+                .filter_map(|(shard, v)| {
+                    v.iter()
+                        .find(|(_, leads, _)| *leads)
+                        .map(|(_, _, vs)| (*shard, vs.clone()))
+                })
+                .collect();
+            if voters.len() == self.shard_count as usize {
+                return voters;
+            }
+            assert!(
+                Instant::now() < until,
+                "not every shard had a leader among the running nodes within 20 s: {views:?}\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Stops every running node with SIGTERM (each must exit within 20 s)
     /// and reads each one's events per shard from its data directory with
-    /// `forkless store check`; panics unless every replica of a shard
+    /// `forkless store check`; panics unless every voting replica of a
+    /// shard (one its leader counts just before the stop: a replica the
+    /// group left behind when it moved to another node is not compared)
     /// holds the same count. Returns each shard's count.
     pub fn stop_and_compare_replicas(&mut self) -> std::collections::BTreeMap<u32, u64> {
+        let voters = self.shard_voters();
         for n in self.nodes.iter().filter(|n| n.proc.is_some()) {
             n.proc().sigterm();
         }
@@ -1392,6 +1454,15 @@ impl Cluster {
                 self.logs()
             );
             for (shard, events) in events_on_disk(&self.nodes[i].data_dir) {
+                if voters
+                    .get(&u64::from(shard))
+                    .is_some_and(|vs| !vs.contains(&id))
+                {
+                    eprintln!(
+                        "node {id}'s replica of shard {shard} ({events} events) is not a voter of its group: not compared"
+                    );
+                    continue;
+                }
                 seen.entry(shard).or_default().push((id, events));
             }
         }

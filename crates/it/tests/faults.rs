@@ -6,8 +6,10 @@
 //! a node's disk lost (SIGKILL, its data directory deleted, started
 //! again empty), a node stopped on purpose (SIGTERM: it hands its
 //! leaderships over and finishes its requests; started again), and a
-//! node drained (`POST /api/cluster/drain`; undrained), each healed
-//! before the next. Groups snapshot every 100
+//! node drained (`POST /api/cluster/drain`; undrained), and a shard's
+//! replica moved to a node that held none (a Raft membership change
+//! under the load; moved back at heal, onto the log the node kept), each
+//! healed before the next. Groups snapshot every 100
 //! entries and keep 20, so a node back from a fault usually catches up
 //! by a snapshot. Afterwards every acknowledged
 //! write is at its seq, nothing refused or never sent is there, every
@@ -43,6 +45,59 @@ enum Fault {
     Stop(u16),
     /// Drained (it leads nothing; still serves), then undrained.
     Drain(u16),
+    /// A shard's replica moved from one node to one that held none
+    /// (`POST /api/shards/{s}/replace`: a learner caught up, then the
+    /// voters changed), and moved back at heal: the node it left holds a
+    /// replica its group left behind until it is added again, over its
+    /// old log.
+    Move {
+        shard: u32,
+        from: u16,
+        to: u16,
+    },
+}
+
+/// Moves shard `shard`'s replica from node `from` to node `to` through
+/// node `via` (forwarded to the shard's leader), asking again while the
+/// answer is a 503 (a leader changing: the move is resumable) for at most
+/// 60 s; returns the group's voters after it.
+fn move_replica(cl: &Cluster, via: u16, shard: u32, from: u16, to: u16, seed: u64) -> Vec<u16> {
+    let body = serde_json::json!({"from": from, "to": to}).to_string();
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = cl.client(via).try_req(
+            "POST",
+            &format!("/api/shards/{shard}/replace"),
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(30),
+        );
+        match r {
+            Ok(r) if r.status == 200 => {
+                let v = r.json();
+                return v["voters"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|n| n.as_u64().map(|n| n as u16))
+                    .collect();
+            }
+            other => {
+                let said = match &other {
+                    Ok(r) => format!("{} {}", r.status, r.text()),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    Instant::now() < until
+                        && other.as_ref().map_or(true, |r| r.status == 503 || r.status == 421),
+                    "moving shard {shard}'s replica from node {from} to node {to} through node {via}: {said} (seed {seed})\n{}",
+                    cl.logs()
+                );
+                eprintln!("moving shard {shard}'s replica from node {from} to node {to}: {said}; asking again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    }
 }
 
 #[test]
@@ -91,13 +146,33 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
         } else {
             1 + rng.below(NODES as u64) as u16
         };
-        let fault = match rng.below(7) {
+        let fault = match rng.below(8) {
             0 => Fault::Kill(target),
             1 => Fault::Pause(target),
             2 => Fault::Cut(target),
             3 => Fault::Wipe(target),
             4 => Fault::Stop(target),
             5 => Fault::Drain(target),
+            6 => {
+                // A replica of a shard `target` holds (its leader's, half
+                // the time) to a node that holds none.
+                let voters = cl.shard_voters();
+                let held: Vec<u32> = (0..SHARDS)
+                    .filter(|s| voters[&u64::from(*s)].contains(&target))
+                    .collect();
+                let shard = held[rng.below(held.len() as u64) as usize];
+                let outside: Vec<u16> = ids
+                    .iter()
+                    .copied()
+                    .filter(|n| !voters[&u64::from(shard)].contains(n))
+                    .collect();
+                let to = outside[rng.below(outside.len() as u64) as usize];
+                Fault::Move {
+                    shard,
+                    from: target,
+                    to,
+                }
+            }
             _ => {
                 let mut side = vec![target];
                 while side.len() < 2 {
@@ -140,6 +215,14 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             Fault::Drain(n) => {
                 cl.drain_node(*n, true);
             }
+            Fault::Move { shard, from, to } => {
+                let via = 1 + rng.below(NODES as u64) as u16;
+                let voters = move_replica(&cl, via, *shard, *from, *to, seed);
+                assert!(
+                    voters.contains(to) && !voters.contains(from),
+                    "shard {shard}'s voters after its move from node {from} to node {to}: {voters:?} (seed {seed})"
+                );
+            }
         }
         // The majority side elects where it must and serves; wait for it
         // through a node the fault left alone, for a node faulted alone.
@@ -151,6 +234,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             | Fault::Stop(n)
             | Fault::Drain(n) => vec![*n],
             Fault::Split(side) => side.clone(),
+            Fault::Move { .. } => Vec::new(),
         };
         if faulted.len() == 1 {
             let healthy = ids
@@ -213,6 +297,14 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             Fault::Cut(_) | Fault::Split(_) => lab.heal_all(),
             Fault::Drain(n) => {
                 cl.drain_node(*n, false);
+            }
+            Fault::Move { shard, from, to } => {
+                let via = 1 + rng.below(NODES as u64) as u16;
+                let voters = move_replica(&cl, via, *shard, *to, *from, seed);
+                assert!(
+                    voters.contains(from) && !voters.contains(to),
+                    "shard {shard}'s voters after its move back from node {to} to node {from}: {voters:?} (seed {seed})"
+                );
             }
         }
         for id in &ids {

@@ -2251,7 +2251,12 @@ async fn cluster(State(app): AppState) -> Response {
                 // replacement gave the group, which the cluster file does
                 // not know, and which a replica the group left behind
                 // never heard.
-                let heard = heard_all.get(&s).filter(|h| h.newer_than(status.as_ref()));
+                // (Or, where the group left this node's replica behind,
+                // whatever the leader said: the replica follows no leader.)
+                let left = local.as_ref().is_some_and(|st| st.has_left_group());
+                let heard = heard_all
+                    .get(&s)
+                    .filter(|h| left || h.newer_than(status.as_ref()));
                 if let Some(h) = heard {
                     shard["replicas"] = json!(h.voters);
                     shard["replicas_from"] = json!(format!("leader {} at term {}", h.from, h.term));

@@ -129,6 +129,25 @@ impl ReplicasHeard {
     pub fn newer_than(&self, local: Option<&forkless_store::RaftStatus>) -> bool {
         local.is_none_or(|g| self.membership_log > g.membership_log)
     }
+
+    /// What this answer of the shard's leader says of node `me`'s replica
+    /// (`local`): `Some(true)`, its group left it behind (this membership
+    /// counts it neither as a voter nor as a learner, is committed, and
+    /// is the one the replica holds or a newer one); `Some(false)`, the
+    /// group counts it (or there is no replica here); `None`, a change is
+    /// under way (not committed): left as it is. A replica removed just
+    /// after it took the entry that removes it holds that membership
+    /// itself: it is left behind as surely as one that never heard of it
+    /// (the fault suite's moves found such a replica taken for a member,
+    /// naming no leader for good).
+    pub fn leaves(&self, me: u64, local: Option<&forkless_store::RaftStatus>) -> Option<bool> {
+        match local {
+            None => Some(false),
+            Some(_) if self.counts(me) => Some(false),
+            Some(g) if self.committed && self.membership_log >= g.membership_log => Some(true),
+            Some(_) => None,
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -1099,4 +1118,90 @@ fn is_connection_error(e: &std::io::Error) -> bool {
         e.kind(),
         ConnectionRefused | ConnectionAborted | ConnectionReset
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReplicasHeard;
+
+    /// Node 4's replica of a shard, holding the membership at log id
+    /// `membership_log` with these voters.
+    fn replica(voters: Vec<u64>, membership_log: (u64, u64)) -> forkless_store::RaftStatus {
+        forkless_store::RaftStatus {
+            me: 4,
+            leader: None,
+            term: 4,
+            state: "learner",
+            last_log_index: Some(188),
+            committed: Some(188),
+            applied: Some(188),
+            snapshot: None,
+            purged: None,
+            voters,
+            membership_log: Some(membership_log),
+            membership_committed: false,
+            learners: vec![],
+            matched: vec![],
+            heard_ms_ago: vec![],
+            quiet: false,
+            fresh: false,
+            appends_taken: 0,
+            appends_taken_behind_others: 0,
+            log_held_entries: 0,
+            log_memory_bytes: 0,
+        }
+    }
+
+    /// The leader's word: voters 1, 2, 3 from the entry at (4, 180).
+    fn heard(committed: bool, voters: Vec<u64>, learners: Vec<u64>) -> ReplicasHeard {
+        ReplicasHeard {
+            from: 1,
+            term: 4,
+            voters,
+            learners,
+            membership_log: Some((4, 180)),
+            committed,
+        }
+    }
+
+    #[test]
+    fn a_replica_is_left_behind_once_a_committed_membership_it_holds_or_is_behind_leaves_it_out() {
+        let out = heard(true, vec![1, 2, 3], vec![]);
+        // Removed before it took the entry that removes it (it holds the
+        // joint configuration, which counts it).
+        assert_eq!(
+            out.leaves(4, Some(&replica(vec![1, 2, 3, 4], (4, 170)))),
+            Some(true)
+        );
+        // Removed just after it took that entry: it holds the membership
+        // that leaves it out (the fault suite's moves found this one
+        // taken for a member, naming no leader for good).
+        assert_eq!(
+            out.leaves(4, Some(&replica(vec![1, 2, 3], (4, 180)))),
+            Some(true)
+        );
+        // Not committed yet: a change under way is left as it is.
+        let pending = heard(false, vec![1, 2, 3], vec![]);
+        assert_eq!(
+            pending.leaves(4, Some(&replica(vec![1, 2, 3, 4], (4, 170)))),
+            None
+        );
+        // An older word than the replica's own membership: as it is.
+        assert_eq!(
+            out.leaves(4, Some(&replica(vec![1, 2, 3, 4], (5, 190)))),
+            None
+        );
+        // Counted, as a voter or a learner, or no replica here.
+        let counted = heard(true, vec![1, 2, 4], vec![]);
+        assert_eq!(
+            counted.leaves(4, Some(&replica(vec![1, 2, 3], (4, 170)))),
+            Some(false)
+        );
+        let learner = heard(true, vec![1, 2, 3], vec![4]);
+        assert_eq!(
+            learner.leaves(4, Some(&replica(vec![1, 2, 3], (4, 180)))),
+            Some(false)
+        );
+        assert_eq!(out.leaves(4, None), Some(false));
+    }
 }

@@ -319,13 +319,7 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                     // others lack, can leave it the only one that can
                     // win), and stands again once an answer counts it.
                     // Otherwise (a change under way) it is left as it is.
-                    let left = if now.counts(me) || local.is_none() {
-                        Some(false)
-                    } else if now.committed && now.newer_than(local.as_ref()) {
-                        Some(true)
-                    } else {
-                        None
-                    };
+                    let left = now.leaves(me, local.as_ref());
                     match left.map(|l| (l, st.set_left_group(l))) {
                         Some((true, true)) => tracing::warn!(
                             shard = o.shard,
