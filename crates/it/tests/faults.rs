@@ -8,8 +8,9 @@
 //! leaderships over and finishes its requests; started again), and a
 //! node drained (`POST /api/cluster/drain`; undrained), and a shard's
 //! replica moved to a node that held none (a Raft membership change
-//! under the load; moved back at heal, onto the log the node kept), each
-//! healed before the next. Groups snapshot every 100
+//! under the load, half the time with the shard's leader killed during
+//! it; moved back at heal, onto the log the node kept), each healed
+//! before the next. Groups snapshot every 100
 //! entries and keep 20, so a node back from a fault usually catches up
 //! by a snapshot. Afterwards every acknowledged
 //! write is at its seq, nothing refused or never sent is there, every
@@ -49,55 +50,59 @@ enum Fault {
     /// (`POST /api/shards/{s}/replace`: a learner caught up, then the
     /// voters changed), and moved back at heal: the node it left holds a
     /// replica its group left behind until it is added again, over its
-    /// old log.
+    /// old log. With `kill_leader`, the shard's leader then is killed
+    /// (SIGKILL) while the move is under way, and started again at heal:
+    /// the move, asked again (of the next leader), finishes or resumes the
+    /// change its leader began.
     Move {
         shard: u32,
         from: u16,
         to: u16,
+        kill_leader: Option<u16>,
     },
 }
 
-/// Moves shard `shard`'s replica from node `from` to node `to` through
-/// node `via` (forwarded to the shard's leader), asking again while the
-/// answer is a 503 (a leader changing: the move is resumable) for at most
-/// 60 s; returns the group's voters after it.
-fn move_replica(cl: &Cluster, via: u16, shard: u32, from: u16, to: u16, seed: u64) -> Vec<u16> {
+/// Moves shard `shard`'s replica from node `from` to node `to`, asking
+/// the nodes of `via` in turn (each forwards to the shard's leader) while
+/// the answer is a 503 or 421 (a leader changing: the move is
+/// resumable) or none comes, for at most 60 s; returns the group's voters
+/// after it, or what the last ask said.
+fn move_replica(via: &[Client], shard: u32, from: u16, to: u16) -> Result<Vec<u16>, String> {
     let body = serde_json::json!({"from": from, "to": to}).to_string();
     let until = Instant::now() + Duration::from_secs(60);
-    loop {
-        let r = cl.client(via).try_req(
+    for c in via.iter().cycle() {
+        let r = c.try_req(
             "POST",
             &format!("/api/shards/{shard}/replace"),
             &[],
             Some(body.as_bytes()),
             Duration::from_secs(30),
         );
-        match r {
+        let said = match r {
             Ok(r) if r.status == 200 => {
                 let v = r.json();
-                return v["voters"]
+                return Ok(v["voters"]
                     .as_array()
                     .into_iter()
                     .flatten()
                     .filter_map(|n| n.as_u64().map(|n| n as u16))
-                    .collect();
+                    .collect());
             }
-            other => {
-                let said = match &other {
-                    Ok(r) => format!("{} {}", r.status, r.text()),
-                    Err(e) => e.to_string(),
-                };
-                assert!(
-                    Instant::now() < until
-                        && other.as_ref().map_or(true, |r| r.status == 503 || r.status == 421),
-                    "moving shard {shard}'s replica from node {from} to node {to} through node {via}: {said} (seed {seed})\n{}",
-                    cl.logs()
-                );
-                eprintln!("moving shard {shard}'s replica from node {from} to node {to}: {said}; asking again");
-                std::thread::sleep(Duration::from_millis(200));
-            }
+            Ok(r) if r.status == 503 || r.status == 421 => format!("{} {}", r.status, r.text()),
+            Ok(r) => return Err(format!("{} {}", r.status, r.text())),
+            Err(e) => e.to_string(),
+        };
+        let said = format!(
+            "moving shard {shard}'s replica from node {from} to node {to} through {}: {said}",
+            c.addr
+        );
+        if Instant::now() > until {
+            return Err(said);
         }
+        eprintln!("{said}; asking again");
+        std::thread::sleep(Duration::from_millis(200));
     }
+    Err("no node to ask".into())
 }
 
 #[test]
@@ -167,10 +172,12 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                     .filter(|n| !voters[&u64::from(shard)].contains(n))
                     .collect();
                 let to = outside[rng.below(outside.len() as u64) as usize];
+                let kill_leader = (rng.below(2) == 0).then_some(leaders[shard as usize].0);
                 Fault::Move {
                     shard,
                     from: target,
                     to,
+                    kill_leader,
                 }
             }
             _ => {
@@ -215,12 +222,33 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             Fault::Drain(n) => {
                 cl.drain_node(*n, true);
             }
-            Fault::Move { shard, from, to } => {
-                let via = 1 + rng.below(NODES as u64) as u16;
-                let voters = move_replica(&cl, via, *shard, *from, *to, seed);
+            Fault::Move {
+                shard,
+                from,
+                to,
+                kill_leader,
+            } => {
+                // Asked of every node in turn but the one to be killed.
+                let via: Vec<Client> = ids
+                    .iter()
+                    .filter(|n| Some(**n) != *kill_leader)
+                    .map(|n| cl.client(*n))
+                    .collect();
+                let (shard, from, to) = (*shard, *from, *to);
+                let moving = std::thread::spawn(move || move_replica(&via, shard, from, to));
+                if let Some(l) = kill_leader {
+                    // Somewhere in the move: the learner's catch-up, the
+                    // change of voters, or just after.
+                    std::thread::sleep(Duration::from_millis(rng.below(400)));
+                    cl.kill9(*l);
+                }
+                let voters = moving.join().expect("the move's thread");
                 assert!(
-                    voters.contains(to) && !voters.contains(from),
-                    "shard {shard}'s voters after its move from node {from} to node {to}: {voters:?} (seed {seed})"
+                    voters
+                        .as_ref()
+                        .is_ok_and(|v| v.contains(&to) && !v.contains(&from)),
+                    "shard {shard}'s voters after its move from node {from} to node {to}: {voters:?} (seed {seed})\n{}",
+                    cl.logs()
                 );
             }
         }
@@ -234,7 +262,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             | Fault::Stop(n)
             | Fault::Drain(n) => vec![*n],
             Fault::Split(side) => side.clone(),
-            Fault::Move { .. } => Vec::new(),
+            Fault::Move { kill_leader, .. } => kill_leader.iter().copied().collect(),
         };
         if faulted.len() == 1 {
             let healthy = ids
@@ -298,12 +326,25 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             Fault::Drain(n) => {
                 cl.drain_node(*n, false);
             }
-            Fault::Move { shard, from, to } => {
-                let via = 1 + rng.below(NODES as u64) as u16;
-                let voters = move_replica(&cl, via, *shard, *to, *from, seed);
+            Fault::Move {
+                shard,
+                from,
+                to,
+                kill_leader,
+            } => {
+                if let Some(l) = kill_leader {
+                    let cfg = cl.node(*l).config.clone();
+                    cl.spawn(*l, &cfg);
+                    cl.wait_ready(*l);
+                }
+                let via: Vec<Client> = ids.iter().map(|n| cl.client(*n)).collect();
+                let voters = move_replica(&via, *shard, *to, *from);
                 assert!(
-                    voters.contains(from) && !voters.contains(to),
-                    "shard {shard}'s voters after its move back from node {to} to node {from}: {voters:?} (seed {seed})"
+                    voters
+                        .as_ref()
+                        .is_ok_and(|v| v.contains(from) && !v.contains(to)),
+                    "shard {shard}'s voters after its move back from node {to} to node {from}: {voters:?} (seed {seed})\n{}",
+                    cl.logs()
                 );
             }
         }

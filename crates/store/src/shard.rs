@@ -1296,10 +1296,6 @@ impl ShardStore {
         }
         let _release = Release(g);
         self.linearize().await?;
-        let io = |what: &str, e: &dyn std::fmt::Display| StoreError::NotExecuted {
-            shard: self.shard,
-            reason: format!("{what}: {e}"),
-        };
         // A change of voters cut short between its two steps (its leader
         // died with the group in the joint configuration, the old voters
         // and the new) is finished first: to the configuration it was
@@ -1319,7 +1315,11 @@ impl ShardStore {
                     false,
                 )
                 .await
-                .map_err(|e| io("finishing a change of voters cut short", &e))?;
+                .map_err(|e| {
+                    raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
+                        format!("finishing a change of voters cut short: {e}")
+                    })
+                })?;
         }
         let voters: std::collections::BTreeSet<u64> = self
             .raft_status()
@@ -1357,7 +1357,11 @@ impl ShardStore {
             .raft
             .add_learner(to, crate::BasicNode::new(to_addr), false)
             .await
-            .map_err(|e| io(&format!("adding node {to} as a learner"), &e))?;
+            .map_err(|e| {
+                raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
+                    format!("adding node {to} as a learner: {e}")
+                })
+            })?;
         let upto = added.log_id().index;
         let caught_up = g
             .raft
@@ -1397,7 +1401,11 @@ impl ShardStore {
             .raft
             .change_membership(openraft::ChangeMembers::ReplaceAllVoters(next), false)
             .await
-            .map_err(|e| io("changing the group's voters", &e))?;
+            .map_err(|e| {
+                raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
+                    format!("changing the group's voters: {e}")
+                })
+            })?;
         let voters = changed
             .membership()
             .as_ref()
