@@ -1434,6 +1434,52 @@ async fn a_deposed_leader_does_not_answer_a_replacement() {
     }
 }
 
+/// A move whose target never caught up leaves it a learner (asking again
+/// goes on from there); a move of the shard to another node removes that
+/// learner first. Before, it stayed for good: its leader replicated to it
+/// forever, and its group, never all caught up, never went quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    write_soon(&nodes[l], 1, "a write before the moves").await;
+    let from = nodes[(l + 1) % 3].id;
+    let st = nodes[l].shard();
+    let learners = || nodes[l].status().expect("status").learners;
+    // Nothing listens for node 4: it never catches up.
+    let answer = st
+        .replace_replica(from, 4, NOWHERE.into(), Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(answer, Err(StoreError::NotExecuted { .. })),
+        "a move to a node that never catches up: {answer:?}"
+    );
+    assert_eq!(learners(), vec![4], "the move cut short leaves its learner");
+    // Asked again to the same node: it goes on (the learner stays).
+    let answer = st
+        .replace_replica(from, 4, NOWHERE.into(), Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(answer, Err(StoreError::NotExecuted { .. })),
+        "{answer:?}"
+    );
+    assert_eq!(learners(), vec![4]);
+    // To another node: node 4 goes first.
+    let answer = st
+        .replace_replica(from, 5, NOWHERE.into(), Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(answer, Err(StoreError::NotExecuted { .. })),
+        "{answer:?}"
+    );
+    assert_eq!(
+        learners(),
+        vec![5],
+        "a move to node 5 kept the learner a move to node 4 left"
+    );
+}
+
 /// A quiet leader no quorum answers (its calls to both followers fail)
 /// asked for a pre-vote first tries to confirm that it still leads, and
 /// answers whatever came of it within half the election timeout's min:

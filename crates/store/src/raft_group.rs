@@ -859,6 +859,7 @@ pub(crate) fn start_alone(
         vote_fresh: std::time::Duration::ZERO,
         replica: held,
         staging: tokio::sync::Mutex::new(None),
+        moving: tokio::sync::Mutex::new(()),
         appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
@@ -964,6 +965,7 @@ pub(crate) fn start_replicated(
         vote_fresh: std::time::Duration::from_millis(rep.timing.election_timeout_min_ms),
         replica: held,
         staging: tokio::sync::Mutex::new(None),
+        moving: tokio::sync::Mutex::new(()),
         appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
@@ -991,6 +993,11 @@ pub(crate) struct Group {
     pub(crate) replica: Arc<Replica>,
     /// The snapshot being received, if one is.
     staging: tokio::sync::Mutex<Option<crate::snapshot::Staging>>,
+    /// Held by a move of one of the group's replicas
+    /// (`ShardStore::replace_replica`) from start to end: moves of a
+    /// shard go one at a time, so a learner found at a move's start is
+    /// one a move cut short left.
+    pub(crate) moving: tokio::sync::Mutex<()>,
     /// Set while this replica's data directory is new and it has not
     /// caught up (`crate::fresh`).
     fresh: Option<Arc<crate::fresh::Fresh>>,

@@ -1295,6 +1295,7 @@ impl ShardStore {
             }
         }
         let _release = Release(g);
+        let _one_at_a_time = g.moving.lock().await;
         self.linearize().await?;
         // A change of voters cut short between its two steps (its leader
         // died with the group in the joint configuration, the old voters
@@ -1342,6 +1343,32 @@ impl ShardStore {
                 "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
                 self.shard
             )));
+        }
+        // A learner other than `to`: one a move cut short left (its target
+        // died, or did not catch up in time, and the move went to another
+        // node). Removed first: the leader would replicate to it for good,
+        // and its group, never all caught up, would never go quiet.
+        let left_by_moves: std::collections::BTreeSet<u64> = self
+            .raft_status()
+            .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
+            .learners
+            .into_iter()
+            .filter(|l| *l != to)
+            .collect();
+        if !left_by_moves.is_empty() {
+            tracing::info!(
+                shard = self.shard.get(),
+                learners = ?left_by_moves,
+                "removing learners that moves cut short left, before moving a replica to node {to}"
+            );
+            g.raft
+                .change_membership(openraft::ChangeMembers::RemoveNodes(left_by_moves), false)
+                .await
+                .map_err(|e| {
+                    raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
+                        format!("removing learners that moves cut short left: {e}")
+                    })
+                })?;
         }
         tracing::info!(
             shard = self.shard.get(),
