@@ -1297,6 +1297,17 @@ impl ShardStore {
         let _release = Release(g);
         let _one_at_a_time = g.moving.lock().await;
         self.linearize().await?;
+        // A step the group refused: not the leader (it names the one it
+        // knows: the edge routes the request there), or why.
+        type Refusal = openraft::errors::RaftError<
+            crate::raft_log::GroupConfig,
+            openraft::errors::ClientWriteError<crate::raft_log::GroupConfig>,
+        >;
+        let refused = |what: String, e: Refusal| {
+            raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
+                format!("{what}: {e}")
+            })
+        };
         // A change of voters cut short between its two steps (its leader
         // died with the group in the joint configuration, the old voters
         // and the new) is finished first: to the configuration it was
@@ -1316,11 +1327,7 @@ impl ShardStore {
                     false,
                 )
                 .await
-                .map_err(|e| {
-                    raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
-                        format!("finishing a change of voters cut short: {e}")
-                    })
-                })?;
+                .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
         }
         let voters: std::collections::BTreeSet<u64> = self
             .raft_status()
@@ -1364,11 +1371,7 @@ impl ShardStore {
             g.raft
                 .change_membership(openraft::ChangeMembers::RemoveNodes(left_by_moves), false)
                 .await
-                .map_err(|e| {
-                    raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
-                        format!("removing learners that moves cut short left: {e}")
-                    })
-                })?;
+                .map_err(|e| refused("removing learners that moves cut short left".into(), e))?;
         }
         tracing::info!(
             shard = self.shard.get(),
@@ -1384,11 +1387,7 @@ impl ShardStore {
             .raft
             .add_learner(to, crate::BasicNode::new(to_addr), false)
             .await
-            .map_err(|e| {
-                raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
-                    format!("adding node {to} as a learner: {e}")
-                })
-            })?;
+            .map_err(|e| refused(format!("adding node {to} as a learner"), e))?;
         let upto = added.log_id().index;
         let caught_up = g
             .raft
@@ -1428,11 +1427,7 @@ impl ShardStore {
             .raft
             .change_membership(openraft::ChangeMembers::ReplaceAllVoters(next), false)
             .await
-            .map_err(|e| {
-                raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
-                    format!("changing the group's voters: {e}")
-                })
-            })?;
+            .map_err(|e| refused("changing the group's voters".into(), e))?;
         let voters = changed
             .membership()
             .as_ref()
