@@ -1095,9 +1095,31 @@ impl ClusterNode {
 
 /// A replica's (node, last log index, applied index).
 type ReplicaProgress = (u16, Option<u64>, Option<u64>);
-/// A node's replica of a shard: its progress, whether it leads, and the
-/// voters its group counts.
-type ReplicaView = (ReplicaProgress, bool, Vec<u16>);
+/// A node's replica of a shard, as its node's `/api/cluster` shows it.
+#[derive(Debug)]
+struct ReplicaView {
+    /// (node, last log index, applied).
+    progress: ReplicaProgress,
+    /// It takes itself for the leader, at `term`.
+    leads: bool,
+    term: u64,
+    /// The voters its group counts.
+    voters: Vec<u16>,
+}
+
+/// Of a shard's replicas, the one that leads at the highest term (a
+/// deposed leader that does not know it yet leads at an older one).
+fn leading(v: &[ReplicaView]) -> Option<&ReplicaView> {
+    v.iter().filter(|r| r.leads).max_by_key(|r| r.term)
+}
+
+/// A shard's leader and voters, as the replica leading at the highest
+/// term among the running nodes says ([`Cluster::shard_voters`]).
+#[derive(Debug, Clone)]
+pub struct ShardMembers {
+    pub leader: u16,
+    pub voters: Vec<u16>,
+}
 
 /// Whether node `c` says none of its replicas is new and still catching
 /// up (`raft.fresh`); `None` while one is, or while it does not answer.
@@ -1326,9 +1348,8 @@ impl Cluster {
         ids
     }
 
-    /// Each running node's view of its replicas: by shard, (node, last
-    /// log index, applied, whether it leads, its group's voters); `false`
-    /// if a running node did not answer.
+    /// Each running node's view of its replicas, by shard; `false` if a
+    /// running node did not answer.
     fn replica_views(&self) -> (bool, std::collections::BTreeMap<u64, Vec<ReplicaView>>) {
         let mut by_shard: std::collections::BTreeMap<u64, Vec<_>> = Default::default();
         let mut answered = true;
@@ -1353,11 +1374,12 @@ impl Cluster {
                     .flatten()
                     .filter_map(|v| v.as_u64().map(|v| v as u16))
                     .collect();
-                by_shard.entry(shard).or_default().push((
-                    (n.id, r["last_log_index"].as_u64(), r["applied"].as_u64()),
-                    r["state"] == "leader",
+                by_shard.entry(shard).or_default().push(ReplicaView {
+                    progress: (n.id, r["last_log_index"].as_u64(), r["applied"].as_u64()),
+                    leads: r["state"] == "leader",
+                    term: s["term"].as_u64().unwrap_or(0),
                     voters,
-                ));
+                });
             }
         }
         (answered, by_shard)
@@ -1375,20 +1397,20 @@ impl Cluster {
             let voting: std::collections::BTreeMap<u64, Vec<ReplicaProgress>> = views
                 .iter()
                 .map(|(shard, v)| {
-                    let voters = v.iter().find(|(_, leads, _)| *leads).map(|(_, _, vs)| vs);
+                    let voters = leading(v).map(|l| &l.voters);
                     let held = v
                         .iter()
-                        .filter(|((id, ..), _, _)| voters.is_some_and(|vs| vs.contains(id)))
-                        .map(|(p, _, _)| *p)
+                        .filter(|r| voters.is_some_and(|vs| vs.contains(&r.progress.0)))
+                        .map(|r| r.progress)
                         .collect();
                     (*shard, held)
                 })
                 .collect();
             let seen = format!(
                 "(node, last log index, applied) of each voting replica, by shard: {voting:?}; \
-                 every replica's view (progress, leads, voters): {views:?}"
+                 every replica's view: {views:?}"
             );
-            let led = views.values().all(|v| v.iter().any(|(_, leads, _)| *leads));
+            let led = views.values().all(|v| leading(v).is_some());
             let level = voting.values().all(|v| {
                 let last = v.iter().filter_map(|(_, l, _)| *l).max();
                 !v.is_empty() && v.iter().all(|(_, l, a)| *l == last && *a == last)
@@ -1405,18 +1427,25 @@ impl Cluster {
         }
     }
 
-    /// Each shard's voters as its leader among the running nodes counts
-    /// them (waits up to 20 s for a leader of every shard).
-    pub fn shard_voters(&self) -> std::collections::BTreeMap<u64, Vec<u16>> {
+    /// Each shard's leader and its voters as that leader counts them: the
+    /// replica leading at the highest term among the running nodes (waits
+    /// up to 20 s for a leader of every shard).
+    pub fn shard_voters(&self) -> std::collections::BTreeMap<u64, ShardMembers> {
         let until = Instant::now() + Duration::from_secs(20);
         loop {
             let (_, views) = self.replica_views();
-            let voters: std::collections::BTreeMap<u64, Vec<u16>> = views
+            let voters: std::collections::BTreeMap<u64, ShardMembers> = views
                 .iter()
                 .filter_map(|(shard, v)| {
-                    v.iter()
-                        .find(|(_, leads, _)| *leads)
-                        .map(|(_, _, vs)| (*shard, vs.clone()))
+                    leading(v).map(|l| {
+                        (
+                            *shard,
+                            ShardMembers {
+                                leader: l.progress.0,
+                                voters: l.voters.clone(),
+                            },
+                        )
+                    })
                 })
                 .collect();
             if voters.len() == self.shard_count as usize {
@@ -1456,7 +1485,7 @@ impl Cluster {
             for (shard, events) in events_on_disk(&self.nodes[i].data_dir) {
                 if voters
                     .get(&u64::from(shard))
-                    .is_some_and(|vs| !vs.contains(&id))
+                    .is_some_and(|m| !m.voters.contains(&id))
                 {
                     eprintln!(
                         "node {id}'s replica of shard {shard} ({events} events) is not a voter of its group: not compared"

@@ -161,26 +161,33 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
             6 => {
                 // A replica of a shard `target` holds (its leader's, half
                 // the time) to a node that holds none.
-                let voters = cl.shard_voters();
+                let members = cl.shard_voters();
                 let held: Vec<u32> = (0..SHARDS)
-                    .filter(|s| voters[&u64::from(*s)].contains(&target))
+                    .filter(|s| members[&u64::from(*s)].voters.contains(&target))
                     .collect();
-                let shard = held[rng.below(held.len() as u64) as usize];
-                let outside: Vec<u16> = ids
-                    .iter()
-                    .copied()
-                    .filter(|n| !voters[&u64::from(shard)].contains(n))
-                    .collect();
-                let to = outside[rng.below(outside.len() as u64) as usize];
-                // (Never the target: the move waits for it to catch up.)
-                let kill_leader = (rng.below(2) == 0)
-                    .then_some(leaders[shard as usize].0)
-                    .filter(|l| *l != to);
-                Fault::Move {
-                    shard,
-                    from: target,
-                    to,
-                    kill_leader,
+                if held.is_empty() {
+                    // (Not with this placement: every node holds some.)
+                    Fault::Kill(target)
+                } else {
+                    let shard = held[rng.below(held.len() as u64) as usize];
+                    let now = &members[&u64::from(shard)];
+                    let outside: Vec<u16> = ids
+                        .iter()
+                        .copied()
+                        .filter(|n| !now.voters.contains(n))
+                        .collect();
+                    let to = outside[rng.below(outside.len() as u64) as usize];
+                    // The shard's leader now (never the target: the move
+                    // waits for it to catch up).
+                    let kill_leader = (rng.below(2) == 0)
+                        .then_some(now.leader)
+                        .filter(|l| *l != to);
+                    Fault::Move {
+                        shard,
+                        from: target,
+                        to,
+                        kill_leader,
+                    }
                 }
             }
             _ => {

@@ -1437,7 +1437,9 @@ async fn a_deposed_leader_does_not_answer_a_replacement() {
 /// A move whose target never caught up leaves it a learner (asking again
 /// goes on from there); a move of the shard to another node removes that
 /// learner first. Before, it stayed for good: its leader replicated to it
-/// forever, and its group, never all caught up, never went quiet.
+/// forever, and its group, never all caught up, never went quiet. A move
+/// still waiting for its learner's catch-up neither holds up another
+/// move of the shard nor outlives the removal of its learner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -1478,6 +1480,43 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
         vec![5],
         "a move to node 5 kept the learner a move to node 4 left"
     );
+    // A move still waiting for its learner (to node 5 again, for up to a
+    // minute) ends once a move to another node removed it; that move
+    // does not wait for it.
+    let waiting = {
+        let st = st.clone();
+        tokio::spawn(async move {
+            st.replace_replica(from, 5, NOWHERE.into(), Duration::from_secs(60))
+                .await
+        })
+    };
+    // (It is waiting once it has asked for its learner again, which is
+    // one already: nothing shows it but time.)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let answer = st
+        .replace_replica(from, 4, NOWHERE.into(), Duration::from_secs(1))
+        .await;
+    assert!(
+        matches!(answer, Err(StoreError::NotExecuted { .. })),
+        "{answer:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a move waited {:?} for another move's catch-up",
+        started.elapsed()
+    );
+    let ended = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the move to node 5 did not end once its learner was removed")
+        .expect("the move's task");
+    match ended {
+        Err(StoreError::NotExecuted { reason, .. }) => {
+            assert!(reason.contains("no more"), "{reason}")
+        }
+        other => panic!("the move whose learner was removed answered {other:?}"),
+    }
+    assert_eq!(learners(), vec![4]);
 }
 
 /// A quiet leader no quorum answers (its calls to both followers fail)

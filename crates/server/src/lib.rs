@@ -139,7 +139,9 @@ impl ReplicasHeard {
     /// after it took the entry that removes it holds that membership
     /// itself: it is left behind as surely as one that never heard of it
     /// (the fault suite's moves found such a replica taken for a member,
-    /// naming no leader for good).
+    /// naming no leader for good). Equal log ids are the same entry: a
+    /// term has one leader (`leader_id_std`), so (term, index) names one
+    /// entry.
     pub fn leaves(&self, me: u64, local: Option<&forkless_store::RaftStatus>) -> Option<bool> {
         match local {
             None => Some(false),

@@ -860,6 +860,7 @@ pub(crate) fn start_alone(
         replica: held,
         staging: tokio::sync::Mutex::new(None),
         moving: tokio::sync::Mutex::new(()),
+        moves_under_way: std::sync::atomic::AtomicUsize::new(0),
         appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
@@ -966,6 +967,7 @@ pub(crate) fn start_replicated(
         replica: held,
         staging: tokio::sync::Mutex::new(None),
         moving: tokio::sync::Mutex::new(()),
+        moves_under_way: std::sync::atomic::AtomicUsize::new(0),
         appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
@@ -993,11 +995,14 @@ pub(crate) struct Group {
     pub(crate) replica: Arc<Replica>,
     /// The snapshot being received, if one is.
     staging: tokio::sync::Mutex<Option<crate::snapshot::Staging>>,
-    /// Held by a move of one of the group's replicas
-    /// (`ShardStore::replace_replica`) from start to end: moves of a
-    /// shard go one at a time, so a learner found at a move's start is
-    /// one a move cut short left.
+    /// Held by each membership step of a move of one of the group's
+    /// replicas (`ShardStore::replace_replica`), not by its catch-up
+    /// wait: a learner other than its own found at a move's start is one
+    /// a move cut short left (or one still waiting, which then ends).
     pub(crate) moving: tokio::sync::Mutex<()>,
+    /// Moves of the group's replicas under way on this replica (its
+    /// leader): the last one over lets the group go quiet again.
+    pub(crate) moves_under_way: std::sync::atomic::AtomicUsize,
     /// Set while this replica's data directory is new and it has not
     /// caught up (`crate::fresh`).
     fresh: Option<Arc<crate::fresh::Fresh>>,

@@ -1284,18 +1284,21 @@ impl ShardStore {
         // quorum that it still leads (a quiet leader has not heard one
         // lately, and openraft refuses its membership changes until it
         // has).
+        g.moves_under_way.fetch_add(1, Ordering::AcqRel);
         g.quiet.hold_awake(&g.raft, catch_up_within);
-        // ...and lets it go quiet again once the move is over, done or not.
+        // ...and lets it go quiet again once the last move under way is
+        // over, done or not.
         struct Release<'a>(&'a raft_group::Group);
         impl Drop for Release<'_> {
             fn drop(&mut self) {
-                self.0
-                    .quiet
-                    .hold_awake(&self.0.raft, std::time::Duration::ZERO);
+                if self.0.moves_under_way.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    self.0
+                        .quiet
+                        .hold_awake(&self.0.raft, std::time::Duration::ZERO);
+                }
             }
         }
         let _release = Release(g);
-        let _one_at_a_time = g.moving.lock().await;
         self.linearize().await?;
         // A step the group refused: not the leader (it names the one it
         // knows: the edge routes the request there), or why.
@@ -1308,97 +1311,116 @@ impl ShardStore {
                 format!("{what}: {e}")
             })
         };
-        // A change of voters cut short between its two steps (its leader
-        // died with the group in the joint configuration, the old voters
-        // and the new) is finished first: to the configuration it was
-        // going to.
-        let unfinished = {
-            use openraft::async_runtime::WatchReceiver;
-            let m = g.raft.metrics();
-            let m = m.borrow_watched();
-            let joint = m.membership_config.membership().get_joint_config();
-            (joint.len() > 1).then(|| joint.last().cloned()).flatten()
+        let voters_now = || -> Result<std::collections::BTreeSet<u64>, StoreError> {
+            Ok(self
+                .raft_status()
+                .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
+                .voters
+                .into_iter()
+                .collect())
         };
-        if let Some(last) = &unfinished {
-            tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
-            g.raft
-                .change_membership(
-                    openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
-                    false,
-                )
-                .await
-                .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
-        }
-        let voters: std::collections::BTreeSet<u64> = self
-            .raft_status()
-            .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
-            .voters
-            .into_iter()
-            .collect();
-        // Nothing (more) to move: `from` holds no voting replica, as a
-        // quorum has just confirmed this node leads (a deposed leader
-        // that does not know it yet, its voter list older than the
-        // group's, cannot answer so: it is refused above).
-        if !voters.contains(&from) {
-            return Ok(Replaced {
-                voters: voters.into_iter().collect(),
-                changed: unfinished.is_some(),
-            });
-        }
-        if voters.contains(&to) {
-            return Err(StoreError::Invalid(format!(
-                "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
-                self.shard
-            )));
-        }
-        // A learner other than `to`: one a move cut short left (its target
-        // died, or did not catch up in time, and the move went to another
-        // node). Removed first: the leader would replicate to it for good,
-        // and its group, never all caught up, would never go quiet.
-        let left_by_moves: std::collections::BTreeSet<u64> = self
-            .raft_status()
-            .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
-            .learners
-            .into_iter()
-            .filter(|l| *l != to)
-            .collect();
-        if !left_by_moves.is_empty() {
+        // The membership steps of the group's moves go one at a time
+        // (`Group::moving`); a move's catch-up wait does not hold it.
+        let upto = {
+            let _step = g.moving.lock().await;
+            // A change of voters cut short between its two steps (its
+            // leader died with the group in the joint configuration, the
+            // old voters and the new) is finished first: to the
+            // configuration it was going to.
+            let unfinished = {
+                use openraft::async_runtime::WatchReceiver;
+                let m = g.raft.metrics();
+                let m = m.borrow_watched();
+                let joint = m.membership_config.membership().get_joint_config();
+                (joint.len() > 1).then(|| joint.last().cloned()).flatten()
+            };
+            if let Some(last) = &unfinished {
+                tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
+                g.raft
+                    .change_membership(
+                        openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
+                        false,
+                    )
+                    .await
+                    .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
+            }
+            let voters = voters_now()?;
+            // Nothing (more) to move: `from` holds no voting replica, as a
+            // quorum has just confirmed this node leads (a deposed leader
+            // that does not know it yet, its voter list older than the
+            // group's, cannot answer so: it is refused above).
+            if !voters.contains(&from) {
+                return Ok(Replaced {
+                    voters: voters.into_iter().collect(),
+                    changed: unfinished.is_some(),
+                });
+            }
+            if voters.contains(&to) {
+                return Err(StoreError::Invalid(format!(
+                    "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
+                    self.shard
+                )));
+            }
+            // A learner other than `to`: one a move cut short left (its
+            // target died, or did not catch up in time, and the move went
+            // to another node; a move still waiting for it then ends).
+            // Removed first: the leader would replicate to it for good,
+            // and its group, never all caught up, would never go quiet.
+            let left_by_moves: std::collections::BTreeSet<u64> = self
+                .raft_status()
+                .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
+                .learners
+                .into_iter()
+                .filter(|l| *l != to)
+                .collect();
+            if !left_by_moves.is_empty() {
+                tracing::info!(
+                    shard = self.shard.get(),
+                    learners = ?left_by_moves,
+                    "removing learners that moves cut short left, before moving a replica to node {to}"
+                );
+                g.raft
+                    .change_membership(openraft::ChangeMembers::RemoveNodes(left_by_moves), false)
+                    .await
+                    .map_err(|e| {
+                        refused("removing learners that moves cut short left".into(), e)
+                    })?;
+            }
             tracing::info!(
                 shard = self.shard.get(),
-                learners = ?left_by_moves,
-                "removing learners that moves cut short left, before moving a replica to node {to}"
+                from,
+                to,
+                "adding a learner to replace a replica"
             );
-            g.raft
-                .change_membership(openraft::ChangeMembers::RemoveNodes(left_by_moves), false)
+            let added = g
+                .raft
+                .add_learner(to, crate::BasicNode::new(to_addr), false)
                 .await
-                .map_err(|e| refused("removing learners that moves cut short left".into(), e))?;
-        }
-        tracing::info!(
-            shard = self.shard.get(),
-            from,
-            to,
-            "adding a learner to replace a replica"
-        );
+                .map_err(|e| refused(format!("adding node {to} as a learner"), e))?;
+            added.log_id().index
+        };
         // openraft's own wait ("blocking") takes a learner within 5,000
         // entries for caught up; this one waits until it holds every entry
         // up to its own addition, so that it becomes a voter with the
         // whole shard (every entry acknowledged before the move).
-        let added = g
-            .raft
-            .add_learner(to, crate::BasicNode::new(to_addr), false)
-            .await
-            .map_err(|e| refused(format!("adding node {to} as a learner"), e))?;
-        let upto = added.log_id().index;
+        let learner = |m: &openraft::RaftMetrics<crate::raft_log::GroupConfig>| {
+            m.membership_config
+                .membership()
+                .learner_ids()
+                .any(|l| l == to)
+        };
         let caught_up = g
             .raft
             .wait(Some(catch_up_within))
             .metrics(
-                // (Or this node leads no more: nothing to wait for.)
+                // (Or this node leads no more, or a later move removed
+                // the learner: nothing to wait for.)
                 |m| {
-                    m.replication.as_ref().is_none_or(|r| {
-                        r.get(&to)
-                            .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
-                    })
+                    !learner(m)
+                        || m.replication.as_ref().is_none_or(|r| {
+                            r.get(&to)
+                                .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
+                        })
                 },
                 "the new learner holds every entry up to its addition",
             )
@@ -1410,6 +1432,12 @@ impl ShardStore {
                      learner; it stays one, and asking again (the new leader) goes on"
                 )))
             }
+            Ok(m) if !learner(&m) => {
+                return Err(not_executed(format!(
+                "node {to} is a learner of the shard's group no more (a later move of the shard \
+                 to another node removed it): this move ends"
+            )))
+            }
             Ok(_) => {}
             Err(e) => {
                 return Err(not_executed(format!(
@@ -1419,7 +1447,28 @@ impl ShardStore {
                 )))
             }
         }
-        let mut next = voters.clone();
+        let _step = g.moving.lock().await;
+        // The voters as they are now (another move may have ended
+        // meanwhile), and the learner still one.
+        let voters = voters_now()?;
+        {
+            use openraft::async_runtime::WatchReceiver;
+            if !learner(&g.raft.metrics().borrow_watched()) {
+                return Err(not_executed(format!(
+                    "node {to} is a learner of the shard's group no more (a later move of the \
+                     shard to another node removed it): this move ends"
+                )));
+            }
+        }
+        // Another move took `from` out meanwhile: nothing (more) to move
+        // (the learner stays one, until the shard's next move).
+        if !voters.contains(&from) {
+            return Ok(Replaced {
+                voters: voters.into_iter().collect(),
+                changed: false,
+            });
+        }
+        let mut next = voters;
         next.remove(&from);
         next.insert(to);
         tracing::info!(shard = self.shard.get(), from, to, voters = ?next, "the learner caught up: changing the voters");
