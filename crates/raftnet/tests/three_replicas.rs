@@ -1449,32 +1449,25 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
     let from = nodes[(l + 1) % 3].id;
     let st = nodes[l].shard();
     let learners = || nodes[l].status().expect("status").learners;
-    // Nothing listens for node 4: it never catches up.
-    let answer = st
-        .replace_replica(from, 4, NOWHERE.into(), Duration::from_secs(1))
-        .await;
-    assert!(
-        matches!(answer, Err(StoreError::NotExecuted { .. })),
-        "a move to a node that never catches up: {answer:?}"
-    );
+    // A move to `to` (nothing listens there) for at most `within`: it
+    // ends unfinished.
+    let cut_short = |to: u64, within: Duration| {
+        let st = st.clone();
+        async move {
+            let answer = st.replace_replica(from, to, NOWHERE.into(), within).await;
+            assert!(
+                matches!(answer, Err(StoreError::NotExecuted { .. })),
+                "a move to node {to}, which never catches up: {answer:?}"
+            );
+        }
+    };
+    cut_short(4, Duration::from_secs(1)).await;
     assert_eq!(learners(), vec![4], "the move cut short leaves its learner");
     // Asked again to the same node: it goes on (the learner stays).
-    let answer = st
-        .replace_replica(from, 4, NOWHERE.into(), Duration::from_secs(1))
-        .await;
-    assert!(
-        matches!(answer, Err(StoreError::NotExecuted { .. })),
-        "{answer:?}"
-    );
+    cut_short(4, Duration::from_secs(1)).await;
     assert_eq!(learners(), vec![4]);
     // To another node: node 4 goes first.
-    let answer = st
-        .replace_replica(from, 5, NOWHERE.into(), Duration::from_secs(1))
-        .await;
-    assert!(
-        matches!(answer, Err(StoreError::NotExecuted { .. })),
-        "{answer:?}"
-    );
+    cut_short(5, Duration::from_secs(1)).await;
     assert_eq!(
         learners(),
         vec![5],
@@ -1494,13 +1487,7 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
     // one already: nothing shows it but time.)
     tokio::time::sleep(Duration::from_millis(500)).await;
     let started = Instant::now();
-    let answer = st
-        .replace_replica(from, 4, NOWHERE.into(), Duration::from_secs(1))
-        .await;
-    assert!(
-        matches!(answer, Err(StoreError::NotExecuted { .. })),
-        "{answer:?}"
-    );
+    cut_short(4, Duration::from_secs(1)).await;
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "a move waited {:?} for another move's catch-up",

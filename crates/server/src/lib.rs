@@ -1131,26 +1131,11 @@ mod tests {
     fn replica(voters: Vec<u64>, membership_log: (u64, u64)) -> forkless_store::RaftStatus {
         forkless_store::RaftStatus {
             me: 4,
-            leader: None,
             term: 4,
             state: "learner",
-            last_log_index: Some(188),
-            committed: Some(188),
-            applied: Some(188),
-            snapshot: None,
-            purged: None,
             voters,
             membership_log: Some(membership_log),
-            membership_committed: false,
-            learners: vec![],
-            matched: vec![],
-            heard_ms_ago: vec![],
-            quiet: false,
-            fresh: false,
-            appends_taken: 0,
-            appends_taken_behind_others: 0,
-            log_held_entries: 0,
-            log_memory_bytes: 0,
+            ..Default::default()
         }
     }
 

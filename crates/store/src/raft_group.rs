@@ -1128,7 +1128,7 @@ impl Drop for Group {
 }
 
 /// A shard's Raft group as this replica sees it now.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RaftStatus {
     /// This replica's id.
     pub me: u64,
