@@ -1499,7 +1499,7 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
         .expect("the move's task");
     match ended {
         Err(StoreError::NotExecuted { reason, .. }) => {
-            assert!(reason.contains("no more"), "{reason}")
+            assert!(reason.contains("no longer a learner"), "{reason}")
         }
         other => panic!("the move whose learner was removed answered {other:?}"),
     }

@@ -1432,12 +1432,8 @@ impl ShardStore {
                      learner; it stays one, and asking again (the new leader) goes on"
                 )))
             }
-            Ok(m) if !learner(&m) => {
-                return Err(not_executed(format!(
-                "node {to} is a learner of the shard's group no more (a later move of the shard \
-                 to another node removed it): this move ends"
-            )))
-            }
+            // (Caught up, or no learner any more: the step below tells
+            // which.)
             Ok(_) => {}
             Err(e) => {
                 return Err(not_executed(format!(
@@ -1448,25 +1444,24 @@ impl ShardStore {
             }
         }
         let _step = g.moving.lock().await;
-        // The voters as they are now (another move may have ended
-        // meanwhile), and the learner still one.
+        // The voters as they are now: another move may have ended
+        // meanwhile. One that took `from` out (the same move asked
+        // twice, say) leaves nothing (more) to move.
         let voters = voters_now()?;
-        {
-            use openraft::async_runtime::WatchReceiver;
-            if !learner(&g.raft.metrics().borrow_watched()) {
-                return Err(not_executed(format!(
-                    "node {to} is a learner of the shard's group no more (a later move of the \
-                     shard to another node removed it): this move ends"
-                )));
-            }
-        }
-        // Another move took `from` out meanwhile: nothing (more) to move
-        // (the learner stays one, until the shard's next move).
         if !voters.contains(&from) {
             return Ok(Replaced {
                 voters: voters.into_iter().collect(),
                 changed: false,
             });
+        }
+        {
+            use openraft::async_runtime::WatchReceiver;
+            if !learner(&g.raft.metrics().borrow_watched()) {
+                return Err(not_executed(format!(
+                    "node {to} is no longer a learner of the shard's group (a later move of the \
+                     shard removed it, or made it a voter): this move ends"
+                )));
+            }
         }
         let mut next = voters;
         next.remove(&from);
