@@ -1745,9 +1745,6 @@ async fn by_key(
 /// How long a new replica may take to catch up as a learner before its
 /// replacement gives up (it stays a learner; asking again goes on).
 const CATCH_UP_WITHIN: Duration = Duration::from_secs(300);
-/// How long a new replica may answer nothing as a learner (its node is
-/// down) before its replacement gives up (likewise).
-const LEARNER_SILENT_WITHIN: Duration = Duration::from_secs(60);
 
 /// The `{shard}` of a path: one of this cluster's shards.
 fn shard_param(app: &App, p: Result<Path<String>, PathRejection>) -> Result<ShardId, ApiError> {
@@ -2022,10 +2019,7 @@ async fn replace_on_leader(
             u64::from(from.get()),
             u64::from(to.get()),
             addr,
-            forkless_store::MoveBounds {
-                catch_up_within: CATCH_UP_WITHIN,
-                silent_within: LEARNER_SILENT_WITHIN,
-            },
+            CATCH_UP_WITHIN,
         )
         .await
         .map_err(|e| from_store(e, shard.get(), None, app.dir.map_version()))?;

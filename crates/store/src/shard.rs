@@ -1256,9 +1256,8 @@ impl ShardStore {
         from: u64,
         to: u64,
         to_addr: String,
-        bounds: MoveBounds,
+        catch_up_within: std::time::Duration,
     ) -> Result<Replaced, StoreError> {
-        let catch_up_within = bounds.catch_up_within;
         let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
             return Err(StoreError::Invalid(format!(
                 "shard {} is not a replicated Raft group on this node",
@@ -1410,52 +1409,22 @@ impl ShardStore {
                 .learner_ids()
                 .any(|l| l == to)
         };
-        // A learner that answers nothing (its node is down, or was never
-        // started) is not waited for to the end: its move ends once it
-        // has been silent for `bounds.silent_within`, since its last
-        // answer or (none yet) since it was added.
-        let added_at = tokio::time::Instant::now();
-        let silent = async {
-            loop {
-                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
-                let ago = self.raft_status().and_then(|s| {
-                    s.heard_ms_ago
-                        .into_iter()
-                        .find(|(id, _)| *id == to)
-                        .and_then(|(_, ago)| ago)
-                });
-                let silent_for = match ago {
-                    Some(ms) => std::time::Duration::from_millis(ms),
-                    None => added_at.elapsed(),
-                };
-                if silent_for >= bounds.silent_within {
-                    return silent_for;
-                }
-            }
-        };
-        let wait = g.raft.wait(Some(catch_up_within));
-        let caught_up = wait.metrics(
-            // (Or this node leads no more, or a later move removed
-            // the learner: nothing to wait for.)
-            |m| {
-                !learner(m)
-                    || m.replication.as_ref().is_none_or(|r| {
-                        r.get(&to)
-                            .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
-                    })
-            },
-            "the new learner holds every entry up to its addition",
-        );
-        let caught_up = tokio::select! {
-            caught_up = caught_up => caught_up,
-            silent_for = silent => {
-                return Err(not_executed(format!(
-                    "node {to} has answered nothing as a learner for {} s (is it down?); it stays \
-                     one, and asking again goes on, or a move of the shard to another node removes it",
-                    silent_for.as_secs()
-                )))
-            }
-        };
+        let caught_up = g
+            .raft
+            .wait(Some(catch_up_within))
+            .metrics(
+                // (Or this node leads no more, or a later move removed
+                // the learner: nothing to wait for.)
+                |m| {
+                    !learner(m)
+                        || m.replication.as_ref().is_none_or(|r| {
+                            r.get(&to)
+                                .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
+                        })
+                },
+                "the new learner holds every entry up to its addition",
+            )
+            .await;
         match caught_up {
             Ok(m) if m.replication.is_none() => {
                 return Err(not_executed(format!(
@@ -2031,15 +2000,6 @@ mod tests {
         writer.ring();
         thread.join().expect("the writer stops");
     }
-}
-
-/// How long a move of a replica ([`ShardStore::replace_replica`]) waits
-/// for its new node to catch up as a learner: at most `catch_up_within`
-/// in all, and at most `silent_within` while the learner answers nothing.
-#[derive(Debug, Clone, Copy)]
-pub struct MoveBounds {
-    pub catch_up_within: std::time::Duration,
-    pub silent_within: std::time::Duration,
 }
 
 /// What [`ShardStore::replace_replica`] came to: the group's voters after
