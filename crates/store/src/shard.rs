@@ -1268,9 +1268,11 @@ impl ShardStore {
             shard: self.shard,
             reason,
         };
-        let status = self
-            .raft_status()
-            .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?;
+        let status_now = || {
+            self.raft_status()
+                .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))
+        };
+        let status = status_now()?;
         if status.state != "leader" {
             return Err(raft_group::not_leader(
                 self.shard,
@@ -1311,14 +1313,6 @@ impl ShardStore {
                 format!("{what}: {e}")
             })
         };
-        let voters_now = || -> Result<std::collections::BTreeSet<u64>, StoreError> {
-            Ok(self
-                .raft_status()
-                .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
-                .voters
-                .into_iter()
-                .collect())
-        };
         // The membership steps of the group's moves go one at a time
         // (`Group::moving`); a move's catch-up wait does not hold it.
         let upto = {
@@ -1344,7 +1338,8 @@ impl ShardStore {
                     .await
                     .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
             }
-            let voters = voters_now()?;
+            let status = status_now()?;
+            let voters: std::collections::BTreeSet<u64> = status.voters.into_iter().collect();
             // Nothing (more) to move: `from` holds no voting replica, as a
             // quorum has just confirmed this node leads (a deposed leader
             // that does not know it yet, its voter list older than the
@@ -1366,13 +1361,8 @@ impl ShardStore {
             // to another node; a move still waiting for it then ends).
             // Removed first: the leader would replicate to it for good,
             // and its group, never all caught up, would never go quiet.
-            let left_by_moves: std::collections::BTreeSet<u64> = self
-                .raft_status()
-                .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))?
-                .learners
-                .into_iter()
-                .filter(|l| *l != to)
-                .collect();
+            let left_by_moves: std::collections::BTreeSet<u64> =
+                status.learners.into_iter().filter(|l| *l != to).collect();
             if !left_by_moves.is_empty() {
                 tracing::info!(
                     shard = self.shard.get(),
@@ -1450,7 +1440,7 @@ impl ShardStore {
         // The voters as they are now: another move may have ended
         // meanwhile. One that took `from` out (the same move asked
         // twice, say) leaves nothing (more) to move.
-        let voters = voters_now()?;
+        let voters: std::collections::BTreeSet<u64> = status_now()?.voters.into_iter().collect();
         if !voters.contains(&from) {
             return Ok(Replaced {
                 voters: voters.into_iter().collect(),
