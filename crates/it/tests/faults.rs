@@ -62,6 +62,25 @@ enum Fault {
     },
 }
 
+/// Asserts that a move of shard `shard`'s replica from node `from` to
+/// node `to` left `to` among its voters and `from` out of them.
+fn assert_moved(
+    cl: &Cluster,
+    voters: Result<Vec<u16>, String>,
+    shard: u32,
+    from: u16,
+    to: u16,
+    seed: u64,
+) {
+    assert!(
+        voters
+            .as_ref()
+            .is_ok_and(|v| v.contains(&to) && !v.contains(&from)),
+        "shard {shard}'s voters after its move from node {from} to node {to}: {voters:?} (seed {seed})\n{}",
+        cl.logs()
+    );
+}
+
 /// Moves shard `shard`'s replica from node `from` to node `to`, asking
 /// the nodes of `via` in turn (each forwards to the shard's leader) while
 /// the answer is a 503 or 421 (a leader changing: the move is
@@ -253,13 +272,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                     cl.kill9(*l);
                 }
                 let voters = moving.join().expect("the move's thread");
-                assert!(
-                    voters
-                        .as_ref()
-                        .is_ok_and(|v| v.contains(&to) && !v.contains(&from)),
-                    "shard {shard}'s voters after its move from node {from} to node {to}: {voters:?} (seed {seed})\n{}",
-                    cl.logs()
-                );
+                assert_moved(&cl, voters, shard, from, to, seed);
             }
         }
         // The majority side elects where it must and serves; wait for it
@@ -349,13 +362,7 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                 }
                 let via: Vec<Client> = ids.iter().map(|n| cl.client(*n)).collect();
                 let voters = move_replica(&via, *shard, *to, *from);
-                assert!(
-                    voters
-                        .as_ref()
-                        .is_ok_and(|v| v.contains(from) && !v.contains(to)),
-                    "shard {shard}'s voters after its move back from node {to} to node {from}: {voters:?} (seed {seed})\n{}",
-                    cl.logs()
-                );
+                assert_moved(&cl, voters, *shard, *to, *from, seed);
             }
         }
         for id in &ids {
