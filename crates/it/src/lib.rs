@@ -1105,6 +1105,8 @@ struct ReplicaView {
     term: u64,
     /// The voters its group counts.
     voters: Vec<u16>,
+    /// The learners its group counts.
+    learners: Vec<u16>,
 }
 
 /// Of a shard's replicas, the one that leads at the highest term (a
@@ -1119,6 +1121,7 @@ fn leading(v: &[ReplicaView]) -> Option<&ReplicaView> {
 pub struct ShardMembers {
     pub leader: u16,
     pub voters: Vec<u16>,
+    pub learners: Vec<u16>,
 }
 
 /// Whether node `c` says none of its replicas is new and still catching
@@ -1368,17 +1371,21 @@ impl Cluster {
                     continue;
                 }
                 let shard = s["shard"].as_u64().unwrap_or(u64::MAX);
-                let voters = r["voters"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|v| v.as_u64().map(|v| v as u16))
-                    .collect();
+                let ids = |key: &str| {
+                    r[key]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|v| v.as_u64().map(|v| v as u16))
+                        .collect()
+                };
+                let (voters, learners) = (ids("voters"), ids("learners"));
                 by_shard.entry(shard).or_default().push(ReplicaView {
                     progress: (n.id, r["last_log_index"].as_u64(), r["applied"].as_u64()),
                     leads: r["state"] == "leader",
                     term: s["term"].as_u64().unwrap_or(0),
                     voters,
+                    learners,
                 });
             }
         }
@@ -1443,6 +1450,7 @@ impl Cluster {
                             ShardMembers {
                                 leader: l.progress.0,
                                 voters: l.voters.clone(),
+                                learners: l.learners.clone(),
                             },
                         )
                     })
@@ -2015,6 +2023,19 @@ impl Cluster {
     /// `forkless cluster remove-node N [--to M]` through node `via`: its
     /// report, the command having succeeded (exit 0).
     pub fn remove_node(&self, node: u16, to: Option<u16>, via: u16) -> Value {
+        let (code, report) = self.try_remove_node(node, to, via);
+        assert_eq!(
+            code,
+            Some(0),
+            "remove-node failed: {report}\n{}",
+            self.logs()
+        );
+        report
+    }
+
+    /// `forkless cluster remove-node` as [`Cluster::remove_node`], which
+    /// may end incomplete: its exit code and its report.
+    pub fn try_remove_node(&self, node: u16, to: Option<u16>, via: u16) -> (Option<i32>, Value) {
         let server = format!("http://{}", self.node(via).api);
         let (node, to) = (node.to_string(), to.map(|t| t.to_string()));
         let mut args = vec!["cluster", "remove-node", node.as_str(), "--server", &server];
@@ -2022,13 +2043,9 @@ impl Cluster {
             args.extend(["--to", t.as_str()]);
         }
         let (code, out, err) = run_cli(&args, Duration::from_secs(120));
-        assert_eq!(
-            code,
-            Some(0),
-            "remove-node failed: {out}\n{err}\n{}",
-            self.logs()
-        );
-        serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"))
+        let report = serde_json::from_str(out.trim())
+            .unwrap_or_else(|e| panic!("remove-node printed no report ({e}): {out}\n{err}"));
+        (code, report)
     }
 
     /// `forkless status` through node `via`: its table.

@@ -374,3 +374,103 @@ fn a_node_removal_waits_out_a_shard_without_a_leader() {
         assert!(!voters.contains(&1), "shard {shard}: {s}");
     }
 }
+
+/// A move to a node that answers nothing (here one never started) ends
+/// at its unreachable bound (30 s), not at the 5-minute catch-up bound,
+/// and leaves that node a learner; the next removal, naming no node,
+/// passes over it (it never answered a probe), removes the learner it
+/// left, and moves the replica to a live node; the same move asked at
+/// the same time through another node finds it done. A move to a node
+/// seen down is refused at once, naming the field. Five nodes, one shard on
+/// nodes 1, 2 and 3; node 4 never runs.
+#[test]
+fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node() {
+    let _deadline = deadline(
+        "membership: a move to a node that answers nothing",
+        Duration::from_secs(180),
+    );
+    let mut cl = Cluster::prepare_replicated(5, 1, 3, PeerTiming::default());
+    cl.start_nodes(&[1, 2, 3, 5], &[]);
+    cl.wait_leaders_known(2, &[]);
+    cl.wait_replicas_level();
+
+    let started = std::time::Instant::now();
+    let (code, report) = cl.try_remove_node(1, Some(4), 2);
+    let took = started.elapsed();
+    assert_ne!(code, Some(0), "{report}");
+    eprintln!("remove-node 1 --to 4 (never started) took {took:?}: {report}");
+    assert_eq!(report["complete"], false, "{report}");
+    let shard = &report["shards"][0];
+    assert_eq!(shard["status"], 503, "{report}");
+    assert!(
+        shard["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("has not answered")),
+        "{report}"
+    );
+    // The bound is 30 s; the catch-up bound it no longer waits out, 300 s.
+    assert!(
+        took < Duration::from_secs(90),
+        "the move waited {took:?} for a node that answers nothing"
+    );
+    let members = &cl.shard_voters()[&0];
+    assert_eq!(members.voters, vec![1, 2, 3], "{members:?}");
+    assert_eq!(members.learners, vec![4], "{members:?}");
+
+    // The removal again, naming no node, and at the same time a move of
+    // the same replica to the same node through another node: one
+    // changes the voters, the other finds it done.
+    let c3 = cl.client(3);
+    let same = std::thread::spawn(move || {
+        c3.try_req(
+            "POST",
+            "/api/shards/0/replace",
+            &[("content-type", "application/json")],
+            Some(br#"{"from": 1, "to": 5}"#),
+            Duration::from_secs(120),
+        )
+        .map(|r| (r.status, r.json()))
+    });
+    let report = cl.remove_node(1, None, 2);
+    eprintln!("remove-node 1 after it: {report}");
+    let (status, alongside) = same
+        .join()
+        .expect("the move's thread")
+        .expect("the move alongside answered");
+    eprintln!("the same move alongside it: {status} {alongside}");
+    assert_eq!(report["complete"], true, "{report}");
+    assert_eq!(report["shards"][0]["to"], 5, "{report}");
+    assert_eq!(status, 200, "{alongside}");
+    let changed = [&report["shards"][0]["changed"], &alongside["changed"]];
+    assert_eq!(
+        changed.iter().filter(|c| **c == true).count(),
+        1,
+        "{report} {alongside}"
+    );
+    let members = &cl.shard_voters()[&0];
+    assert_eq!(members.voters, vec![2, 3, 5], "{members:?}");
+    assert!(members.learners.is_empty(), "{members:?}");
+
+    // Node 1, no longer a replica, dies: a move named to it is refused at
+    // once (no wait, no learner added).
+    cl.kill9(1);
+    cl.wait_peer_seen(&[2, 3, 5], 1, false);
+    let started = std::time::Instant::now();
+    let (code, report) = cl.try_remove_node(2, Some(1), 3);
+    eprintln!("remove-node 2 --to 1 (down): {report}");
+    assert_ne!(code, Some(0), "{report}");
+    assert_eq!(report["complete"], false, "{report}");
+    let shard = &report["shards"][0];
+    assert_eq!(shard["status"], 400, "{report}");
+    assert_eq!(shard["error"]["field"], "to", "{report}");
+    assert!(
+        shard["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("answers none of this node's probes")),
+        "{report}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10), "{report}");
+    let members = &cl.shard_voters()[&0];
+    assert_eq!(members.voters, vec![2, 3, 5], "{members:?}");
+    assert!(members.learners.is_empty(), "{members:?}");
+}

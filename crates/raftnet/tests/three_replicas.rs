@@ -1258,6 +1258,20 @@ async fn write_soon(node: &Node, n: i64, what: &str) {
     }
 }
 
+/// A move's bounds: `catch_up_within`, its target's node answering all
+/// along (so that is the only bound that ends it).
+fn bounds(catch_up_within: Duration) -> forkless_store::MoveBounds<'static> {
+    forkless_store::MoveBounds {
+        catch_up_within,
+        unreachable_within: catch_up_within,
+        reachable: &answers,
+    }
+}
+
+fn answers() -> bool {
+    true
+}
+
 /// Where a cut link points: nothing listens there.
 const NOWHERE: &str = "127.0.0.1:1";
 
@@ -1424,7 +1438,7 @@ async fn a_deposed_leader_does_not_answer_a_replacement() {
     );
     // Node 4 is in no voter list this leader knows of.
     let answer = st
-        .replace_replica(4, 5, NOWHERE.into(), Duration::from_secs(1))
+        .replace_replica(4, 5, NOWHERE.into(), bounds(Duration::from_secs(1)))
         .await;
     match answer {
         Err(StoreError::NotLeader { .. }) | Err(StoreError::NotExecuted { .. }) => {}
@@ -1454,7 +1468,9 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
     let cut_short = |to: u64, within: Duration| {
         let st = st.clone();
         async move {
-            let answer = st.replace_replica(from, to, NOWHERE.into(), within).await;
+            let answer = st
+                .replace_replica(from, to, NOWHERE.into(), bounds(within))
+                .await;
             assert!(
                 matches!(answer, Err(StoreError::NotExecuted { .. })),
                 "a move to node {to}, which never catches up: {answer:?}"
@@ -1479,7 +1495,7 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
     let waiting = {
         let st = st.clone();
         tokio::spawn(async move {
-            st.replace_replica(from, 5, NOWHERE.into(), Duration::from_secs(60))
+            st.replace_replica(from, 5, NOWHERE.into(), bounds(Duration::from_secs(60)))
                 .await
         })
     };
@@ -1504,6 +1520,78 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
         other => panic!("the move whose learner was removed answered {other:?}"),
     }
     assert_eq!(learners(), vec![4]);
+}
+
+/// A move whose target's node answers nothing (down, or cut off from the
+/// leader) ends at its unreachable bound, not at the end of its catch-up
+/// bound (5 minutes in a server). One whose node answers is waited for
+/// to the end, though its learner takes nothing: a learner installing a
+/// large snapshot answers no heartbeat until the install ends, while its
+/// node answers (a bound judged by the learner's own answers, tried
+/// before, would have ended such a move as if its node were down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_to_a_node_that_answers_nothing_ends_at_its_unreachable_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    write_soon(&nodes[l], 1, "a write before the moves").await;
+    let from = nodes[(l + 1) % 3].id;
+    let st = nodes[l].shard();
+    let down = || false;
+    let started = Instant::now();
+    let answer = st
+        .replace_replica(
+            from,
+            4,
+            NOWHERE.into(),
+            forkless_store::MoveBounds {
+                catch_up_within: Duration::from_secs(60),
+                unreachable_within: Duration::from_secs(1),
+                reachable: &down,
+            },
+        )
+        .await;
+    match answer {
+        Err(StoreError::NotExecuted { reason, .. }) => {
+            assert!(reason.contains("has not answered"), "{reason}")
+        }
+        other => panic!("a move to a node that answers nothing answered {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "a move waited {:?} for a node that answers nothing",
+        started.elapsed()
+    );
+    assert_eq!(nodes[l].status().expect("status").learners, vec![4]);
+    // Its node answering, a learner that takes nothing is waited for to
+    // the end of the catch-up bound.
+    let started = Instant::now();
+    let answer = st
+        .replace_replica(
+            from,
+            4,
+            NOWHERE.into(),
+            forkless_store::MoveBounds {
+                catch_up_within: Duration::from_secs(3),
+                unreachable_within: Duration::from_secs(1),
+                reachable: &answers,
+            },
+        )
+        .await;
+    match answer {
+        Err(StoreError::NotExecuted { reason, .. }) => {
+            assert!(
+                reason.contains("did not catch up as a learner within 3 s"),
+                "{reason}"
+            )
+        }
+        other => panic!("a move to a node that answers answered {other:?}"),
+    }
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "a move to a node that answers ended after {:?}, before its catch-up bound",
+        started.elapsed()
+    );
 }
 
 /// A quiet leader no quorum answers (its calls to both followers fail)

@@ -15,7 +15,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use forkless_routing::{decide, Decision, Directory, Facts, FailClosed, Owner, OwnerHint};
+use forkless_routing::{
+    decide, Decision, Directory, Facts, FailClosed, Owner, OwnerHint, PeerState,
+};
 use forkless_store::{
     AppendRequest, ExecutionMeta, NewEvent, ShardStore, StartRequest, StoreError,
 };
@@ -1745,6 +1747,10 @@ async fn by_key(
 /// How long a new replica may take to catch up as a learner before its
 /// replacement gives up (it stays a learner; asking again goes on).
 const CATCH_UP_WITHIN: Duration = Duration::from_secs(300);
+/// How long a replacement waits for a new replica's node that answers
+/// none of this node's probes, its learner taking nothing meanwhile (the
+/// node is down, or cut off from this one), before it gives up likewise.
+const UNREACHABLE_WITHIN: Duration = Duration::from_secs(30);
 
 /// The `{shard}` of a path: one of this cluster's shards.
 fn shard_param(app: &App, p: Result<Path<String>, PathRejection>) -> Result<ShardId, ApiError> {
@@ -1988,6 +1994,20 @@ async fn replace_on_leader(
     }
     let nodes = replicated_nodes(app)?;
     let to = match to {
+        Some(t) if t != app.cfg.node_id && app.dir.liveness().state(t) == PeerState::Down => {
+            // (One that never answered is tried: it may be starting. A
+            // move to a node that answers nothing ends at
+            // UNREACHABLE_WITHIN.)
+            return Err(ApiError::invalid(
+                "to",
+                format!(
+                    "node {t} answers none of this node's probes (it is down, or cut off from \
+                     node {}): a move to it would wait for it; move the replica to another \
+                     node, or ask again once node {t} is up",
+                    app.cfg.node_id
+                ),
+            ));
+        }
         Some(t) => t,
         None => pick_target(app, &nodes, shard, from, &status.voters, &status.learners).ok_or_else(|| {
             ApiError::invalid(
@@ -2019,7 +2039,11 @@ async fn replace_on_leader(
             u64::from(from.get()),
             u64::from(to.get()),
             addr,
-            CATCH_UP_WITHIN,
+            forkless_store::MoveBounds {
+                catch_up_within: CATCH_UP_WITHIN,
+                unreachable_within: UNREACHABLE_WITHIN,
+                reachable: &|| answers(app, to),
+            },
         )
         .await
         .map_err(|e| from_store(e, shard.get(), None, app.dir.map_version()))?;
@@ -2049,11 +2073,10 @@ fn pick_target(
     learners: &[u64],
 ) -> Option<forkless_types::NodeId> {
     let ids: Vec<_> = nodes.keys().copied().collect();
+    // (A node that has not answered a probe yet is passed over: it may
+    // never have started.)
     let usable = |n: &forkless_types::NodeId| {
-        *n != from
-            && !voters.contains(&u64::from(n.get()))
-            && (u64::from(n.get()) == u64::from(app.cfg.node_id.get())
-                || app.dir.liveness().is_alive(*n))
+        *n != from && !voters.contains(&u64::from(n.get())) && answers(app, *n)
     };
     if let Some(l) = ids
         .iter()
@@ -2065,6 +2088,11 @@ fn pick_target(
     (0..ids.len())
         .map(|i| ids[(start + i) % ids.len()])
         .find(|n| usable(n))
+}
+
+/// Whether `node` is this node, or answered this node's last probe.
+fn answers(app: &App, node: forkless_types::NodeId) -> bool {
+    node == app.cfg.node_id || app.dir.liveness().state(node) == PeerState::Up
 }
 
 /// How long a node's removal keeps asking a shard that answers 503 or

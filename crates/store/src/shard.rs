@@ -1242,7 +1242,9 @@ impl ShardStore {
     /// node `from` to node `to` (at Raft address `to_addr`) by Raft
     /// membership changes: `to` joins as a learner and is caught up (from
     /// the log, or by a snapshot of the shard once the log forgot what it
-    /// needs), waiting at most `catch_up_within`; then one change of the
+    /// needs), waiting at most `bounds.catch_up_within`, and at most
+    /// `bounds.unreachable_within` while `to`'s node answers nothing
+    /// and its learner holds no more than before; then one change of the
     /// voters swaps `from` for `to` (openraft's joint consensus: the old and
     /// the new voters' quorums both agree). `from` may be down: the other
     /// replicas are a quorum of both. Resumable: a replacement already
@@ -1256,8 +1258,9 @@ impl ShardStore {
         from: u64,
         to: u64,
         to_addr: String,
-        catch_up_within: std::time::Duration,
+        bounds: MoveBounds<'_>,
     ) -> Result<Replaced, StoreError> {
+        let catch_up_within = bounds.catch_up_within;
         let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
             return Err(StoreError::Invalid(format!(
                 "shard {} is not a replicated Raft group on this node",
@@ -1399,22 +1402,30 @@ impl ShardStore {
                 .learner_ids()
                 .any(|l| l == to)
         };
-        let caught_up = g
-            .raft
-            .wait(Some(catch_up_within))
-            .metrics(
-                // (Or this node leads no more, or a later move removed
-                // the learner: nothing to wait for.)
-                |m| {
-                    !learner(m)
-                        || m.replication.as_ref().is_none_or(|r| {
-                            r.get(&to)
-                                .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
-                        })
-                },
-                "the new learner holds every entry up to its addition",
-            )
-            .await;
+        let wait = g.raft.wait(Some(catch_up_within));
+        let caught_up = wait.metrics(
+            // (Or this node leads no more, or a later move removed the
+            // learner: nothing to wait for.)
+            |m| {
+                !learner(m)
+                    || m.replication.as_ref().is_none_or(|r| {
+                        r.get(&to)
+                            .is_some_and(|l| l.is_some_and(|l| l.index >= upto))
+                    })
+            },
+            "the new learner holds every entry up to its addition",
+        );
+        let caught_up = tokio::select! {
+            caught_up = caught_up => caught_up,
+            gone = self.unreachable(to, &bounds) => {
+                return Err(not_executed(format!(
+                    "node {to} has not answered for {} s and its learner took nothing in that \
+                     time (is the node down?); it stays a learner: asking again goes on, and a \
+                     move of the shard to another node removes it",
+                    gone.as_secs()
+                )))
+            }
+        };
         match caught_up {
             Ok(m) if m.replication.is_none() => {
                 return Err(not_executed(format!(
@@ -1475,6 +1486,40 @@ impl ShardStore {
             voters,
             changed: true,
         })
+    }
+
+    /// Ends (with how long) once `to`'s node has answered nothing
+    /// (`bounds.reachable`) for `bounds.unreachable_within`, its learner
+    /// having taken no entry in that time; else never. Judged by the
+    /// node, not by the learner's own answers: a learner installing a
+    /// large snapshot answers no heartbeat until the install ends (openraft
+    /// holds those answers behind the snapshot's IO), while its node still
+    /// answers.
+    async fn unreachable(&self, to: u64, bounds: &MoveBounds<'_>) -> std::time::Duration {
+        let taken = || {
+            self.raft.as_ref().and_then(|g| {
+                use openraft::async_runtime::WatchReceiver;
+                let m = g.raft.metrics();
+                let m = m.borrow_watched();
+                m.replication
+                    .as_ref()
+                    .and_then(|r| r.get(&to).and_then(|l| l.as_ref().map(|l| l.index)))
+            })
+        };
+        let mut last_heard = tokio::time::Instant::now();
+        let mut last_taken = taken();
+        loop {
+            tokio::time::sleep(MOVE_LOOK_EVERY).await;
+            let now = taken();
+            if (bounds.reachable)() || now != last_taken {
+                last_heard = tokio::time::Instant::now();
+                last_taken = now;
+            }
+            let gone = last_heard.elapsed();
+            if gone >= bounds.unreachable_within {
+                return gone;
+            }
+        }
     }
 
     /// Whether the shard's replicated group has its timers off here.
@@ -1991,6 +2036,30 @@ mod tests {
         thread.join().expect("the writer stops");
     }
 }
+
+/// How long a move of a replica ([`ShardStore::replace_replica`]) waits
+/// for its new node to catch up as a learner: at most `catch_up_within`
+/// in all, and at most `unreachable_within` while the node answers
+/// nothing (`reachable`, the caller's own word on it: the server's probes
+/// of its peers) and its learner takes no entry.
+#[derive(Clone, Copy)]
+pub struct MoveBounds<'a> {
+    pub catch_up_within: std::time::Duration,
+    pub unreachable_within: std::time::Duration,
+    pub reachable: &'a (dyn Fn() -> bool + Send + Sync),
+}
+
+impl std::fmt::Debug for MoveBounds<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoveBounds")
+            .field("catch_up_within", &self.catch_up_within)
+            .field("unreachable_within", &self.unreachable_within)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How often a move's wait looks at its node's reachability.
+const MOVE_LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// What [`ShardStore::replace_replica`] came to: the group's voters after
 /// it, and whether it changed them (`false`: the replica to move was not
