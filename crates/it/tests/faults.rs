@@ -108,11 +108,6 @@ fn move_replica(via: &[Client], shard: u32, from: u16, to: u16) -> Result<Vec<u1
                     .collect());
             }
             Ok(r) if r.status == 503 || r.status == 421 => format!("{} {}", r.status, r.text()),
-            // The node moved to was restarted at the last heal, and the
-            // shard's leader has not had its probe's answer yet.
-            Ok(r) if r.status == 400 && r.text().contains("answers none of this node's probes") => {
-                format!("{} {}", r.status, r.text())
-            }
             Ok(r) => return Err(format!("{} {}", r.status, r.text())),
             Err(e) => e.to_string(),
         };

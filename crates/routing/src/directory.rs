@@ -124,7 +124,26 @@ impl PeerState {
 #[derive(Debug)]
 pub struct Liveness {
     /// Grows when a node is added at run time ([`StaticDirectory::add_node`]).
-    state: RwLock<BTreeMap<NodeId, AtomicU8>>,
+    state: RwLock<BTreeMap<NodeId, Peer>>,
+    /// What [`Peer::answered_at`] counts from.
+    since: std::time::Instant,
+}
+
+/// One peer's probe state, and when it last answered one.
+#[derive(Debug)]
+struct Peer {
+    state: AtomicU8,
+    /// Milliseconds after [`Liveness::since`], plus one (0: never).
+    answered_at: AtomicU64,
+}
+
+impl Peer {
+    fn new() -> Peer {
+        Peer {
+            state: AtomicU8::new(NEVER_ANSWERED),
+            answered_at: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Liveness {
@@ -133,12 +152,8 @@ impl Liveness {
     /// dead one fails closed anyway.
     pub fn new(nodes: impl IntoIterator<Item = NodeId>) -> Liveness {
         Liveness {
-            state: RwLock::new(
-                nodes
-                    .into_iter()
-                    .map(|n| (n, AtomicU8::new(NEVER_ANSWERED)))
-                    .collect(),
-            ),
+            state: RwLock::new(nodes.into_iter().map(|n| (n, Peer::new())).collect()),
+            since: std::time::Instant::now(),
         }
     }
 
@@ -148,7 +163,7 @@ impl Liveness {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .entry(node)
-            .or_insert_with(|| AtomicU8::new(NEVER_ANSWERED));
+            .or_insert_with(Peer::new);
     }
 
     /// Records one probe's outcome: answered (`alive`) or not. A peer that
@@ -161,10 +176,13 @@ impl Liveness {
     /// Like [`Liveness::set`], returning the states before and after.
     pub fn record(&self, node: NodeId, answered: bool) -> (PeerState, PeerState) {
         let state = self.state.read().unwrap_or_else(|e| e.into_inner());
-        let Some(a) = state.get(&node) else {
+        let Some(p) = state.get(&node) else {
             return (PeerState::Down, PeerState::Down);
         };
+        let a = &p.state;
         let before = if answered {
+            let at = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+            p.answered_at.fetch_max(at + 1, Ordering::AcqRel);
             a.swap(UP, Ordering::AcqRel)
         } else {
             // Down only once it has answered: NEVER_ANSWERED stays so.
@@ -185,8 +203,19 @@ impl Liveness {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&node)
-            .map(|a| PeerState::from_u8(a.load(Ordering::Acquire)))
+            .map(|p| PeerState::from_u8(p.state.load(Ordering::Acquire)))
             .unwrap_or(PeerState::Down)
+    }
+
+    /// When `node` last answered a probe (`None`: never, or not followed).
+    pub fn last_answered(&self, node: NodeId) -> Option<std::time::Instant> {
+        let state = self.state.read().unwrap_or_else(|e| e.into_inner());
+        match state.get(&node)?.answered_at.load(Ordering::Acquire) {
+            0 => None,
+            at => self
+                .since
+                .checked_add(std::time::Duration::from_millis(at - 1)),
+        }
     }
 
     /// Whether requests for `node`'s shards are sent to it (it is not
@@ -381,7 +410,8 @@ impl StaticDirectory {
                 .unwrap_or_else(|e| e.into_inner())
                 .get(&id)
             {
-                a.store(NEVER_ANSWERED, Ordering::Release);
+                a.state.store(NEVER_ANSWERED, Ordering::Release);
+                a.answered_at.store(0, Ordering::Release);
             }
         }
         moved
@@ -534,6 +564,31 @@ impl Directory for StaticDirectory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_last_answered_when_its_last_answered_probe_came() {
+        let n = |x| NodeId::new(x).unwrap();
+        let l = Liveness::new([n(1), n(2)]);
+        assert_eq!(l.last_answered(n(2)), None, "never answered");
+        let before = std::time::Instant::now();
+        l.record(n(2), true);
+        let at = l.last_answered(n(2)).expect("answered once");
+        // (Kept to the millisecond: within one of the probe's time.)
+        assert!(
+            at + std::time::Duration::from_millis(1) >= before,
+            "{at:?} {before:?}"
+        );
+        assert!(at <= std::time::Instant::now());
+        l.record(n(2), false);
+        assert_eq!(l.state(n(2)), PeerState::Down);
+        assert_eq!(
+            l.last_answered(n(2)),
+            Some(at),
+            "a missed probe keeps the last answer"
+        );
+        assert_eq!(l.last_answered(n(1)), None);
+        assert_eq!(l.last_answered(n(3)), None, "not followed");
+    }
 
     fn node(n: u64) -> NodeInfo {
         NodeInfo {

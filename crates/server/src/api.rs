@@ -1994,19 +1994,32 @@ async fn replace_on_leader(
     }
     let nodes = replicated_nodes(app)?;
     let to = match to {
-        Some(t) if t != app.cfg.node_id && app.dir.liveness().state(t) == PeerState::Down => {
+        // (A node this one does not run yet, or no longer, is refused
+        // below, naming the reload.)
+        Some(t)
+            if t != app.cfg.node_id
+                && nodes.contains_key(&t)
+                && app.dir.liveness().state(t) == PeerState::Down =>
+        {
             // (One that never answered is tried: it may be starting. A
             // move to a node that answers nothing ends at
             // UNREACHABLE_WITHIN.)
-            return Err(ApiError::invalid(
-                "to",
-                format!(
-                    "node {t} answers none of this node's probes (it is down, or cut off from \
-                     node {}): a move to it would wait for it; move the replica to another \
-                     node, or ask again once node {t} is up",
-                    app.cfg.node_id
+            let silent = app
+                .dir
+                .liveness()
+                .last_answered(t)
+                .map(|a| format!("for {} s", a.elapsed().as_secs()))
+                .unwrap_or_else(|| "yet".into());
+            return Err(ApiError::MoveTargetUnreachable {
+                shard: shard.get(),
+                node: u64::from(t.get()),
+                message: format!(
+                    "node {t} has answered none of node {}'s probes {silent} (it is down, or cut \
+                     off from node {}): the move was not begun; ask again once node {t} answers, \
+                     or move the replica to another node",
+                    app.cfg.node_id, app.cfg.node_id
                 ),
-            ));
+            });
         }
         Some(t) => t,
         None => pick_target(app, &nodes, shard, from, &status.voters, &status.learners).ok_or_else(|| {
@@ -2042,7 +2055,13 @@ async fn replace_on_leader(
             forkless_store::MoveBounds {
                 catch_up_within: CATCH_UP_WITHIN,
                 unreachable_within: UNREACHABLE_WITHIN,
-                reachable: &|| answers(app, to),
+                last_answered: &|| {
+                    if to == app.cfg.node_id {
+                        Some(std::time::Instant::now())
+                    } else {
+                        app.dir.liveness().last_answered(to)
+                    }
+                },
             },
         )
         .await
@@ -2188,9 +2207,23 @@ async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Re
         // The step is idempotent (a replica already moved is not moved
         // again; a learner left by a step cut short is the one picked),
         // so asking again is safe whatever the first answer did.
-        let until = std::time::Instant::now() + REPLACE_RETRY_WITHIN;
+        let mut until = std::time::Instant::now() + REPLACE_RETRY_WITHIN;
+        let mut picked_again = false;
         let (status, mut v) = loop {
             let (status, v) = replace_through_leader(&app, ShardId(s), node, to).await;
+            if v["error"] == "target_unreachable" {
+                // The node the leader picked stopped answering during the
+                // move: asked again (once), the leader picks one that
+                // answers, and removes the learner the move left. A node
+                // named (`to`) is the operator's to see to.
+                if to.is_some() || picked_again {
+                    break (status, v);
+                }
+                picked_again = true;
+                until = std::time::Instant::now() + REPLACE_RETRY_WITHIN;
+                tracing::info!(shard = s, node = node.get(), answer = %v, "moving a replica: the node it went to answers nothing; asking the leader to pick another");
+                continue;
+            }
             let leaderless = status == StatusCode::SERVICE_UNAVAILABLE
                 || status == StatusCode::MISDIRECTED_REQUEST;
             if !leaderless || std::time::Instant::now() + REPLACE_RETRY_EVERY >= until {

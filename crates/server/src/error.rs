@@ -86,6 +86,16 @@ pub enum ApiError {
         reason: String,
     },
     Forbidden(String),
+    /// A move of one of `shard`'s replicas to node `node`, which answers
+    /// nothing (down, or cut off from the shard's leader): refused before
+    /// it began, or ended unfinished (its learner left in place). 503,
+    /// nothing done that asking again once the node answers does not go
+    /// on from.
+    MoveTargetUnreachable {
+        shard: u32,
+        node: u64,
+        message: String,
+    },
     /// Over a per-node bound on something clients hold (long-polls):
     /// 503 with `Retry-After`, nothing done.
     Overloaded {
@@ -138,6 +148,7 @@ impl ApiError {
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
             ApiError::ShardUnavailable { .. } => "shard_unavailable",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::MoveTargetUnreachable { .. } => "target_unreachable",
             ApiError::Overloaded { code, .. } => code,
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::ReloadRefused { .. } => "reload_refused",
@@ -159,6 +170,7 @@ impl ApiError {
             }
             ApiError::OwnerUnavailable { .. }
             | ApiError::ShardUnavailable { .. }
+            | ApiError::MoveTargetUnreachable { .. }
             | ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -190,6 +202,13 @@ impl ApiError {
             ApiError::NotFound(m) | ApiError::Forbidden(m) | ApiError::Internal(m) => {
                 json!({"error": code, "message": m})
             }
+            ApiError::MoveTargetUnreachable {
+                shard,
+                node,
+                message,
+            } => json!({
+                "error": code, "message": message, "shard": shard, "node": node, "executed": false,
+            }),
             ApiError::SequenceConflict { expected, last_seq } => json!({
                 "error": code,
                 "message": format!("expected_last_seq is {expected} but the execution's last seq is {last_seq}"),
@@ -318,6 +337,11 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             leader,
             term,
             map_version,
+        },
+        e @ StoreError::MoveTargetUnreachable { node, .. } => ApiError::MoveTargetUnreachable {
+            shard,
+            node,
+            message: e.to_string(),
         },
         StoreError::ShardFailed { reason, .. } | StoreError::NotExecuted { reason, .. } => {
             ApiError::ShardUnavailable {

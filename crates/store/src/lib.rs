@@ -359,6 +359,21 @@ pub enum StoreError {
     /// not be opened (damage found at open): refused without being tried.
     #[error("shard {shard} is out of service: {reason}")]
     ShardFailed { shard: ShardId, reason: String },
+    /// A move of one of the shard's replicas to `node` ended unfinished
+    /// (or was refused before it began): the node has answered nothing
+    /// for `silent_s` seconds (it is down, or cut off from this one), and
+    /// its learner, if it has one, took no entry in that time.
+    #[error(
+        "shard {shard}: node {node} has answered nothing for {silent_s} s and its learner took \
+         nothing in that time (is it down, or cut off from this node?); it stays a learner: \
+         once the node answers again, asking again goes on, and a move of the shard elsewhere \
+         removes it"
+    )]
+    MoveTargetUnreachable {
+        shard: ShardId,
+        node: u64,
+        silent_s: u64,
+    },
 }
 
 fn not_leader_text(leader: Option<u64>, term: u64) -> String {

@@ -1275,6 +1275,27 @@ impl ShardStore {
             self.raft_status()
                 .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))
         };
+        // The group's status, read before a membership step: refused
+        // (`NotLeader`, routed again) unless this node leads the group as
+        // one of its voters. A leader that has just removed its own
+        // replica leads on for a moment (openraft hands its leadership
+        // over 150 ms after the removal commits), and a membership change
+        // it took then would be appended by a node outside the group (a
+        // debug build's openraft panicked: "Only leader is allowed to
+        // call update_effective_membership()"; a release build's would
+        // have taken it).
+        let leading_voter = || {
+            let status = status_now()?;
+            if status.state != "leader" || !status.voters.contains(&status.me) {
+                return Err(raft_group::not_leader(
+                    self.shard,
+                    status.me,
+                    None,
+                    status.term,
+                ));
+            }
+            Ok(status)
+        };
         let status = status_now()?;
         if status.state != "leader" {
             return Err(raft_group::not_leader(
@@ -1320,6 +1341,7 @@ impl ShardStore {
         // (`Group::moving`); a move's catch-up wait does not hold it.
         let upto = {
             let _step = g.moving.lock().await;
+            leading_voter()?;
             // A change of voters cut short between its two steps (its
             // leader died with the group in the joint configuration, the
             // old voters and the new) is finished first: to the
@@ -1341,7 +1363,7 @@ impl ShardStore {
                     .await
                     .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
             }
-            let status = status_now()?;
+            let status = leading_voter()?;
             let voters: std::collections::BTreeSet<u64> = status.voters.into_iter().collect();
             // Nothing (more) to move: `from` holds no voting replica, as a
             // quorum has just confirmed this node leads (a deposed leader
@@ -1418,12 +1440,11 @@ impl ShardStore {
         let caught_up = tokio::select! {
             caught_up = caught_up => caught_up,
             gone = self.unreachable(to, &bounds) => {
-                return Err(not_executed(format!(
-                    "node {to} has not answered for {} s and its learner took nothing in that \
-                     time (is the node down?); it stays a learner: asking again goes on, and a \
-                     move of the shard to another node removes it",
-                    gone.as_secs()
-                )))
+                return Err(StoreError::MoveTargetUnreachable {
+                    shard: self.shard,
+                    node: to,
+                    silent_s: gone.as_secs(),
+                })
             }
         };
         match caught_up {
@@ -1450,8 +1471,9 @@ impl ShardStore {
         let _step = g.moving.lock().await;
         // The voters as they are now: another move may have ended
         // meanwhile. One that took `from` out (the same move asked
-        // twice, say) leaves nothing (more) to move.
-        let voters: std::collections::BTreeSet<u64> = status_now()?.voters.into_iter().collect();
+        // twice, say) leaves nothing (more) to move; one that took this
+        // node out leaves the step to the next leader.
+        let voters: std::collections::BTreeSet<u64> = leading_voter()?.voters.into_iter().collect();
         if !voters.contains(&from) {
             return Ok(Replaced {
                 voters: voters.into_iter().collect(),
@@ -1489,12 +1511,12 @@ impl ShardStore {
     }
 
     /// Ends (with how long) once `to`'s node has answered nothing
-    /// (`bounds.reachable`) for `bounds.unreachable_within`, its learner
-    /// having taken no entry in that time; else never. Judged by the
-    /// node, not by the learner's own answers: a learner installing a
-    /// large snapshot answers no heartbeat until the install ends (openraft
-    /// holds those answers behind the snapshot's IO), while its node still
-    /// answers.
+    /// (`bounds.last_answered`) for `bounds.unreachable_within`, its
+    /// learner having taken no entry in that time either; else never.
+    /// Judged by the node, not by the learner's own answers: a learner
+    /// installing a large snapshot answers no heartbeat until the install
+    /// ends (openraft holds those answers behind the snapshot's IO), while
+    /// its node still answers.
     async fn unreachable(&self, to: u64, bounds: &MoveBounds<'_>) -> std::time::Duration {
         let taken = || {
             self.raft.as_ref().and_then(|g| {
@@ -1506,16 +1528,16 @@ impl ShardStore {
                     .and_then(|r| r.get(&to).and_then(|l| l.as_ref().map(|l| l.index)))
             })
         };
-        let mut last_heard = tokio::time::Instant::now();
-        let mut last_taken = taken();
+        let started = std::time::Instant::now();
+        let (mut last_taken, mut took_at) = (taken(), started);
         loop {
             tokio::time::sleep(MOVE_LOOK_EVERY).await;
             let now = taken();
-            if (bounds.reachable)() || now != last_taken {
-                last_heard = tokio::time::Instant::now();
-                last_taken = now;
+            if now != last_taken {
+                (last_taken, took_at) = (now, std::time::Instant::now());
             }
-            let gone = last_heard.elapsed();
+            let heard = (bounds.last_answered)().map_or(took_at, |a| a.max(took_at));
+            let gone = heard.elapsed();
             if gone >= bounds.unreachable_within {
                 return gone;
             }
@@ -2040,13 +2062,14 @@ mod tests {
 /// How long a move of a replica ([`ShardStore::replace_replica`]) waits
 /// for its new node to catch up as a learner: at most `catch_up_within`
 /// in all, and at most `unreachable_within` while the node answers
-/// nothing (`reachable`, the caller's own word on it: the server's probes
-/// of its peers) and its learner takes no entry.
+/// nothing and its learner takes no entry. `last_answered` is the
+/// caller's word on when the node last answered (the server's probes of
+/// its peers; `None`: never).
 #[derive(Clone, Copy)]
 pub struct MoveBounds<'a> {
     pub catch_up_within: std::time::Duration,
     pub unreachable_within: std::time::Duration,
-    pub reachable: &'a (dyn Fn() -> bool + Send + Sync),
+    pub last_answered: &'a (dyn Fn() -> Option<std::time::Instant> + Send + Sync),
 }
 
 impl std::fmt::Debug for MoveBounds<'_> {
