@@ -389,7 +389,9 @@ fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node()
         "membership: a move to a node that answers nothing",
         Duration::from_secs(180),
     );
-    let mut cl = Cluster::prepare_replicated(5, 1, 3, PeerTiming::default());
+    // (Relaxed: a probe missed on a loaded machine is not taken for a
+    // node down, which a move to it would be refused for.)
+    let mut cl = Cluster::prepare_replicated(5, 1, 3, PeerTiming::relaxed());
     cl.start_nodes(&[1, 2, 3, 5], &[]);
     cl.wait_leaders_known(2, &[]);
     cl.wait_replicas_level();
@@ -404,7 +406,6 @@ fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node()
         assert_eq!(shard["status"], 503, "{report}");
         assert_eq!(shard["error"]["error"], "target_unreachable", "{report}");
         assert_eq!(shard["error"]["node"], node, "{report}");
-        assert_eq!(shard["error"]["executed"], false, "{report}");
     };
 
     let started = std::time::Instant::now();
@@ -414,6 +415,10 @@ fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node()
     assert_ne!(code, Some(0), "{report}");
     assert_eq!(report["complete"], false, "{report}");
     unreachable(&report, 4);
+    assert_eq!(
+        report["shards"][0]["error"]["learner_left"], true,
+        "{report}"
+    );
     // The bound is 30 s; the catch-up bound it no longer waits out, 300 s.
     assert!(
         took < Duration::from_secs(90),
@@ -433,26 +438,45 @@ fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node()
 
     // Node 2's replica to node 1 (back over the log it kept), asked
     // through nodes 3 and 5 at once: one changes the voters, the other
-    // finds it done.
+    // finds it done. Each is asked again while the shard has no leader
+    // to take it (421, 503: nothing done), as node 1 hands its
+    // leadership over after its own removal.
     let moving: Vec<_> = [3, 5]
         .iter()
         .map(|via| {
             let c = cl.client(*via);
             std::thread::spawn(move || {
-                c.try_req(
-                    "POST",
-                    "/api/shards/0/replace",
-                    &[("content-type", "application/json")],
-                    Some(br#"{"from": 2, "to": 1}"#),
-                    Duration::from_secs(120),
-                )
-                .map(|r| (r.status, r.json()))
+                let until = std::time::Instant::now() + Duration::from_secs(30);
+                loop {
+                    let r = c.try_req(
+                        "POST",
+                        "/api/shards/0/replace",
+                        &[("content-type", "application/json")],
+                        Some(br#"{"from": 2, "to": 1}"#),
+                        Duration::from_secs(120),
+                    );
+                    let (status, v) = match r {
+                        Ok(r) => (r.status, r.json()),
+                        Err(e) => panic!("a move not answered: {e}"),
+                    };
+                    let again = (status == 421 || status == 503)
+                        && v["error"] != "target_unreachable"
+                        && std::time::Instant::now() < until;
+                    if !again {
+                        return (status, v);
+                    }
+                    eprintln!(
+                        "the move through node {}: {status} {v}; asking again",
+                        c.addr
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
             })
         })
         .collect();
     let answers: Vec<(u16, Value)> = moving
         .into_iter()
-        .map(|m| m.join().expect("a move's thread").expect("a move answered"))
+        .map(|m| m.join().expect("a move's thread"))
         .collect();
     eprintln!("the same move twice at once: {answers:?}");
     assert!(
@@ -479,6 +503,10 @@ fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node()
     assert_ne!(code, Some(0), "{report}");
     assert_eq!(report["complete"], false, "{report}");
     unreachable(&report, 2);
+    assert_eq!(
+        report["shards"][0]["error"]["learner_left"], false,
+        "{report}"
+    );
     assert!(
         report["shards"][0]["error"]["message"]
             .as_str()
@@ -497,8 +525,9 @@ fn a_move_to_a_node_that_answers_nothing_ends_and_the_next_goes_to_a_live_node()
 /// node that answers, removes the learner left, and the removal
 /// completes. Five nodes behind fault-injecting proxies, one shard on
 /// nodes 1, 2 and 3: every direction into node 4 is delayed a second (its
-/// probes still answered within their timeout, the learner's first
-/// entries a second away), and node 4 is cut off once it is a learner.
+/// probes still answered within their 2.5 s timeout; the leader's calls
+/// to its learner time out, so the learner takes nothing), and node 4 is
+/// cut off once it is a learner.
 #[test]
 fn a_removal_picks_again_when_the_node_it_moved_to_stops_answering() {
     let _deadline = deadline(

@@ -1994,6 +1994,16 @@ async fn replace_on_leader(
     }
     let nodes = replicated_nodes(app)?;
     let to = match to {
+        Some(t) if status.voters.contains(&u64::from(t.get())) => {
+            return Err(ApiError::invalid(
+                "to",
+                format!(
+                    "node {t} already holds a voting replica of shard {shard}: choose a node \
+                     outside its replicas ({:?})",
+                    status.voters
+                ),
+            ));
+        }
         // (A node this one does not run yet, or no longer, is refused
         // below, naming the reload.)
         Some(t)
@@ -2013,6 +2023,7 @@ async fn replace_on_leader(
             return Err(ApiError::MoveTargetUnreachable {
                 shard: shard.get(),
                 node: u64::from(t.get()),
+                learner_left: false,
                 message: format!(
                     "node {t} has answered none of node {}'s probes {silent} (it is down, or cut \
                      off from node {}): the move was not begun; ask again once node {t} answers, \

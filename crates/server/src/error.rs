@@ -88,12 +88,14 @@ pub enum ApiError {
     Forbidden(String),
     /// A move of one of `shard`'s replicas to node `node`, which answers
     /// nothing (down, or cut off from the shard's leader): refused before
-    /// it began, or ended unfinished (its learner left in place). 503,
-    /// nothing done that asking again once the node answers does not go
-    /// on from.
+    /// it began, or ended unfinished with `node` left a learner (asking
+    /// again once the node answers goes on from it). 503.
     MoveTargetUnreachable {
         shard: u32,
         node: u64,
+        /// The move ended with `node` a learner of the group (asking
+        /// again goes on from it); `false`: it was not begun.
+        learner_left: bool,
         message: String,
     },
     /// Over a per-node bound on something clients hold (long-polls):
@@ -205,9 +207,11 @@ impl ApiError {
             ApiError::MoveTargetUnreachable {
                 shard,
                 node,
+                learner_left,
                 message,
             } => json!({
-                "error": code, "message": message, "shard": shard, "node": node, "executed": false,
+                "error": code, "message": message, "shard": shard, "node": node,
+                "learner_left": learner_left,
             }),
             ApiError::SequenceConflict { expected, last_seq } => json!({
                 "error": code,
@@ -341,6 +345,7 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
         e @ StoreError::MoveTargetUnreachable { node, .. } => ApiError::MoveTargetUnreachable {
             shard,
             node,
+            learner_left: true,
             message: e.to_string(),
         },
         StoreError::ShardFailed { reason, .. } | StoreError::NotExecuted { reason, .. } => {

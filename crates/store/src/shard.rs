@@ -1287,10 +1287,13 @@ impl ShardStore {
         let leading_voter = || {
             let status = status_now()?;
             if status.state != "leader" || !status.voters.contains(&status.me) {
+                // (A leader that removed itself names none: the group's
+                // next is not known yet.)
+                let leader = status.leader.filter(|_| status.state != "leader");
                 return Err(raft_group::not_leader(
                     self.shard,
                     status.me,
-                    None,
+                    leader,
                     status.term,
                 ));
             }
@@ -1363,18 +1366,20 @@ impl ShardStore {
                     .await
                     .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
             }
-            let status = leading_voter()?;
-            let voters: std::collections::BTreeSet<u64> = status.voters.into_iter().collect();
+            let status = status_now()?;
+            let voters: std::collections::BTreeSet<u64> = status.voters.iter().copied().collect();
             // Nothing (more) to move: `from` holds no voting replica, as a
             // quorum has just confirmed this node leads (a deposed leader
             // that does not know it yet, its voter list older than the
-            // group's, cannot answer so: it is refused above).
+            // group's, cannot answer so: it is refused above). (So too
+            // when the change finished just now took this node out.)
             if !voters.contains(&from) {
                 return Ok(Replaced {
                     voters: voters.into_iter().collect(),
                     changed: unfinished.is_some(),
                 });
             }
+            leading_voter()?;
             if voters.contains(&to) {
                 return Err(StoreError::Invalid(format!(
                     "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
