@@ -2020,7 +2020,8 @@ async fn replace_on_leader(
                 .last_answered(t)
                 .map(|a| format!("for {} s", a.elapsed().as_secs()))
                 .unwrap_or_else(|| "yet".into());
-            return Err(ApiError::MoveTargetUnreachable {
+            return Err(ApiError::MoveUnfinished {
+                code: "target_unreachable",
                 shard: shard.get(),
                 node: u64::from(t.get()),
                 learner_left: false,
@@ -2222,6 +2223,11 @@ async fn remove_node(State(app): AppState, headers: HeaderMap, body: Body) -> Re
         let mut picked_again = false;
         let (status, mut v) = loop {
             let (status, v) = replace_through_leader(&app, ShardId(s), node, to).await;
+            // (Its learner still catching up: asked again, the move waits
+            // for it as long again. Left to the operator.)
+            if v["error"] == "catch_up_timeout" {
+                break (status, v);
+            }
             if v["error"] == "target_unreachable" {
                 // The node the leader picked stopped answering during the
                 // move: asked again (once), the leader picks one that

@@ -86,11 +86,14 @@ pub enum ApiError {
         reason: String,
     },
     Forbidden(String),
-    /// A move of one of `shard`'s replicas to node `node`, which answers
-    /// nothing (down, or cut off from the shard's leader): refused before
-    /// it began, or ended unfinished with `node` left a learner (asking
-    /// again once the node answers goes on from it). 503.
-    MoveTargetUnreachable {
+    /// A move of one of `shard`'s replicas to node `node` that was not
+    /// made (503): `code` `target_unreachable`, the node answers nothing
+    /// (down, or cut off from the shard's leader), and the move was
+    /// refused before it began or ended with `node` left a learner;
+    /// `catch_up_timeout`, its learner did not catch up in time (it stays
+    /// one). Asking again goes on from a learner left.
+    MoveUnfinished {
+        code: &'static str,
         shard: u32,
         node: u64,
         /// The move ended with `node` a learner of the group (asking
@@ -150,7 +153,7 @@ impl ApiError {
             ApiError::OwnerUnavailable { .. } => "owner_unavailable",
             ApiError::ShardUnavailable { .. } => "shard_unavailable",
             ApiError::Forbidden(_) => "forbidden",
-            ApiError::MoveTargetUnreachable { .. } => "target_unreachable",
+            ApiError::MoveUnfinished { code, .. } => code,
             ApiError::Overloaded { code, .. } => code,
             ApiError::RequestTimeout(_) => "request_timeout",
             ApiError::ReloadRefused { .. } => "reload_refused",
@@ -172,7 +175,7 @@ impl ApiError {
             }
             ApiError::OwnerUnavailable { .. }
             | ApiError::ShardUnavailable { .. }
-            | ApiError::MoveTargetUnreachable { .. }
+            | ApiError::MoveUnfinished { .. }
             | ApiError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -204,11 +207,12 @@ impl ApiError {
             ApiError::NotFound(m) | ApiError::Forbidden(m) | ApiError::Internal(m) => {
                 json!({"error": code, "message": m})
             }
-            ApiError::MoveTargetUnreachable {
+            ApiError::MoveUnfinished {
                 shard,
                 node,
                 learner_left,
                 message,
+                ..
             } => json!({
                 "error": code, "message": message, "shard": shard, "node": node,
                 "learner_left": learner_left,
@@ -342,7 +346,15 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             term,
             map_version,
         },
-        e @ StoreError::MoveTargetUnreachable { node, .. } => ApiError::MoveTargetUnreachable {
+        e @ StoreError::MoveTargetUnreachable { node, .. } => ApiError::MoveUnfinished {
+            code: "target_unreachable",
+            shard,
+            node,
+            learner_left: true,
+            message: e.to_string(),
+        },
+        e @ StoreError::MoveCatchUpTimeout { node, .. } => ApiError::MoveUnfinished {
+            code: "catch_up_timeout",
             shard,
             node,
             learner_left: true,
@@ -363,5 +375,47 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             reason: e.to_string(),
         },
         e => ApiError::Internal(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use forkless_types::ShardId;
+
+    /// A move that ended unfinished answers 503 with a code of its own
+    /// and says that it left its learner (not "nothing was written").
+    #[test]
+    fn an_unfinished_move_says_why_and_that_it_left_its_learner() {
+        for (e, code) in [
+            (
+                StoreError::MoveTargetUnreachable {
+                    shard: ShardId(2),
+                    node: 4,
+                    silent_s: 30,
+                },
+                "target_unreachable",
+            ),
+            (
+                StoreError::MoveCatchUpTimeout {
+                    shard: ShardId(2),
+                    node: 4,
+                    within_s: 300,
+                },
+                "catch_up_timeout",
+            ),
+        ] {
+            let a = from_store(e, 2, None, 1);
+            assert_eq!(a.status(), StatusCode::SERVICE_UNAVAILABLE);
+            let body = a.body();
+            assert_eq!(body["error"], code, "{body}");
+            assert_eq!(body["shard"], 2, "{body}");
+            assert_eq!(body["node"], 4, "{body}");
+            assert_eq!(body["learner_left"], true, "{body}");
+            assert!(body.get("executed").is_none(), "{body}");
+            let message = body["message"].as_str().unwrap_or_default();
+            assert!(message.contains("node 4"), "{message}");
+            assert!(!message.contains("nothing was written"), "{message}");
+        }
     }
 }

@@ -374,6 +374,17 @@ pub enum StoreError {
         node: u64,
         silent_s: u64,
     },
+    /// A move of one of the shard's replicas to `node` ended unfinished:
+    /// its learner did not catch up within `within_s` seconds.
+    #[error(
+        "shard {shard}: node {node} did not catch up as a learner within {within_s} s; it stays \
+         one, and asking again goes on"
+    )]
+    MoveCatchUpTimeout {
+        shard: ShardId,
+        node: u64,
+        within_s: u64,
+    },
 }
 
 fn not_leader_text(leader: Option<u64>, term: u64) -> String {

@@ -1466,11 +1466,11 @@ impl ShardStore {
                 // (openraft's timeout says the whole of the group's
                 // metrics: the log has it, the answer does not.)
                 tracing::info!(shard = self.shard.get(), to, error = %e, "a move's learner did not catch up in time");
-                return Err(not_executed(format!(
-                    "node {to} did not catch up as a learner within {} s; it stays one, and \
-                     asking again goes on",
-                    catch_up_within.as_secs()
-                )));
+                return Err(StoreError::MoveCatchUpTimeout {
+                    shard: self.shard,
+                    node: to,
+                    within_s: catch_up_within.as_secs(),
+                });
             }
         }
         let _step = g.moving.lock().await;
