@@ -94,6 +94,25 @@ pub fn forkless_bin() -> &'static Path {
     })
 }
 
+/// `forkless cluster remove-node node [--to to] --server server`, given
+/// `within` to end: its exit code and the report it printed.
+fn remove_node_cli(
+    server: &str,
+    node: u16,
+    to: Option<u16>,
+    within: Duration,
+) -> (Option<i32>, Value) {
+    let (node, to) = (node.to_string(), to.map(|t| t.to_string()));
+    let mut args = vec!["cluster", "remove-node", node.as_str(), "--server", server];
+    if let Some(t) = &to {
+        args.extend(["--to", t.as_str()]);
+    }
+    let (code, out, err) = run_cli(&args, within);
+    let report = serde_json::from_str(out.trim())
+        .unwrap_or_else(|e| panic!("remove-node printed no report ({e}): {out}\n{err}"));
+    (code, report)
+}
+
 /// Runs `forkless ARGS` to completion (bounded), returning (exit ok, stdout, stderr).
 pub fn run_cli(args: &[&str], timeout: Duration) -> (Option<i32>, String, String) {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -2037,15 +2056,33 @@ impl Cluster {
     /// may end incomplete: its exit code and its report.
     pub fn try_remove_node(&self, node: u16, to: Option<u16>, via: u16) -> (Option<i32>, Value) {
         let server = format!("http://{}", self.node(via).api);
-        let (node, to) = (node.to_string(), to.map(|t| t.to_string()));
-        let mut args = vec!["cluster", "remove-node", node.as_str(), "--server", &server];
-        if let Some(t) = &to {
-            args.extend(["--to", t.as_str()]);
-        }
-        let (code, out, err) = run_cli(&args, Duration::from_secs(120));
-        let report = serde_json::from_str(out.trim())
-            .unwrap_or_else(|e| panic!("remove-node printed no report ({e}): {out}\n{err}"));
-        (code, report)
+        remove_node_cli(&server, node, to, Duration::from_secs(120))
+    }
+
+    /// `forkless cluster remove-node` through node `via` on a thread of
+    /// its own (naming no node to move to), given `within` to end; its
+    /// report is had with [`Cluster::removal_done`].
+    pub fn remove_node_in_background(
+        &self,
+        node: u16,
+        via: u16,
+        within: Duration,
+    ) -> std::thread::JoinHandle<(Option<i32>, Value)> {
+        let server = format!("http://{}", self.node(via).api);
+        std::thread::spawn(move || remove_node_cli(&server, node, None, within))
+    }
+
+    /// The report of a removal [`Cluster::remove_node_in_background`]
+    /// began, asserted to have ended with exit code 0.
+    pub fn removal_done(&self, removal: std::thread::JoinHandle<(Option<i32>, Value)>) -> Value {
+        let (code, report) = removal.join().expect("the removal's thread");
+        assert_eq!(
+            code,
+            Some(0),
+            "remove-node failed: {report}\n{}",
+            self.logs()
+        );
+        report
     }
 
     /// `forkless status` through node `via`: its table.

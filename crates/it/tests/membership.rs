@@ -326,13 +326,7 @@ fn a_node_removal_waits_out_a_shard_without_a_leader() {
     cl.wait_replicas_level();
     cl.kill9(1);
     cl.kill9(2);
-    let server = format!("http://{}", cl.node(3).api);
-    let removal = std::thread::spawn(move || {
-        run_cli(
-            &["cluster", "remove-node", "1", "--server", &server],
-            Duration::from_secs(120),
-        )
-    });
+    let removal = cl.remove_node_in_background(1, 3, Duration::from_secs(120));
     // Node 3 has found shard 0 without a leader and asks again (a
     // removal that gave up on it instead has ended: its report is
     // checked below)...
@@ -351,14 +345,7 @@ fn a_node_removal_waits_out_a_shard_without_a_leader() {
     let cfg = cl.node(2).config.clone();
     cl.spawn(2, &cfg);
     cl.wait_ready(2);
-    let (code, out, err) = removal.join().expect("the removal's thread");
-    assert_eq!(
-        code,
-        Some(0),
-        "remove-node failed: {out}\n{err}\n{}",
-        cl.logs()
-    );
-    let report: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let report = cl.removal_done(removal);
     eprintln!("remove-node 1 with shard 0 leaderless at first: {report}");
     assert_eq!(report["complete"], true, "{report}");
     for s in report["shards"].as_array().expect("a shards list") {
@@ -545,13 +532,7 @@ fn a_removal_picks_again_when_the_node_it_moved_to_stops_answering() {
     }
     // Node 4, first outside the shard's replicas in the node list, is
     // the one the leader picks.
-    let server = format!("http://{}", cl.node(2).api);
-    let removal = std::thread::spawn(move || {
-        run_cli(
-            &["cluster", "remove-node", "1", "--server", &server],
-            Duration::from_secs(150),
-        )
-    });
+    let removal = cl.remove_node_in_background(1, 2, Duration::from_secs(150));
     wait_until(
         "node 4 to be a learner of shard 0",
         Duration::from_secs(20),
@@ -559,15 +540,8 @@ fn a_removal_picks_again_when_the_node_it_moved_to_stops_answering() {
     );
     faults.cut_into(4);
     faults.cut_out_of(4);
-    let (code, out, err) = removal.join().expect("the removal's thread");
-    eprintln!("remove-node 1, node 4 cut off mid-move: {out}");
-    assert_eq!(
-        code,
-        Some(0),
-        "remove-node failed: {out}\n{err}\n{}",
-        cl.logs()
-    );
-    let report: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let report = cl.removal_done(removal);
+    eprintln!("remove-node 1, node 4 cut off mid-move: {report}");
     assert_eq!(report["complete"], true, "{report}");
     assert_eq!(report["shards"][0]["to"], 5, "{report}");
     let log = strip_ansi(&cl.node(2).proc().log());
