@@ -894,6 +894,168 @@ fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
 /// replica (shard s to the (s mod 3)-th node: 1, 2, 3, 1) whoever won the first
 /// election, and back to a node that was killed once it has restarted and
 /// caught up; a write through any node lands meanwhile.
+/// Writes through a node with no replica of their shard, sent as the
+/// shard's leader is killed (kill -9): the first finds the leader's port
+/// closed, the second finds it believed down (a missed probe). Nothing
+/// was sent either time, so each waits for the group's next leader (its
+/// node tells this one at once) and is sent there. Before, each was
+/// refused at once, 503 `owner_unavailable`, though a leader was a
+/// moment away: the refusal a planned stop's handover showed now and
+/// then, when the stopped node's port closed a moment before its
+/// successor's word came.
+#[test]
+fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
+    let _deadline = deadline(
+        "replication: writes through a node with no replica across a failover",
+        Duration::from_secs(180),
+    );
+    let (nodes, shards) = (4u16, 8u32);
+    // A forward may take 8 s. A dead leader is replaced about twice the
+    // election timeout after its last word (its lease, then a timer):
+    // 2-2.4 s here, so node 4 sees node 1 down (a probe missed, within a
+    // second) well before a new leader is elected.
+    let timing = PeerTiming {
+        forward_timeout_ms: 8000,
+        probe_interval_ms: 250,
+        ..PeerTiming::default()
+    };
+    let mut cl = Cluster::prepare_replicated(nodes, shards, 3, timing);
+    cl.raft_timing = Some((100, 1000, 1200));
+    let ids: Vec<u16> = (1..=nodes).collect();
+    cl.start_nodes(&ids, &[]);
+    let c4 = cl.client(4);
+    let shard0 = |c: &Client| -> Option<(u16, u64, Vec<u64>)> {
+        let v = c
+            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+            .ok()?
+            .json();
+        let s = &v["shards"][0];
+        let replicas = s["replicas"]
+            .as_array()?
+            .iter()
+            .filter_map(|r| r.as_u64())
+            .collect();
+        Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?, replicas))
+    };
+    let (_, term, replicas) = wait_until(
+        "node 4 names node 1 the leader of shard 0",
+        Duration::from_secs(60),
+        || shard0(&c4).filter(|(l, _, _)| *l == 1),
+    );
+    assert!(
+        !replicas.contains(&4),
+        "node 4 holds a replica of shard 0 ({replicas:?}): the test needs it to hold none"
+    );
+    let execs: Vec<String> = (0..2)
+        .map(|k| {
+            let key = key_on_shard(&format!("failover-4-{k}"), 0, shards);
+            id_of(&c4.start(&json!({"workflow": "w", "routing_key": key})))
+        })
+        .collect();
+    let write = |exec: &str, marker: &str| {
+        let body = workload::batch_body(&[marker.to_string()], None).to_string();
+        let sent = Instant::now();
+        let r = c4
+            .try_req(
+                "POST",
+                &format!("/api/executions/{exec}/events"),
+                &[],
+                Some(body.as_bytes()),
+                Duration::from_secs(30),
+            )
+            .map(|r| {
+                (
+                    r.status,
+                    r.header("x-forkless-owner").map(str::to_string),
+                    r.header("x-forkless-epoch").map(str::to_string),
+                    r.text(),
+                )
+            });
+        (r, sent.elapsed())
+    };
+    // Each write is forwarded once before, so the forwarder holds an idle
+    // connection to node 1.
+    for exec in &execs {
+        let (r, _) = write(exec, "before");
+        assert!(matches!(&r, Ok((200, ..))), "{r:?}");
+    }
+    cl.kill9(1);
+    let killed_at = Instant::now();
+    let (port_closed, believed_down, still) = std::thread::scope(|s| {
+        let first = s.spawn(|| write(&execs[0], "port-closed"));
+        // The second once node 4 believes node 1 down, while it still
+        // names it the leader (no election has ended).
+        cl.wait_peer_seen(&[4], 1, false);
+        let still = shard0(&c4);
+        let believed_down_at = killed_at.elapsed();
+        let (second, waited) = write(&execs[1], "believed-down");
+        eprintln!(
+            "through node 4 with node 1 believed down ({believed_down_at:?} after the kill; node 4 named {still:?}): {second:?} after {waited:?}"
+        );
+        let (first, waited) = first.join().expect("the first writer");
+        eprintln!("through node 4 as node 1 died: {first:?} after {waited:?}");
+        (first, second, still)
+    });
+    assert!(
+        still.as_ref().is_some_and(|(l, t, _)| *l == 1 && *t == term),
+        "node 4 learned a new leader of shard 0 before it saw node 1 down ({still:?}): the second write does not test the believed-down path"
+    );
+    let log4 = strip_ansi(&cl.logs());
+    for (what, r) in [
+        ("port closed", &port_closed),
+        ("believed down", &believed_down),
+    ] {
+        let answered_by_successor = r.as_ref().is_ok_and(|(status, owner, epoch, _)| {
+            *status == 200
+                && owner.as_deref().is_some_and(|o| o != "1")
+                && epoch
+                    .as_deref()
+                    .and_then(|e| e.parse::<u64>().ok())
+                    .is_some_and(|e| e > term)
+        });
+        assert!(
+            answered_by_successor,
+            "the write sent with node 1 {what} was not acknowledged by a later leader of shard 0: {r:?}\n{log4}"
+        );
+    }
+    // Its successor killed too: shard 0 keeps one replica of three and
+    // elects no one. A write through node 4 waits only until a failover
+    // begun at the successor's last answer would have ended (a probe
+    // interval and three election timeouts: 3.85 s here), not for the
+    // forward timeout (8 s); once that has passed, it is refused at once.
+    let successor = port_closed
+        .as_ref()
+        .ok()
+        .and_then(|(_, owner, _, _)| owner.as_deref()?.parse::<u16>().ok())
+        .expect("the successor named");
+    cl.kill9(successor);
+    let (in_window, waited_in_window) = write(&execs[0], "successor-killed");
+    let (after_window, waited_after) = write(&execs[1], "after-the-window");
+    eprintln!(
+        "with shard 0's quorum lost: {in_window:?} after {waited_in_window:?}, then {after_window:?} after {waited_after:?}"
+    );
+    for (what, r, waited, bound) in [
+        (
+            "within the failover window",
+            &in_window,
+            waited_in_window,
+            6,
+        ),
+        ("after the failover window", &after_window, waited_after, 2),
+    ] {
+        assert!(
+            r.as_ref().is_ok_and(|(status, _, _, body)| *status == 503
+                && body.contains("\"owner_unavailable\"")
+                && body.contains("\"executed\":false")),
+            "a write {what}, shard 0 having lost its quorum: {r:?}"
+        );
+        assert!(
+            waited < Duration::from_secs(bound),
+            "a write {what}, shard 0 having lost its quorum, was held {waited:?} (the forward timeout is 8 s)"
+        );
+    }
+}
+
 #[test]
 fn leaders_spread_evenly_and_return_to_a_restarted_node() {
     let _deadline = deadline("replication: leaders spread", Duration::from_secs(180));

@@ -586,20 +586,20 @@ where
                             .await
                         {
                             Ok(resp) => return Routed::Answer(resp),
-                            Err(resp) => (owner, resp),
+                            Err(u) => (owner, u.resp),
                         },
                     }
                 }
                 (e, _) => (owner, e.into_response()),
             }
         }
-        d => {
+        d => 'sent: {
             let forwarded_to = match &d {
                 Decision::Forward { owner: to, .. } => Some(to.clone()),
                 _ => None,
             };
             let started = std::time::Instant::now();
-            match elsewhere(
+            let first = elsewhere(
                 app,
                 d,
                 &owner,
@@ -608,109 +608,242 @@ where
                 body.clone(),
                 &route,
             )
-            .await
-            {
-                // The node this one took for the shard's leader refused it
-                // (421: nothing executed) as the group's leadership moved
-                // on (an election, a transfer: a new cluster's first
-                // moments, a node coming back). Where the request came
-                // from a client, and a leader at a later term is known
-                // (this node's replica waits for its group to name one;
-                // a node holding none takes the one the refusal names, if
-                // at a later term), the request is routed once more, as
-                // if it had come then: the first forward and the wait
-                // take one forward timeout at most, the second forward
-                // another.
-                Ok(resp)
-                    if resp.status() == StatusCode::MISDIRECTED_REQUEST
-                        && route.hops_taken == 0
-                        && app.replication.is_some() =>
-                {
-                    let Some(to) = forwarded_to else {
-                        return Routed::Answer(resp);
-                    };
-                    let within = settle_within(app).min(
-                        app.cfg
-                            .peer
-                            .forward_timeout()
-                            .saturating_sub(started.elapsed()),
-                    );
-                    if within.is_zero() {
-                        return Routed::Answer(resp);
-                    }
-                    let replica = app.store.shard(route.shard).filter(|st| st.is_replicated());
-                    let later = match &replica {
-                        // Its own replica learns the group's next leader.
-                        Some(st) => {
-                            let now = st.leader_after(to.epoch.get(), within).await;
-                            tracing::info!(
-                                shard,
-                                refused_by = %to.node,
-                                at_term = to.epoch.get(),
-                                now = ?now.map(|l| (l.leader, l.term)),
-                                "the node taken for the shard's leader refused a request as the leadership moved; routing it again"
-                            );
-                            now.is_some_and(|l| l.leader.is_some() && l.term > to.epoch.get())
-                        }
-                        // No replica here: the refusal's word, if it
-                        // names a leader at a later term.
-                        None => later_leader_named(app, route.shard, &resp, &to),
-                    };
-                    // No later leader within the wait: the refusal stands.
-                    if !later {
-                        return Routed::Answer(resp);
-                    }
-                    app.metrics.outcome(outcome::REROUTED);
-                    let (owner, d) = decision(app, route.shard, route.hops_taken);
-                    match (d, replica) {
-                        (Decision::Local { .. }, Some(st)) if local.is_some() => {
-                            app.metrics.outcome(outcome::LOCAL);
-                            match run_here(
-                                app,
-                                st.clone(),
-                                st.epoch(),
-                                is_read,
-                                &mut local,
-                                partition,
-                            )
-                            .await
-                            {
-                                Ok(v) => {
-                                    return Routed::Local(v, RouteHeaders::new(app, &route, &owner))
-                                }
-                                Err(e) => (owner, e.into_response()),
-                            }
-                        }
-                        // (Never so with a replica here: this path did
-                        // not run the step; without one, a refusal that
-                        // named this node.)
-                        (Decision::Local { .. }, _) => return Routed::Answer(resp),
-                        // The same node at the same term: nothing new to
-                        // try.
-                        (Decision::Forward { owner: again, .. }, _)
-                            if again.node == to.node && again.epoch == to.epoch =>
-                        {
-                            return Routed::Answer(resp)
-                        }
-                        // Forwarded once more, or this node's own refusal
-                        // now (the leader it knows is down, or unknown).
-                        (d, _) => {
-                            match elsewhere(app, d, &owner, method, path_and_query, body, &route)
-                                .await
-                            {
-                                Ok(again) => return Routed::Answer(again),
-                                Err(again) => (owner, again),
-                            }
-                        }
+            .await;
+            // A request from a client to a replicated shard whose leader
+            // did not take it, with nothing executed, may be routed once
+            // more when the group's next leader is known (`route_again`).
+            let again = route.hops_taken == 0 && app.replication.is_some();
+            let (to, why, fallback) = match first {
+                Ok(resp) if again && resp.status() == StatusCode::MISDIRECTED_REQUEST => {
+                    match forwarded_to {
+                        Some(to) => (to, Again::Refused, Fallback::Relayed(resp)),
+                        None => return Routed::Answer(resp),
                     }
                 }
                 Ok(resp) => return Routed::Answer(resp),
-                Err(resp) => (owner, resp),
+                Err(Unrouted {
+                    resp,
+                    unreached: Some(to),
+                }) if again => (to, Again::Unreached, Fallback::Own(owner, resp)),
+                Err(u) => break 'sent (owner, u.resp),
+            };
+            let r = route_again(
+                app,
+                &route,
+                RequestParts {
+                    method,
+                    path_and_query,
+                    body,
+                },
+                &mut local,
+                to,
+                why,
+                started,
+                fallback,
+            )
+            .await;
+            match r {
+                Ok(routed) => return routed,
+                Err(Fallback::Relayed(resp)) => return Routed::Answer(resp),
+                Err(Fallback::Own(owner, resp)) => (owner, resp),
             }
         }
     };
     RouteHeaders::new(app, &route, &owner).apply(&mut resp);
     Routed::Answer(resp)
+}
+
+/// Why a request from a client, sent toward its shard's leader, may be
+/// routed once more (`route_again`). Nothing was executed either way.
+enum Again {
+    /// The node taken for the shard's leader refused it (421) as the
+    /// group's leadership moved on: an election, a transfer (a new
+    /// cluster's first moments, a node coming back or stopping).
+    Refused,
+    /// The leader of record was not reached and nothing was sent to it:
+    /// it is believed down, or the forward's connection failed before the
+    /// request left (a leader that has just stopped or died).
+    Unreached,
+}
+
+/// The answer a request gets if it is not routed once more: the peer's
+/// own, relayed as it is, or this node's refusal on behalf of `Owner`
+/// (route headers are added to it).
+enum Fallback {
+    Relayed(Response),
+    Own(Owner, Response),
+}
+
+/// The parts of a request that a second route sends on.
+struct RequestParts<'a> {
+    method: Method,
+    path_and_query: &'a str,
+    body: Bytes,
+}
+
+/// A request from a client that the node taken for its shard's leader
+/// (`to`) did not take, with nothing executed (`why`): when a leader of
+/// the group at a later term than `to`'s is known within a bound, the
+/// request is routed once more, as if it had come then; otherwise (or
+/// if routing finds nothing new to try) `fallback` is its answer.
+///
+/// - Refused: this node's replica waits for its group to name a leader
+///   at a later term, within an election's longest timeout
+///   (`settle_within`); a node holding no replica takes the one the
+///   refusal names, if at a later term.
+/// - Unreached: the directory is waited on to name one (this node's
+///   replica, or the new leader's node, tells it: a node with no
+///   replica hears of a new leader within a round trip of its
+///   election), until a failover that began when the leader last
+///   answered a probe would have ended (`failover_within`), and within
+///   the forward timeout (a failed connect takes next to none of it,
+///   and the client allowed the request that long). A leader that
+///   stopped on purpose handed its leaderships over before it exited,
+///   so the wait is a round trip; one that died takes a failover (under
+///   a second at the default timers: BENCHMARKS.md). A leader unreached
+///   for longer is not being replaced, and its shard's requests are
+///   refused at once, as before.
+///
+/// Either way the first try and the wait take one forward timeout at
+/// most, and the second try another.
+#[allow(clippy::too_many_arguments)]
+async fn route_again<T, F, Fut>(
+    app: &Arc<App>,
+    route: &Route,
+    req: RequestParts<'_>,
+    local: &mut Option<F>,
+    to: OwnerHint,
+    why: Again,
+    started: std::time::Instant,
+    fallback: Fallback,
+) -> Result<Routed<T>, Fallback>
+where
+    F: FnOnce(Epoch, Arc<ShardStore>) -> Fut,
+    Fut: Future<Output = Result<T, ApiError>>,
+{
+    let shard = route.shard.get();
+    let partition = route.partition.map(|p| p.get());
+    let left = app
+        .cfg
+        .peer
+        .forward_timeout()
+        .saturating_sub(started.elapsed());
+    let within = match why {
+        Again::Refused => settle_within(app),
+        // Until a failover begun when the leader last answered would have
+        // ended: a leader unreached for longer is not being replaced (its
+        // group lost its quorum, or this node is cut off from it), and the
+        // request is refused at once, as before. A node that never
+        // answered is not waited for.
+        Again::Unreached => app
+            .dir
+            .liveness()
+            .last_answered(to.node)
+            .map_or(Duration::ZERO, |at| {
+                (at + failover_within(app)).saturating_duration_since(std::time::Instant::now())
+            }),
+    }
+    .min(left);
+    if within.is_zero() {
+        return Err(fallback);
+    }
+    let replica = app.store.shard(route.shard).filter(|st| st.is_replicated());
+    let later = match (&why, &replica, &fallback) {
+        // Its own replica learns the group's next leader.
+        (Again::Refused, Some(st), _) => {
+            let now = st.leader_after(to.epoch.get(), within).await;
+            tracing::info!(
+                shard,
+                refused_by = %to.node,
+                at_term = to.epoch.get(),
+                now = ?now.map(|l| (l.leader, l.term)),
+                "the node taken for the shard's leader refused a request as the leadership moved; routing it again"
+            );
+            now.is_some_and(|l| l.leader.is_some() && l.term > to.epoch.get())
+        }
+        // No replica here: the refusal's word, if it names a leader at a
+        // later term.
+        (Again::Refused, None, Fallback::Relayed(resp)) => {
+            later_leader_named(app, route.shard, resp, &to)
+        }
+        (Again::Refused, None, Fallback::Own(..)) => false,
+        (Again::Unreached, ..) => {
+            let now = later_owner(app, route.shard, to.epoch, within).await;
+            tracing::info!(
+                shard,
+                unreached = %to.node,
+                at_term = to.epoch.get(),
+                now = ?now.map(|a| (a.owner.get(), a.epoch.get())),
+                waited_ms = started.elapsed().as_millis() as u64,
+                "the shard's leader was not reached (nothing sent); routing the request again once its next leader is known"
+            );
+            now.is_some()
+        }
+    };
+    // No later leader within the wait: the first answer stands.
+    if !later {
+        return Err(fallback);
+    }
+    app.metrics.outcome(outcome::REROUTED);
+    let (owner, d) = decision(app, route.shard, route.hops_taken);
+    match (d, replica) {
+        (Decision::Local { .. }, Some(st)) if local.is_some() => {
+            app.metrics.outcome(outcome::LOCAL);
+            let is_read = req.method == Method::GET || req.method == Method::HEAD;
+            match run_here(app, st.clone(), st.epoch(), is_read, local, partition).await {
+                Ok(v) => Ok(Routed::Local(v, RouteHeaders::new(app, route, &owner))),
+                Err(e) => Err(Fallback::Own(owner, e.into_response())),
+            }
+        }
+        // (Never so with a replica here: the first try did not run the
+        // step; without one, a refusal that named this node.)
+        (Decision::Local { .. }, _) => Err(fallback),
+        // The same node at the same term: nothing new to try.
+        (Decision::Forward { owner: again, .. }, _)
+            if again.node == to.node && again.epoch == to.epoch =>
+        {
+            Err(fallback)
+        }
+        // Forwarded once more, or this node's own refusal now (the leader
+        // it knows is down, or unknown).
+        (d, _) => match elsewhere(
+            app,
+            d,
+            &owner,
+            req.method,
+            req.path_and_query,
+            req.body,
+            route,
+        )
+        .await
+        {
+            Ok(again) => Ok(Routed::Answer(again)),
+            Err(again) => Err(Fallback::Own(owner, again.resp)),
+        },
+    }
+}
+
+/// Waits, at most `within`, for the directory to name a leader of
+/// `shard` at a later term than `after`; that assignment, or `None`.
+async fn later_owner(
+    app: &App,
+    shard: ShardId,
+    after: Epoch,
+    within: Duration,
+) -> Option<forkless_routing::ShardAssignment> {
+    // Subscribed before the first look, so that a move between the look
+    // and the wait still wakes it.
+    let mut moved = app.map_moved.subscribe();
+    let until = tokio::time::Instant::now() + within;
+    loop {
+        if let Some(a) = app.dir.assignment(shard).filter(|a| a.epoch > after) {
+            return Some(a);
+        }
+        match tokio::time::timeout_at(until, moved.changed()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) | Err(_) => return None,
+        }
+    }
 }
 
 /// A request that came forwarded to this node, whose replica of the
@@ -799,7 +932,7 @@ fn later_leader_named(app: &App, shard: ShardId, resp: &Response, to: &OwnerHint
     if term <= to.epoch.get() || node == app.cfg.node_id {
         return false;
     }
-    let moved = app.dir.observe(shard, node, Epoch(term));
+    let moved = app.observe(shard, node, Epoch(term));
     tracing::info!(
         shard = shard.get(),
         refused_by = %to.node,
@@ -810,6 +943,24 @@ fn later_leader_named(app: &App, shard: ShardId, resp: &Response, to: &OwnerHint
         "the node taken for the shard's leader refused a request, naming a leader at a later term; routing it again"
     );
     true
+}
+
+/// How long after a shard's leader last answered a probe its group has
+/// elected a successor, if it can: the probe's interval (the leader may
+/// have died just before the next), the leader's lease and a follower's
+/// election timer (each an election's longest timeout at most: openraft
+/// stands only once its leader's lease has run out), and as much again
+/// for the election and the word of it on a loaded machine. At the
+/// default timers 1.45 s, against a measured failover of 0.8 s at most
+/// (BENCHMARKS.md, "Failover").
+fn failover_within(app: &App) -> Duration {
+    let election_max = app
+        .cfg
+        .cluster
+        .as_ref()
+        .and_then(|c| c.replication.as_ref())
+        .map_or(0, |r| r.timing.election_timeout_max_ms);
+    Duration::from_millis(app.cfg.peer.probe_interval_ms + 3 * election_max)
 }
 
 /// How long a request refused by a shard's group as its leadership moved
@@ -859,9 +1010,13 @@ async fn elsewhere(
     path_and_query: &str,
     body: Bytes,
     route: &Route,
-) -> Result<Response, Response> {
+) -> Result<Response, Unrouted> {
     let partition = route.partition.map(|p| p.get());
     let shard = route.shard.get();
+    let refused = |resp| Unrouted {
+        resp,
+        unreached: None,
+    };
     Err(match decision {
         Decision::Forward { owner: to, hops } => {
             let started = std::time::Instant::now();
@@ -885,7 +1040,17 @@ async fn elsewhere(
                 Err(e) => {
                     app.metrics.outcome(outcome::FORWARD_FAILED);
                     tracing::warn!(shard, owner = %to.node, error = ?e.body(), "forward failed; answering 503 (fail closed)");
-                    e.into_response()
+                    let not_sent = matches!(
+                        e,
+                        ApiError::OwnerUnavailable {
+                            executed: Executed::No,
+                            ..
+                        }
+                    );
+                    Unrouted {
+                        resp: e.into_response(),
+                        unreached: not_sent.then_some(to),
+                    }
                 }
             }
         }
@@ -904,14 +1069,16 @@ async fn elsewhere(
             } else {
                 "re-resolve the owner from the hint or GET /api/cluster"
             };
-            ApiError::NotOwner {
-                partition,
-                shard,
-                hint,
-                map_version: app.dir.map_version(),
-                detail: detail.into(),
-            }
-            .into_response()
+            refused(
+                ApiError::NotOwner {
+                    partition,
+                    shard,
+                    hint,
+                    map_version: app.dir.map_version(),
+                    detail: detail.into(),
+                }
+                .into_response(),
+            )
         }
         Decision::FailClosed { reason, hint } => {
             app.metrics.outcome(outcome::FAIL_CLOSED);
@@ -920,21 +1087,37 @@ async fn elsewhere(
                 FailClosed::NoOwner => "the map names no owner",
             };
             tracing::warn!(shard, owner = ?hint.as_ref().map(|h| h.node.get()), why, "failing closed with 503");
-            ApiError::OwnerUnavailable {
-                shard,
-                executed: Executed::No,
-                reason: why.into(),
-                hint,
+            // Nothing was sent to the owner believed down.
+            let unreached = match reason {
+                FailClosed::OwnerDown => hint.clone(),
+                FailClosed::NoOwner => None,
+            };
+            Unrouted {
+                resp: ApiError::OwnerUnavailable {
+                    shard,
+                    executed: Executed::No,
+                    reason: why.into(),
+                    hint,
+                }
+                .into_response(),
+                unreached,
             }
-            .into_response()
         }
         // Handled by the caller; an owner decided from a refusal is never
         // this node.
-        Decision::Local { .. } => {
+        Decision::Local { .. } => refused(
             ApiError::Internal("routing decided to run a request here as it left".into())
-                .into_response()
-        }
+                .into_response(),
+        ),
     })
+}
+
+/// A request [`elsewhere`] did not hand to the shard's owner: this node's
+/// refusal, and the owner of record if nothing was sent to it (believed
+/// down, or its connection failed before the request left).
+struct Unrouted {
+    resp: Response,
+    unreached: Option<OwnerHint>,
 }
 
 /// This node's replica of a replicated `shard` and its applied index, if

@@ -102,6 +102,10 @@ pub struct App {
     /// The nodes replica moves this node leads are going to: a reload
     /// does not retire one (`reload::MoveTargets`).
     pub move_targets: reload::MoveTargets,
+    /// Counts the times the directory took a shard's newer owner
+    /// ([`App::observe`]): what a request waiting for a shard's next
+    /// leader waits on (`api::later_owner`).
+    pub map_moved: tokio::sync::watch::Sender<u64>,
 }
 
 /// A shard's voters as its leader `from` said at `term`, and the log id
@@ -165,6 +169,21 @@ pub enum StartupError {
 }
 
 impl App {
+    /// The directory's [`StaticDirectory::observe`], waking the requests
+    /// that wait for a shard's next owner when the map moves.
+    pub fn observe(
+        &self,
+        shard: ShardId,
+        owner: forkless_types::NodeId,
+        epoch: forkless_types::Epoch,
+    ) -> forkless_routing::Observation {
+        let seen = self.dir.observe(shard, owner, epoch);
+        if seen == forkless_routing::Observation::Moved {
+            self.map_moved.send_modify(|n| *n = n.wrapping_add(1));
+        }
+        seen
+    }
+
     /// Opens the store and the shards this node owns, moving each to the
     /// epoch the map gives it.
     /// `fd_limit`: the open-file limit in force, which the shards' table
@@ -296,6 +315,7 @@ impl App {
             long_polls: AtomicUsize::new(0),
             replication,
             replicas_heard: Default::default(),
+            map_moved: tokio::sync::watch::channel(0).0,
             cluster: std::sync::RwLock::new(cfg.cluster.clone().map(Arc::new)),
             reload,
             links,
@@ -557,7 +577,7 @@ fn told_led(app: &App, peer: u64, led: &[(u32, u64)]) {
         if known.is_none_or(|a| a.epoch.get() >= term) {
             continue;
         }
-        if app.dir.observe(shard, node, forkless_types::Epoch(term))
+        if app.observe(shard, node, forkless_types::Epoch(term))
             == forkless_routing::Observation::Moved
         {
             tracing::info!(
@@ -603,8 +623,7 @@ async fn follow_leader(
             *seen = Some((l.leader, l.term));
             match l.leader.and_then(forkless_types::NodeId::new) {
                 Some(leader) => {
-                    app.dir
-                        .observe(shard, leader, forkless_types::Epoch(l.term));
+                    app.observe(shard, leader, forkless_types::Epoch(l.term));
                     tracing::info!(
                         shard = shard.get(),
                         leader = l.leader,

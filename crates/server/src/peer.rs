@@ -340,7 +340,7 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                 heard.insert(o.shard, now);
             }
         }
-        match app.dir.observe(shard, node, epoch) {
+        match app.observe(shard, node, epoch) {
             Observation::Moved => tracing::warn!(
                 shard = o.shard, owner = %node, epoch = o.epoch,
                 "learned a newer owner from a peer; this node's map was stale"
