@@ -809,8 +809,27 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             n.id,
             n.api_addr,
             n.peer_addr.as_deref().unwrap_or("-"),
-            if n.alive { "yes" } else { "NO" },
+            match (n.alive, n.probe.as_deref()) {
+                (false, _) => "NO",
+                (true, Some("never_answered")) => "never",
+                (true, _) => "yes",
+            },
             owned
+        )?;
+    }
+    // Taken for alive (requests are sent to them), but never heard from.
+    let never: Vec<String> = m
+        .nodes
+        .iter()
+        .filter(|n| n.alive && n.probe.as_deref() == Some("never_answered"))
+        .map(|n| n.id.to_string())
+        .collect();
+    if !never.is_empty() {
+        writeln!(
+            out,
+            "node(s) {} never answered node {}'s probes since it started (\"never\"): not started yet, or unreachable from it; requests are still sent there, and moves pick no such node",
+            never.join(", "),
+            m.node
         )?;
     }
     // The nodes the answering node found differing from it in one thing.

@@ -17,6 +17,11 @@ pub struct NodeInfo {
     /// The answering node's view of this node's liveness.
     #[serde(default = "yes")]
     pub alive: bool,
+    /// The answering node's probes of this node: `up`, `down`,
+    /// `never_answered` (taken for alive: it may be starting), or `self`
+    /// (`None`: an older server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe: Option<String>,
     /// Whether this node runs with the same node list as the answering
     /// node (`None`: not known yet, or an older server).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -24,6 +24,24 @@ fn nodes_started_one_after_another_forward_to_each_other_at_once() {
         cl.spawn(id, &cfg);
         cl.wait_ready(id);
     }
+    // `forkless status` through node 1 says so: node 3 is taken for
+    // alive (the request below is sent there) but marked as never heard.
+    let server = format!("http://{}", cl.node(1).api);
+    let (code, out, err) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
+    assert_eq!(code, Some(0), "status: {out}\n{err}");
+    let row3 = out
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some("3"))
+        .unwrap_or_else(|| panic!("no row for node 3 in:\n{out}"));
+    assert_eq!(
+        row3.split_whitespace().nth(3),
+        Some("never"),
+        "node 3's row in node 1's status:\n{out}"
+    );
+    assert!(
+        out.contains("never answered node 1's probes"),
+        "status names the nodes never heard from:\n{out}"
+    );
     let key = key_on_shard("new-user", 2, 4);
     let r = cl.client(1).post(
         "/api/executions",

@@ -890,10 +890,6 @@ fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
     );
 }
 
-/// Leaders spread evenly: each shard's leadership goes to its preferred
-/// replica (shard s to the (s mod 3)-th node: 1, 2, 3, 1) whoever won the first
-/// election, and back to a node that was killed once it has restarted and
-/// caught up; a write through any node lands meanwhile.
 /// Writes through a node with no replica of their shard, sent as the
 /// shard's leader is killed (kill -9): the first finds the leader's port
 /// closed, the second finds it believed down (a missed probe). Nothing
@@ -1021,8 +1017,9 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
     // Its successor killed too: shard 0 keeps one replica of three and
     // elects no one. A write through node 4 waits only until a failover
     // begun at the successor's last answer would have ended (a probe
-    // interval and three election timeouts: 3.85 s here), not for the
-    // forward timeout (8 s); once that has passed, it is refused at once.
+    // interval and timeout and three election timeouts: 4.35 s here),
+    // not for the forward timeout (8 s); once that has passed, it is
+    // refused at once.
     let successor = port_closed
         .as_ref()
         .ok()
@@ -1056,6 +1053,10 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
     }
 }
 
+/// Leaders spread evenly: each shard's leadership goes to its preferred
+/// replica (shard s to the (s mod 3)-th node: 1, 2, 3, 1) whoever won the first
+/// election, and back to a node that was killed once it has restarted and
+/// caught up; a write through any node lands meanwhile.
 #[test]
 fn leaders_spread_evenly_and_return_to_a_restarted_node() {
     let _deadline = deadline("replication: leaders spread", Duration::from_secs(180));

@@ -769,7 +769,8 @@ where
         (Again::Refused, None, Fallback::Own(..)) => false,
         (Again::Unreached, ..) => {
             let now = later_owner(app, route.shard, to.epoch, within).await;
-            tracing::info!(
+            // (Per request: many in a failover under load.)
+            tracing::debug!(
                 shard,
                 unreached = %to.node,
                 at_term = to.epoch.get(),
@@ -946,12 +947,14 @@ fn later_leader_named(app: &App, shard: ShardId, resp: &Response, to: &OwnerHint
 }
 
 /// How long after a shard's leader last answered a probe its group has
-/// elected a successor, if it can: the probe's interval (the leader may
-/// have died just before the next), the leader's lease and a follower's
-/// election timer (each an election's longest timeout at most: openraft
-/// stands only once its leader's lease has run out), and as much again
-/// for the election and the word of it on a loaded machine. At the
-/// default timers 1.45 s, against a measured failover of 0.8 s at most
+/// elected a successor, if it can: a probe round's interval and timeout
+/// (the leader may have died just before the next round, and a round
+/// waits for its slowest peer, so answers can come that far apart), the
+/// leader's lease and a follower's election timer (each an election's
+/// longest timeout at most: openraft stands only once its leader's lease
+/// has run out), and as much again for the election (a split vote
+/// takes another timer) and the word of it on a loaded machine. At the
+/// default timers 1.95 s, against a measured failover of 0.8 s at most
 /// (BENCHMARKS.md, "Failover").
 fn failover_within(app: &App) -> Duration {
     let election_max = app
@@ -960,7 +963,12 @@ fn failover_within(app: &App) -> Duration {
         .as_ref()
         .and_then(|c| c.replication.as_ref())
         .map_or(0, |r| r.timing.election_timeout_max_ms);
-    Duration::from_millis(app.cfg.peer.probe_interval_ms + 3 * election_max)
+    let p = &app.cfg.peer;
+    Duration::from_millis(
+        p.probe_interval_ms
+            .saturating_add(p.probe_timeout_ms)
+            .saturating_add(election_max.saturating_mul(3)),
+    )
 }
 
 /// How long a request refused by a shard's group as its leadership moved
@@ -1039,7 +1047,7 @@ async fn elsewhere(
                 }
                 Err(e) => {
                     app.metrics.outcome(outcome::FORWARD_FAILED);
-                    tracing::warn!(shard, owner = %to.node, error = ?e.body(), "forward failed; answering 503 (fail closed)");
+                    tracing::warn!(shard, owner = %to.node, error = ?e.body(), "forward failed (fail closed: 503, unless the request is routed again to a later leader)");
                     let not_sent = matches!(
                         e,
                         ApiError::OwnerUnavailable {
@@ -1086,7 +1094,7 @@ async fn elsewhere(
                 FailClosed::OwnerDown => "the owner is believed down (it missed its last probe)",
                 FailClosed::NoOwner => "the map names no owner",
             };
-            tracing::warn!(shard, owner = ?hint.as_ref().map(|h| h.node.get()), why, "failing closed with 503");
+            tracing::warn!(shard, owner = ?hint.as_ref().map(|h| h.node.get()), why, "failing closed (503, unless the request is routed again to a later leader)");
             // Nothing was sent to the owner believed down.
             let unreached = match reason {
                 FailClosed::OwnerDown => hint.clone(),
