@@ -1053,6 +1053,100 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
     }
 }
 
+/// A write through a node with no replica of its shard, sent while the
+/// shard's leader is paused (SIGSTOP) for less than an election: the
+/// leader is believed down (a missed probe), so nothing is sent; the
+/// write waits, and once the leader answers a probe again (SIGCONT) it is
+/// sent there and acknowledged, at the same term. Before, it waited for a
+/// successor that never came and was refused when its wait ran out.
+#[test]
+fn a_write_through_a_node_with_no_replica_goes_to_its_leader_back_from_a_pause() {
+    let _deadline = deadline(
+        "replication: a write through a node with no replica across a pause",
+        Duration::from_secs(180),
+    );
+    let (nodes, shards) = (4u16, 8u32);
+    let timing = PeerTiming {
+        forward_timeout_ms: 6000,
+        probe_interval_ms: 250,
+        ..PeerTiming::default()
+    };
+    let mut cl = Cluster::prepare_replicated(nodes, shards, 3, timing);
+    // Elections only after 4-5 s of silence: the pause ends long before.
+    cl.raft_timing = Some((100, 4000, 5000));
+    let ids: Vec<u16> = (1..=nodes).collect();
+    cl.start_nodes(&ids, &[]);
+    let c4 = cl.client(4);
+    let shard0 = |c: &Client| -> Option<(u16, u64, Vec<u64>)> {
+        let v = c
+            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+            .ok()?
+            .json();
+        let s = &v["shards"][0];
+        let replicas = s["replicas"]
+            .as_array()?
+            .iter()
+            .filter_map(|r| r.as_u64())
+            .collect();
+        Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?, replicas))
+    };
+    let (_, term, replicas) = wait_until(
+        "node 4 names node 1 the leader of shard 0",
+        Duration::from_secs(60),
+        || shard0(&c4).filter(|(l, _, _)| *l == 1),
+    );
+    assert!(
+        !replicas.contains(&4),
+        "node 4 holds a replica of shard 0 ({replicas:?}): the test needs it to hold none"
+    );
+    let key = key_on_shard("paused-4", 0, shards);
+    let exec = id_of(&c4.start(&json!({"workflow": "w", "routing_key": key})));
+    let write = |marker: &str| {
+        let body = workload::batch_body(&[marker.to_string()], None).to_string();
+        let sent = Instant::now();
+        let r = c4
+            .try_req(
+                "POST",
+                &format!("/api/executions/{exec}/events"),
+                &[],
+                Some(body.as_bytes()),
+                Duration::from_secs(30),
+            )
+            .map(|r| {
+                (
+                    r.status,
+                    r.header("x-forkless-owner").map(str::to_string),
+                    r.header("x-forkless-epoch").map(str::to_string),
+                    r.text(),
+                )
+            });
+        (r, sent.elapsed())
+    };
+    let (before, _) = write("before");
+    assert!(matches!(&before, Ok((200, ..))), "{before:?}");
+    cl.node(1).proc().sigstop();
+    cl.wait_peer_seen(&[4], 1, false);
+    let (paused, waited) = std::thread::scope(|s| {
+        let w = s.spawn(|| write("paused"));
+        // The pause goes on a moment with the write waiting at node 4
+        // (node 4 probes node 1 every 250 ms, and none is answered).
+        std::thread::sleep(Duration::from_millis(300));
+        cl.node(1).proc().sigcont();
+        w.join().expect("the writer")
+    });
+    eprintln!("a write through node 4 while node 1 was paused: {paused:?} after {waited:?}");
+    let by_leader_back = paused.as_ref().is_ok_and(|(status, owner, epoch, _)| {
+        *status == 200
+            && owner.as_deref() == Some("1")
+            && epoch.as_deref() == Some(term.to_string().as_str())
+    });
+    assert!(
+        by_leader_back,
+        "a write through node 4 sent while node 1 was paused was not acknowledged by node 1 at term {term} once it answered again: {paused:?} after {waited:?}\n{}",
+        strip_ansi(&cl.logs())
+    );
+}
+
 /// Leaders spread evenly: each shard's leadership goes to its preferred
 /// replica (shard s to the (s mod 3)-th node: 1, 2, 3, 1) whoever won the first
 /// election, and back to a node that was killed once it has restarted and

@@ -819,6 +819,7 @@ mod tests {
             snapshot: None,
             purged: None,
             voters: vec![want, 2, 3],
+            joint: false,
             membership_log: None,
             membership_committed: true,
             learners: vec![],

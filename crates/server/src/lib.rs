@@ -103,9 +103,10 @@ pub struct App {
     /// does not retire one (`reload::MoveTargets`).
     pub move_targets: reload::MoveTargets,
     /// Counts the times the directory took a shard's newer owner
-    /// ([`App::observe`]): what a request waiting for a shard's next
-    /// leader waits on (`api::later_owner`).
-    pub map_moved: tokio::sync::watch::Sender<u64>,
+    /// ([`App::observe`]) or a peer not believed up answered a probe
+    /// ([`App::peer_answered_again`]): what a request waiting for its
+    /// shard's leader to be reachable waits on (`api::leader_reachable`).
+    pub routes_changed: tokio::sync::watch::Sender<u64>,
 }
 
 /// A shard's voters as its leader `from` said at `term`, and the log id
@@ -179,9 +180,15 @@ impl App {
     ) -> forkless_routing::Observation {
         let seen = self.dir.observe(shard, owner, epoch);
         if seen == forkless_routing::Observation::Moved {
-            self.map_moved.send_modify(|n| *n = n.wrapping_add(1));
+            self.routes_changed.send_modify(|n| *n = n.wrapping_add(1));
         }
         seen
+    }
+
+    /// A peer believed down (or never heard from) answered a probe: wakes
+    /// the requests waiting for a leader there to be reachable.
+    pub fn peer_answered_again(&self) {
+        self.routes_changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Opens the store and the shards this node owns, moving each to the
@@ -315,7 +322,7 @@ impl App {
             long_polls: AtomicUsize::new(0),
             replication,
             replicas_heard: Default::default(),
-            map_moved: tokio::sync::watch::channel(0).0,
+            routes_changed: tokio::sync::watch::channel(0).0,
             cluster: std::sync::RwLock::new(cfg.cluster.clone().map(Arc::new)),
             reload,
             links,

@@ -245,6 +245,9 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                 compare_node_lists(&app, node, theirs, &mine);
             }
             let (was, now) = app.dir.liveness().record(node, alive);
+            if now == PeerState::Up && was != PeerState::Up {
+                app.peer_answered_again();
+            }
             app.metrics
                 .peer_up
                 .get_or_create(&crate::metrics::NodeLabel { node: node.get() })

@@ -1145,8 +1145,13 @@ pub struct RaftStatus {
     /// forgot is sent a snapshot).
     pub snapshot: Option<u64>,
     pub purged: Option<u64>,
-    /// The voters of its membership.
+    /// The voters of its membership (both sets while `joint`).
     pub voters: Vec<u64>,
+    /// Whether that membership is a change of voters under way (openraft's
+    /// joint consensus: the old voters and the new), as a leader that died
+    /// between a change's two steps leaves it to the next
+    /// (`ShardStore::replace_replica` finishes it).
+    pub joint: bool,
     /// The log id (term, index) of the entry that membership is from
     /// (`None`: the group's first, from no entry): of two views of one
     /// group's membership, the one from the later entry is the newer.
@@ -1198,6 +1203,7 @@ impl RaftStatus {
             snapshot: m.snapshot.map(|l| l.index),
             purged: m.purged.map(|l| l.index),
             voters: m.membership_config.membership().voter_ids().collect(),
+            joint: m.membership_config.membership().get_joint_config().len() > 1,
             membership_log: m
                 .membership_config
                 .log_id()
