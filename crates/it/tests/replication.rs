@@ -890,6 +890,63 @@ fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
     );
 }
 
+/// Waits until node 4 (`c4`) names node 1 the leader of shard 0, and
+/// checks that node 4 holds no replica of it; node 1's term.
+fn node_1_leads_shard_0_outside_node_4(c4: &Client) -> u64 {
+    let (_, term, replicas) = wait_until(
+        "node 4 names node 1 the leader of shard 0",
+        Duration::from_secs(60),
+        || shard0_seen_by(c4).filter(|(l, _, _)| *l == 1),
+    );
+    assert!(
+        !replicas.contains(&4),
+        "node 4 holds a replica of shard 0 ({replicas:?}): the test needs it to hold none"
+    );
+    term
+}
+
+/// Shard 0's leader, term and replicas as the node `c` talks to sees it.
+fn shard0_seen_by(c: &Client) -> Option<(u16, u64, Vec<u64>)> {
+    let v = c
+        .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+        .ok()?
+        .json();
+    let s = &v["shards"][0];
+    let replicas = s["replicas"]
+        .as_array()?
+        .iter()
+        .filter_map(|r| r.as_u64())
+        .collect();
+    Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?, replicas))
+}
+
+/// An answer's status, owner and epoch headers, and body.
+type Answered = (u16, Option<String>, Option<String>, String);
+
+/// One event appended to `exec` through `c`: its answer, and how long it
+/// took.
+fn timed_write(c: &Client, exec: &str, marker: &str) -> (std::io::Result<Answered>, Duration) {
+    let body = workload::batch_body(&[marker.to_string()], None).to_string();
+    let sent = Instant::now();
+    let r = c
+        .try_req(
+            "POST",
+            &format!("/api/executions/{exec}/events"),
+            &[],
+            Some(body.as_bytes()),
+            Duration::from_secs(30),
+        )
+        .map(|r| {
+            (
+                r.status,
+                r.header("x-forkless-owner").map(str::to_string),
+                r.header("x-forkless-epoch").map(str::to_string),
+                r.text(),
+            )
+        });
+    (r, sent.elapsed())
+}
+
 /// Writes through a node with no replica of their shard, sent as the
 /// shard's leader is killed (kill -9): the first finds the leader's port
 /// closed, the second finds it believed down (a missed probe). Nothing
@@ -920,55 +977,14 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
     let ids: Vec<u16> = (1..=nodes).collect();
     cl.start_nodes(&ids, &[]);
     let c4 = cl.client(4);
-    let shard0 = |c: &Client| -> Option<(u16, u64, Vec<u64>)> {
-        let v = c
-            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-            .ok()?
-            .json();
-        let s = &v["shards"][0];
-        let replicas = s["replicas"]
-            .as_array()?
-            .iter()
-            .filter_map(|r| r.as_u64())
-            .collect();
-        Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?, replicas))
-    };
-    let (_, term, replicas) = wait_until(
-        "node 4 names node 1 the leader of shard 0",
-        Duration::from_secs(60),
-        || shard0(&c4).filter(|(l, _, _)| *l == 1),
-    );
-    assert!(
-        !replicas.contains(&4),
-        "node 4 holds a replica of shard 0 ({replicas:?}): the test needs it to hold none"
-    );
+    let term = node_1_leads_shard_0_outside_node_4(&c4);
     let execs: Vec<String> = (0..2)
         .map(|k| {
             let key = key_on_shard(&format!("failover-4-{k}"), 0, shards);
             id_of(&c4.start(&json!({"workflow": "w", "routing_key": key})))
         })
         .collect();
-    let write = |exec: &str, marker: &str| {
-        let body = workload::batch_body(&[marker.to_string()], None).to_string();
-        let sent = Instant::now();
-        let r = c4
-            .try_req(
-                "POST",
-                &format!("/api/executions/{exec}/events"),
-                &[],
-                Some(body.as_bytes()),
-                Duration::from_secs(30),
-            )
-            .map(|r| {
-                (
-                    r.status,
-                    r.header("x-forkless-owner").map(str::to_string),
-                    r.header("x-forkless-epoch").map(str::to_string),
-                    r.text(),
-                )
-            });
-        (r, sent.elapsed())
-    };
+    let write = |exec: &str, marker: &str| timed_write(&c4, exec, marker);
     // Each write is forwarded once before, so the forwarder holds an idle
     // connection to node 1.
     for exec in &execs {
@@ -982,7 +998,7 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
         // The second once node 4 believes node 1 down, while it still
         // names it the leader (no election has ended).
         cl.wait_peer_seen(&[4], 1, false);
-        let still = shard0(&c4);
+        let still = shard0_seen_by(&c4);
         let believed_down_at = killed_at.elapsed();
         let (second, waited) = write(&execs[1], "believed-down");
         eprintln!(
@@ -1077,64 +1093,36 @@ fn a_write_through_a_node_with_no_replica_goes_to_its_leader_back_from_a_pause()
     let ids: Vec<u16> = (1..=nodes).collect();
     cl.start_nodes(&ids, &[]);
     let c4 = cl.client(4);
-    let shard0 = |c: &Client| -> Option<(u16, u64, Vec<u64>)> {
-        let v = c
-            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-            .ok()?
-            .json();
-        let s = &v["shards"][0];
-        let replicas = s["replicas"]
-            .as_array()?
-            .iter()
-            .filter_map(|r| r.as_u64())
-            .collect();
-        Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?, replicas))
-    };
-    let (_, term, replicas) = wait_until(
-        "node 4 names node 1 the leader of shard 0",
-        Duration::from_secs(60),
-        || shard0(&c4).filter(|(l, _, _)| *l == 1),
-    );
-    assert!(
-        !replicas.contains(&4),
-        "node 4 holds a replica of shard 0 ({replicas:?}): the test needs it to hold none"
-    );
+    let term = node_1_leads_shard_0_outside_node_4(&c4);
     let key = key_on_shard("paused-4", 0, shards);
     let exec = id_of(&c4.start(&json!({"workflow": "w", "routing_key": key})));
-    let write = |marker: &str| {
-        let body = workload::batch_body(&[marker.to_string()], None).to_string();
-        let sent = Instant::now();
-        let r = c4
-            .try_req(
-                "POST",
-                &format!("/api/executions/{exec}/events"),
-                &[],
-                Some(body.as_bytes()),
-                Duration::from_secs(30),
-            )
-            .map(|r| {
-                (
-                    r.status,
-                    r.header("x-forkless-owner").map(str::to_string),
-                    r.header("x-forkless-epoch").map(str::to_string),
-                    r.text(),
-                )
-            });
-        (r, sent.elapsed())
-    };
+    let write = |marker: &str| timed_write(&c4, &exec, marker);
     let (before, _) = write("before");
     assert!(matches!(&before, Ok((200, ..))), "{before:?}");
+    const FAILED_CLOSED: &str = "forkless_route_total{outcome=\"fail_closed\"}";
+    const REROUTED: &str = "forkless_route_total{outcome=\"rerouted\"}";
+    let rerouted = c4.metric(REROUTED);
     cl.node(1).proc().sigstop();
     cl.wait_peer_seen(&[4], 1, false);
+    let failed_closed = c4.metric(FAILED_CLOSED);
     let (paused, waited) = std::thread::scope(|s| {
         let w = s.spawn(|| write("paused"));
-        // The pause goes on a moment with the write waiting at node 4
-        // (node 4 probes node 1 every 250 ms, and none is answered).
-        std::thread::sleep(Duration::from_millis(300));
+        // Node 1 stays paused until the write has met it believed down
+        // at node 4 (and waits there).
+        wait_until(
+            "the write met node 1 believed down at node 4",
+            Duration::from_secs(10),
+            || (c4.metric(FAILED_CLOSED) > failed_closed).then_some(()),
+        );
         cl.node(1).proc().sigcont();
         w.join().expect("the writer")
     });
     eprintln!("a write through node 4 while node 1 was paused: {paused:?} after {waited:?}");
+    assert_eq!(
+        c4.metric(REROUTED),
+        rerouted + 1.0,
+        "node 4 routed the write a second time once node 1 answered again"
+    );
     let by_leader_back = paused.as_ref().is_ok_and(|(status, owner, epoch, _)| {
         *status == 200
             && owner.as_deref() == Some("1")

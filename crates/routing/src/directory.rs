@@ -175,13 +175,27 @@ impl Liveness {
 
     /// Like [`Liveness::set`], returning the states before and after.
     pub fn record(&self, node: NodeId, answered: bool) -> (PeerState, PeerState) {
+        self.record_asked(node, answered, std::time::Instant::now())
+    }
+
+    /// [`Liveness::record`] of a probe asked at `asked`: an answer says
+    /// the peer was alive after that moment (not only when the answer was
+    /// taken in, which may be later), and [`Liveness::last_answered`]
+    /// keeps it so, to the millisecond below.
+    pub fn record_asked(
+        &self,
+        node: NodeId,
+        answered: bool,
+        asked: std::time::Instant,
+    ) -> (PeerState, PeerState) {
         let state = self.state.read().unwrap_or_else(|e| e.into_inner());
         let Some(p) = state.get(&node) else {
             return (PeerState::Down, PeerState::Down);
         };
         let a = &p.state;
         let before = if answered {
-            let at = u64::try_from(self.since.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+            let at = u64::try_from(asked.saturating_duration_since(self.since).as_millis())
+                .unwrap_or(u64::MAX - 1);
             p.answered_at.fetch_max(at + 1, Ordering::AcqRel);
             a.swap(UP, Ordering::AcqRel)
         } else {
@@ -207,7 +221,8 @@ impl Liveness {
             .unwrap_or(PeerState::Down)
     }
 
-    /// When `node` last answered a probe (`None`: never, or not followed).
+    /// When the last probe `node` answered was asked, to the millisecond
+    /// below (`None`: never answered, or not followed).
     pub fn last_answered(&self, node: NodeId) -> Option<std::time::Instant> {
         let state = self.state.read().unwrap_or_else(|e| e.into_inner());
         match state.get(&node)?.answered_at.load(Ordering::Acquire) {

@@ -437,6 +437,9 @@ where
     // A request that came forwarded waits here for its shard's group at
     // most this long in all (its sender's forward timeout runs).
     let wait_until = tokio::time::Instant::now() + forwarded_wait(app);
+    // A leader found unreachable by this decision is taken for back once
+    // it answers a probe asked after it (`route_again`).
+    let decided_at = std::time::Instant::now();
     let (mut owner, mut decided) = decision(app, route.shard, route.hops_taken);
     // (A stale read is answered by a replica that knows no leader too.)
     let stale_read = route.stale_ok && method == Method::GET;
@@ -638,7 +641,7 @@ where
                 &mut local,
                 to,
                 why,
-                started,
+                (decided_at, started),
                 fallback,
             )
             .await;
@@ -716,7 +719,7 @@ async fn route_again<T, F, Fut>(
     local: &mut Option<F>,
     to: OwnerHint,
     why: Again,
-    started: std::time::Instant,
+    (decided_at, started): (std::time::Instant, std::time::Instant),
     fallback: Fallback,
 ) -> Result<Routed<T>, Fallback>
 where
@@ -770,7 +773,7 @@ where
         }
         (Again::Refused, None, Fallback::Own(..)) => false,
         (Again::Unreached, ..) => {
-            let now = leader_reachable(app, route.shard, &to, started, within).await;
+            let now = leader_reachable(app, route.shard, &to, decided_at, within).await;
             // (Per request: many in a failover under load.)
             tracing::debug!(
                 shard,
@@ -838,15 +841,20 @@ enum Reachable {
     /// The directory names a leader at a later term than the unreached
     /// one's.
     Successor(forkless_routing::ShardAssignment),
-    /// The unreached leader answered a probe after the request failed to
-    /// reach it (a pause shorter than an election, say): believed up.
+    /// The unreached leader answered a probe asked after the request was
+    /// found unable to reach it (a pause shorter than an election, say):
+    /// believed up.
     Back,
 }
 
 /// Waits, at most `within`, until `shard`'s leader is reachable again
-/// after `to` was not reached at `since`: the directory names a leader at
-/// a later term than `to`'s, or `to` answered a probe since and is
-/// believed up; `None` if neither.
+/// after `to` was found unreachable by the decision made at `since`: the
+/// directory names a leader at a later term than `to`'s, or `to` answered
+/// a probe asked after `since` and is believed up (one asked before, and
+/// answered just before it died, proves nothing); `None` if neither.
+/// A leader that was killed and restarted meanwhile is taken for back
+/// too: the request sent to it once more is refused there (`421`,
+/// nothing executed) if it no longer leads.
 async fn leader_reachable(
     app: &App,
     shard: ShardId,
@@ -2314,7 +2322,9 @@ async fn replace_on_leader(
         &json!({
             "shard": shard.get(),
             "from": from.get(),
-            "to": to.get(),
+            // Where the replica went: a change cut short that this move
+            // finished took it to that change's own target.
+            "to": done.to.unwrap_or(u64::from(to.get())),
             "changed": done.changed,
             "voters": done.voters,
         }),

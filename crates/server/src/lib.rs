@@ -103,9 +103,9 @@ pub struct App {
     /// does not retire one (`reload::MoveTargets`).
     pub move_targets: reload::MoveTargets,
     /// Counts the times the directory took a shard's newer owner
-    /// ([`App::observe`]) or a peer not believed up answered a probe
-    /// ([`App::peer_answered_again`]): what a request waiting for its
-    /// shard's leader to be reachable waits on (`api::leader_reachable`).
+    /// ([`App::observe`]) or a peer answered a probe
+    /// ([`App::peer_answered`]): what a request waiting for its shard's
+    /// leader to be reachable waits on (`api::leader_reachable`).
     pub routes_changed: tokio::sync::watch::Sender<u64>,
 }
 
@@ -185,9 +185,10 @@ impl App {
         seen
     }
 
-    /// A peer believed down (or never heard from) answered a probe: wakes
-    /// the requests waiting for a leader there to be reachable.
-    pub fn peer_answered_again(&self) {
+    /// A peer answered a probe: wakes the requests waiting for a leader
+    /// there to be reachable (one they could not reach is taken for back
+    /// once it answers a probe asked after that).
+    pub fn peer_answered(&self) {
         self.routes_changed.send_modify(|n| *n = n.wrapping_add(1));
     }
 

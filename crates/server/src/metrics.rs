@@ -42,10 +42,12 @@ pub mod outcome {
     /// A read that asked for `consistency=stale`, answered by this node's
     /// replica as it stands (leader or not, with no read-index round).
     pub const STALE_LOCALLY: &str = "stale_read_locally";
-    /// A request decided here (counted `owned_locally` first) that the
-    /// shard's group refused as its leadership moved, routed again once
-    /// it settled (then counted by where it went: forwarded, not owner,
-    /// or failed closed; or refused here).
+    /// A request routed a second time (then counted by where it went:
+    /// forwarded, not owner, or failed closed; or run or refused here):
+    /// one decided here (counted `owned_locally` first) that the shard's
+    /// group refused as its leadership moved, once it settled; one from a
+    /// client that the node taken for the leader refused (`421`), or did
+    /// not reach (nothing sent), once a leader is reachable.
     pub const REROUTED: &str = "rerouted";
     pub const ALL: [&str; 8] = [
         LOCAL,

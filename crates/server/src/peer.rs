@@ -201,6 +201,8 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
             .into_iter()
             .filter(|n| n.id != app.cfg.node_id)
             .collect();
+        // Every answer of this round says its peer was alive after this.
+        let asked = std::time::Instant::now();
         let mut probes = tokio::task::JoinSet::new();
         for p in &peers {
             let app = app.clone();
@@ -244,9 +246,9 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
             if let Some(theirs) = &theirs {
                 compare_node_lists(&app, node, theirs, &mine);
             }
-            let (was, now) = app.dir.liveness().record(node, alive);
-            if now == PeerState::Up && was != PeerState::Up {
-                app.peer_answered_again();
+            let (was, now) = app.dir.liveness().record_asked(node, alive, asked);
+            if alive {
+                app.peer_answered();
             }
             app.metrics
                 .peer_up

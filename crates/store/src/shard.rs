@@ -1349,12 +1349,19 @@ impl ShardStore {
             // leader died with the group in the joint configuration, the
             // old voters and the new) is finished first: to the
             // configuration it was going to.
-            let unfinished = {
+            let (unfinished, joined) = {
                 use openraft::async_runtime::WatchReceiver;
                 let m = g.raft.metrics();
                 let m = m.borrow_watched();
                 let joint = m.membership_config.membership().get_joint_config();
-                (joint.len() > 1).then(|| joint.last().cloned()).flatten()
+                match (joint.len() > 1, joint.first(), joint.last()) {
+                    // The node that change brings in (a move's target).
+                    (true, Some(old), Some(new)) => (
+                        Some(new.clone()),
+                        new.iter().copied().find(|n| !old.contains(n)),
+                    ),
+                    _ => (None, None),
+                }
             };
             if let Some(last) = &unfinished {
                 tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
@@ -1377,6 +1384,7 @@ impl ShardStore {
                 return Ok(Replaced {
                     voters: voters.into_iter().collect(),
                     changed: unfinished.is_some(),
+                    to: joined,
                 });
             }
             leading_voter()?;
@@ -1483,6 +1491,7 @@ impl ShardStore {
             return Ok(Replaced {
                 voters: voters.into_iter().collect(),
                 changed: false,
+                to: None,
             });
         }
         {
@@ -1512,6 +1521,7 @@ impl ShardStore {
         Ok(Replaced {
             voters,
             changed: true,
+            to: Some(to),
         })
     }
 
@@ -2096,4 +2106,8 @@ const MOVE_LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(25
 pub struct Replaced {
     pub voters: Vec<u64>,
     pub changed: bool,
+    /// The node that took the replica's place, when the call changed the
+    /// voters: the one asked for, or, when the call finished a change its
+    /// leader cut short (which took `from` out), that change's own target.
+    pub to: Option<u64>,
 }
