@@ -605,6 +605,28 @@ mod tests {
         assert_eq!(l.last_answered(n(3)), None, "not followed");
     }
 
+    #[test]
+    fn an_answer_counts_from_when_its_probe_was_asked() {
+        let n = |x| NodeId::new(x).unwrap();
+        let l = Liveness::new([n(2)]);
+        let asked = std::time::Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let taken_in = std::time::Instant::now();
+        l.record_asked(n(2), true, asked);
+        let at = l.last_answered(n(2)).expect("answered");
+        // To the millisecond below the asking, never later.
+        assert!(at <= asked, "{at:?} {asked:?}");
+        assert!(at + std::time::Duration::from_millis(1) >= asked);
+        assert!(at < taken_in);
+        // An older round's answer, taken in later, does not move it back.
+        l.record_asked(
+            n(2),
+            true,
+            asked - std::time::Duration::from_millis(5).min(asked.elapsed()),
+        );
+        assert_eq!(l.last_answered(n(2)), Some(at));
+    }
+
     fn node(n: u64) -> NodeInfo {
         NodeInfo {
             id: NodeId::new(n).unwrap(),
