@@ -993,18 +993,22 @@ fn later_leader_named(app: &App, shard: ShardId, resp: &Response, to: &OwnerHint
 /// default timers 1.95 s, against a measured failover of 0.8 s at most
 /// (BENCHMARKS.md, "Failover").
 fn failover_within(app: &App) -> Duration {
-    let election_max = app
-        .cfg
-        .cluster
-        .as_ref()
-        .and_then(|c| c.replication.as_ref())
-        .map_or(0, |r| r.timing.election_timeout_max_ms);
     let p = &app.cfg.peer;
     Duration::from_millis(
         p.probe_interval_ms
             .saturating_add(p.probe_timeout_ms)
-            .saturating_add(election_max.saturating_mul(3)),
+            .saturating_add(election_max_ms(app).saturating_mul(3)),
     )
+}
+
+/// The replicated cluster's longest election timeout (`raft.
+/// election_timeout_max_ms`); 0 in a cluster that does not replicate.
+fn election_max_ms(app: &App) -> u64 {
+    app.cfg
+        .cluster
+        .as_ref()
+        .and_then(|c| c.replication.as_ref())
+        .map_or(0, |r| r.timing.election_timeout_max_ms)
 }
 
 /// How long a request refused by a shard's group as its leadership moved
@@ -1012,13 +1016,7 @@ fn failover_within(app: &App) -> Duration {
 /// longest timeout (a transfer takes a round trip and an election), and
 /// 2 s at most however long the timers are set.
 fn settle_within(app: &App) -> Duration {
-    app.cfg
-        .cluster
-        .as_ref()
-        .and_then(|c| c.replication.as_ref())
-        .map_or(Duration::ZERO, |r| {
-            Duration::from_millis(r.timing.election_timeout_max_ms).min(Duration::from_secs(2))
-        })
+    Duration::from_millis(election_max_ms(app)).min(Duration::from_secs(2))
 }
 
 /// The owner a shard's group names: `leader` at `term`, reached if it is
