@@ -2038,11 +2038,14 @@ impl Cluster {
         out
     }
 
-    /// Which node owns each shard, per `GET /api/cluster` on node `via`.
     /// `forkless cluster remove-node N [--to M]` through node `via`: its
     /// report, the command having succeeded (exit 0).
     pub fn remove_node(&self, node: u16, to: Option<u16>, via: u16) -> Value {
-        let (code, report) = self.try_remove_node(node, to, via);
+        self.removal_succeeded(self.try_remove_node(node, to, via))
+    }
+
+    /// A removal's report, asserted to have ended with exit code 0.
+    fn removal_succeeded(&self, (code, report): (Option<i32>, Value)) -> Value {
         assert_eq!(
             code,
             Some(0),
@@ -2075,14 +2078,7 @@ impl Cluster {
     /// The report of a removal [`Cluster::remove_node_in_background`]
     /// began, asserted to have ended with exit code 0.
     pub fn removal_done(&self, removal: std::thread::JoinHandle<(Option<i32>, Value)>) -> Value {
-        let (code, report) = removal.join().expect("the removal's thread");
-        assert_eq!(
-            code,
-            Some(0),
-            "remove-node failed: {report}\n{}",
-            self.logs()
-        );
-        report
+        self.removal_succeeded(removal.join().expect("the removal's thread"))
     }
 
     /// `forkless status` through node `via`: its table.

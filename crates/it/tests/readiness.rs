@@ -26,9 +26,7 @@ fn nodes_started_one_after_another_forward_to_each_other_at_once() {
     }
     // `forkless status` through node 1 says so: node 3 is taken for
     // alive (the request below is sent there) but marked as never heard.
-    let server = format!("http://{}", cl.node(1).api);
-    let (code, out, err) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
-    assert_eq!(code, Some(0), "status: {out}\n{err}");
+    let out = cl.status(1);
     let row3 = out
         .lines()
         .find(|l| l.split_whitespace().next() == Some("3"))

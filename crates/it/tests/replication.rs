@@ -782,14 +782,7 @@ fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
     let ids: Vec<u16> = (1..=nodes).collect();
     cl.start_nodes(&ids, &[]);
     let c4 = cl.client(4);
-    let led_by = |c: &Client, shard: usize| -> Option<(u16, u64)> {
-        let v = c
-            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
-            .ok()?
-            .json();
-        let s = &v["shards"][shard];
-        Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?))
-    };
+    let led_by = |c: &Client, shard: usize| shard_seen_by(c, shard).map(|(l, t, _)| (l, t));
     wait_until(
         "node 4 names node 1 the leader of shards 0 and 4",
         Duration::from_secs(60),
@@ -890,31 +883,47 @@ fn a_node_with_no_replica_routes_through_a_planned_stop_without_a_refusal() {
     );
 }
 
-/// Waits until node 4 (`c4`) names node 1 the leader of shard 0, and
-/// checks that node 4 holds no replica of it; node 1's term.
-fn node_1_leads_shard_0_outside_node_4(c4: &Client) -> u64 {
+/// Shards of the clusters `node_4_outside_shard_0` starts.
+const NO_REPLICA_SHARDS: u32 = 8;
+
+/// Four nodes, three replicas of each of 8 shards, probes every 250 ms,
+/// forwards given `forward_timeout_ms`, and these `[raft]` timers
+/// (heartbeat, election min, max): started, once node 4 (which holds no
+/// replica of shard 0) names node 1 its leader; with node 1's term.
+fn node_4_outside_shard_0(forward_timeout_ms: u64, raft: (u64, u64, u64)) -> (Cluster, u64) {
+    let timing = PeerTiming {
+        forward_timeout_ms,
+        probe_interval_ms: 250,
+        ..PeerTiming::default()
+    };
+    let mut cl = Cluster::prepare_replicated(4, NO_REPLICA_SHARDS, 3, timing);
+    cl.raft_timing = Some(raft);
+    cl.start_nodes(&[1, 2, 3, 4], &[]);
     let (_, term, replicas) = wait_until(
         "node 4 names node 1 the leader of shard 0",
         Duration::from_secs(60),
-        || shard0_seen_by(c4).filter(|(l, _, _)| *l == 1),
+        || shard_seen_by(&cl.client(4), 0).filter(|(l, _, r)| *l == 1 && !r.is_empty()),
     );
     assert!(
         !replicas.contains(&4),
         "node 4 holds a replica of shard 0 ({replicas:?}): the test needs it to hold none"
     );
-    term
+    (cl, term)
 }
 
-/// Shard 0's leader, term and replicas as the node `c` talks to sees it.
-fn shard0_seen_by(c: &Client) -> Option<(u16, u64, Vec<u64>)> {
+/// A shard's leader, term and replicas as the node `c` talks to sees it
+/// (`None` while it names no leader, or does not answer; no replicas if
+/// it names none).
+fn shard_seen_by(c: &Client, shard: usize) -> Option<(u16, u64, Vec<u64>)> {
     let v = c
         .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
         .ok()?
         .json();
-    let s = &v["shards"][0];
+    let s = &v["shards"][shard];
     let replicas = s["replicas"]
-        .as_array()?
-        .iter()
+        .as_array()
+        .into_iter()
+        .flatten()
         .filter_map(|r| r.as_u64())
         .collect();
     Some((s["leader"].as_u64()? as u16, s["term"].as_u64()?, replicas))
@@ -962,22 +971,12 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
         "replication: writes through a node with no replica across a failover",
         Duration::from_secs(180),
     );
-    let (nodes, shards) = (4u16, 8u32);
     // A forward may take 8 s. A dead leader is replaced about twice the
     // election timeout after its last word (its lease, then a timer):
     // 2-2.4 s here, so node 4 sees node 1 down (a probe missed, within a
     // second) well before a new leader is elected.
-    let timing = PeerTiming {
-        forward_timeout_ms: 8000,
-        probe_interval_ms: 250,
-        ..PeerTiming::default()
-    };
-    let mut cl = Cluster::prepare_replicated(nodes, shards, 3, timing);
-    cl.raft_timing = Some((100, 1000, 1200));
-    let ids: Vec<u16> = (1..=nodes).collect();
-    cl.start_nodes(&ids, &[]);
-    let c4 = cl.client(4);
-    let term = node_1_leads_shard_0_outside_node_4(&c4);
+    let (mut cl, term) = node_4_outside_shard_0(8000, (100, 1000, 1200));
+    let (c4, shards) = (cl.client(4), NO_REPLICA_SHARDS);
     let execs: Vec<String> = (0..2)
         .map(|k| {
             let key = key_on_shard(&format!("failover-4-{k}"), 0, shards);
@@ -998,7 +997,7 @@ fn writes_through_a_node_with_no_replica_wait_out_a_killed_leaders_failover() {
         // The second once node 4 believes node 1 down, while it still
         // names it the leader (no election has ended).
         cl.wait_peer_seen(&[4], 1, false);
-        let still = shard0_seen_by(&c4);
+        let still = shard_seen_by(&c4, 0);
         let believed_down_at = killed_at.elapsed();
         let (second, waited) = write(&execs[1], "believed-down");
         eprintln!(
@@ -1081,20 +1080,10 @@ fn a_write_through_a_node_with_no_replica_goes_to_its_leader_back_from_a_pause()
         "replication: a write through a node with no replica across a pause",
         Duration::from_secs(180),
     );
-    let (nodes, shards) = (4u16, 8u32);
-    let timing = PeerTiming {
-        forward_timeout_ms: 6000,
-        probe_interval_ms: 250,
-        ..PeerTiming::default()
-    };
-    let mut cl = Cluster::prepare_replicated(nodes, shards, 3, timing);
     // Elections only after 4-5 s of silence: the pause ends long before.
-    cl.raft_timing = Some((100, 4000, 5000));
-    let ids: Vec<u16> = (1..=nodes).collect();
-    cl.start_nodes(&ids, &[]);
+    let (cl, term) = node_4_outside_shard_0(6000, (100, 4000, 5000));
     let c4 = cl.client(4);
-    let term = node_1_leads_shard_0_outside_node_4(&c4);
-    let key = key_on_shard("paused-4", 0, shards);
+    let key = key_on_shard("paused-4", 0, NO_REPLICA_SHARDS);
     let exec = id_of(&c4.start(&json!({"workflow": "w", "routing_key": key})));
     let write = |marker: &str| timed_write(&c4, &exec, marker);
     let (before, _) = write("before");
