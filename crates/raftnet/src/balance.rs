@@ -22,6 +22,10 @@
 //! hears nothing) hands its leadership away the same way
 //! ([`steps_down_to`]), whichever replica is preferred.
 //!
+//! A shard this node leads in a joint configuration that a dead leader
+//! left (a move's change of voters cut short between its two steps) has
+//! its change finished ([`finish_if_cut_short`]).
+//!
 //! A node drained by an operator hands every shard it still leads to
 //! any replica that can take it ([`hand_off_to`]), its own preferred
 //! shards too, once its drain's own handovers are done ([`run`]).
@@ -301,6 +305,12 @@ pub async fn run(
     // stand in one term).
     let mut drained_since: Option<Instant> = None;
     let mut drains_seen = drain.runs.load(Ordering::Acquire);
+    // Each shard this node leads in a joint configuration: the
+    // membership's log id, and when this loop first saw it so.
+    let mut joint_since: HashMap<u32, ((u64, u64), Instant)> = HashMap::new();
+    // Each shard whose cut-short change this node last set out to finish,
+    // and when (one at a time a shard; again only after TRANSFER_BACKOFF).
+    let finishing: Arc<Mutex<HashMap<u32, Instant>>> = Arc::default();
 
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -377,6 +387,7 @@ pub async fn run(
         for st in &hosted {
             let Some(s) = st.raft_status() else { continue };
             let shard = st.id().get();
+            finish_if_cut_short(st, &s, &mut joint_since, &finishing);
             let led_for = if s.state == "leader" && s.leader == Some(s.me) {
                 let since = leading.entry(shard).or_insert((s.term, Instant::now()));
                 if since.0 != s.term {
@@ -511,6 +522,88 @@ pub async fn run(
             });
         }
     }
+}
+
+/// How long a shard this node leads may stay in a committed joint
+/// configuration (a change of its voters under way) before the balancer
+/// takes the change for cut short and finishes it ([`run`]). A move's own
+/// two steps follow each other within a round trip; a change is left
+/// joint only when its leader died or lost its leadership between them.
+pub const JOINT_FINISHED_AFTER: Duration = Duration::from_secs(2);
+
+/// Finishes shard `st`'s change of voters that a leader cut short
+/// ([`forkless_store::ShardStore::finish_change_of_voters`]), once this
+/// node has led the shard in the same committed joint configuration for
+/// [`JOINT_FINISHED_AFTER`]: a group left joint needs a quorum of both
+/// its old and its new voters for every write, the old still counting the
+/// replica the change was taking out (a dead node, as often as not), until
+/// the next move of the shard finishes it. In a task of its own, bounded,
+/// one at a time a shard, and tried again only after [`TRANSFER_BACKOFF`].
+fn finish_if_cut_short(
+    st: &Arc<forkless_store::ShardStore>,
+    s: &forkless_store::RaftStatus,
+    joint_since: &mut HashMap<u32, ((u64, u64), Instant)>,
+    finishing: &Arc<Mutex<HashMap<u32, Instant>>>,
+) {
+    let shard = st.id().get();
+    let leads = s.state == "leader" && s.leader == Some(s.me) && s.voters.contains(&s.me);
+    let (true, Some(log)) = (leads && s.joint && s.membership_committed, s.membership_log) else {
+        joint_since.remove(&shard);
+        return;
+    };
+    let since = joint_since.entry(shard).or_insert((log, Instant::now()));
+    if since.0 != log {
+        *since = (log, Instant::now());
+    }
+    if since.1.elapsed() < JOINT_FINISHED_AFTER {
+        return;
+    }
+    {
+        let mut f = finishing.lock().unwrap_or_else(|e| e.into_inner());
+        if f.get(&shard)
+            .is_some_and(|at| at.elapsed() < TRANSFER_BACKOFF)
+        {
+            return;
+        }
+        f.insert(shard, Instant::now());
+    }
+    tracing::warn!(
+        shard,
+        term = s.term,
+        voters = ?s.voters,
+        "the shard's group was left in the middle of a change of its voters (its last leader died or lost its leadership between the change's two steps): finishing the change"
+    );
+    let (st, finishing) = (st.clone(), finishing.clone());
+    tokio::spawn(async move {
+        match tokio::time::timeout(
+            TRANSFER_BACKOFF,
+            st.finish_change_of_voters(TRANSFER_BACKOFF),
+        )
+        .await
+        {
+            Ok(Ok(Some(done))) => {
+                tracing::info!(shard, voters = ?done.voters, joined = ?done.joined, "finished a change of voters its leader had cut short");
+                finishing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&shard);
+            }
+            Ok(Ok(None)) => {
+                finishing
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&shard);
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(shard, error = %e, "finishing a change of voters cut short failed; tried again later")
+            }
+            Err(_) => tracing::warn!(
+                shard,
+                within_s = TRANSFER_BACKOFF.as_secs(),
+                "finishing a change of voters cut short did not end in time; tried again later"
+            ),
+        }
+    });
 }
 
 /// How long a node shutting down waits for the shards it led to be led

@@ -37,6 +37,47 @@ struct Node {
     draining: Arc<std::sync::atomic::AtomicBool>,
     /// Notified as its replica comes to lead (`Replication::beat_now`).
     beat_now: Arc<tokio::sync::Notify>,
+    /// Which of its calls to the others are lost on the way (none unless
+    /// a test says).
+    lost: Lost,
+}
+
+/// Picks the calls a node's transport loses, as a link that drops them
+/// would ([`Lossy`]).
+type Lost = Arc<RwLock<Option<Arc<dyn Fn(&Rpc) -> bool + Send + Sync>>>>;
+
+/// A node's transport to the others, which loses the calls its [`Lost`]
+/// picks: their senders see the peer as unreachable.
+struct Lossy {
+    links: Links,
+    lost: Lost,
+}
+
+impl forkless_store::Peers for Lossy {
+    fn send(
+        &self,
+        target: u64,
+        group: u32,
+        rpc: Rpc,
+        within: Duration,
+    ) -> futures_util::future::BoxFuture<
+        'static,
+        Result<forkless_store::Answer, forkless_store::CallError>,
+    > {
+        let lose = self.lost.read().expect("lost").clone();
+        if lose.is_some_and(|lose| lose(&rpc)) {
+            return Box::pin(async move {
+                Err(forkless_store::CallError::Unreachable(format!(
+                    "the test lost a call to node {target}"
+                )))
+            });
+        }
+        self.links.send(target, group, rpc, within)
+    }
+
+    fn link_down(&self, target: u64) -> bool {
+        self.links.link_down(target)
+    }
 }
 
 impl Node {
@@ -140,9 +181,20 @@ async fn cluster_of(
     closed: &[u64],
     log: forkless_store::RaftLogLimits,
 ) -> Vec<Node> {
+    cluster_and_spares(dir, closed, log, 0).await
+}
+
+/// [`cluster_of`], and `spares` nodes more (ids 4, 5, ...), which every
+/// node reaches but which hold no replica: a move may take one on.
+async fn cluster_and_spares(
+    dir: &std::path::Path,
+    closed: &[u64],
+    log: forkless_store::RaftLogLimits,
+    spares: u64,
+) -> Vec<Node> {
     let mut listeners = Vec::new();
     let mut addrs = BTreeMap::new();
-    for id in 1..=3u64 {
+    for id in 1..=3 + spares {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -151,6 +203,7 @@ async fn cluster_of(
     }
     let members: BTreeMap<u64, openraft::BasicNode> = addrs
         .iter()
+        .filter(|(id, _)| **id <= 3)
         .map(|(id, a)| (*id, openraft::BasicNode::new(a.clone())))
         .collect();
     let mut nodes = Vec::new();
@@ -160,7 +213,11 @@ async fn cluster_of(
         tokio::spawn(serve(listener, "secret".into(), groups(&cell), stopped));
         let members = members.clone();
         let links = Links::new(id, "secret".into(), addrs.clone());
-        let peers: Arc<dyn forkless_store::Peers> = Arc::new(links.clone());
+        let lost: Lost = Arc::default();
+        let peers: Arc<dyn forkless_store::Peers> = Arc::new(Lossy {
+            links: links.clone(),
+            lost: lost.clone(),
+        });
         let draining: Arc<std::sync::atomic::AtomicBool> = Arc::default();
         let beat_now: Arc<tokio::sync::Notify> = Arc::default();
         let rep = Replication {
@@ -202,6 +259,7 @@ async fn cluster_of(
             path: opened,
             draining,
             beat_now,
+            lost,
         };
         if !closed.contains(&id) {
             node.open().await;
@@ -214,7 +272,7 @@ async fn cluster_of(
     // node stopped before then leaves its group waiting for it (a
     // documented cost, `docs/replication.md`). The tests fault a settled
     // cluster; CI once stopped a follower within that window.
-    until_all(&nodes, "caught up", |s| !s.fresh).await;
+    until_all(&nodes[..3], "caught up", |s| !s.fresh).await;
     nodes
 }
 
@@ -1521,6 +1579,147 @@ async fn a_move_to_another_node_removes_the_learner_a_move_cut_short_left() {
         other => panic!("the move whose learner was removed answered {other:?}"),
     }
     assert_eq!(learners(), vec![4]);
+}
+
+/// A move's change of voters is two entries, openraft's joint
+/// configuration (the old voters and the new, both quorums needed) and
+/// then the new voters alone. Here the leader's transport loses the
+/// second entry (every AppendEntries that carries it), so the change is
+/// left joint, and the leader then stops: the group its replicas elect
+/// among themselves is in the joint configuration, where every write
+/// needs a quorum of the old voters too, the stopped node among them.
+/// The new leader's balancer finishes the change (to the voters the move
+/// was going to) once it has led the group joint for
+/// `JOINT_FINISHED_AFTER`; before, the group stayed joint until an
+/// operator asked the move again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_of_voters_its_leader_left_joint_is_finished_by_the_next_leader() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes =
+        cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
+    // Each node's balancer, its shard read through the node (none once
+    // it stops), preferring its own replica (it hands no leadership on).
+    for n in &nodes {
+        let cell = n.cell.clone();
+        let me = n.id;
+        tokio::spawn(forkless_raftnet::balance::run(
+            Arc::new(move || {
+                cell.read()
+                    .ok()
+                    .and_then(|s| s.as_ref()?.shard(SHARD))
+                    .into_iter()
+                    .collect()
+            }),
+            Arc::new(move |_| vec![me]),
+            Arc::default(),
+            n.peers.clone(),
+            forkless_store::RaftTiming::default(),
+            forkless_raftnet::balance::DrainState::default(),
+            n.stop.subscribe(),
+        ));
+    }
+    let l = leader(&nodes).await;
+    write_soon(&nodes[l], 1, "a write before the move").await;
+    let (f, g) = match l {
+        0 => (1, 2),
+        1 => (0, 2),
+        _ => (0, 1),
+    };
+    let (lid, gid) = (nodes[l].id, nodes[g].id);
+    let target = nodes[3].id;
+    let new_voters = vec![lid.min(gid), lid.max(gid), target];
+    // The leader's transport loses the new voters' configuration.
+    let into_new = move |rpc: &Rpc| match rpc {
+        Rpc::AppendEntries(req) => req.entries.iter().any(|e| {
+            matches!(&e.payload, openraft::EntryPayload::Membership(m)
+                if m.get_joint_config().len() == 1 && m.voter_ids().any(|v| v == target))
+        }),
+        _ => false,
+    };
+    *nodes[l].lost.write().expect("lost") = Some(Arc::new(into_new));
+    let moving = {
+        let (st, from, addr) = (nodes[l].shard(), nodes[f].id, nodes[3].addr.clone());
+        tokio::spawn(async move {
+            st.replace_replica(from, target, addr, bounds(Duration::from_secs(30)))
+                .await
+        })
+    };
+    // The joint configuration committed: the leader appended the next
+    // (it does once the joint one commits), and the others hold the joint
+    // one.
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let leader_went_on = nodes[l]
+            .status()
+            .is_some_and(|s| !s.joint && s.voters == new_voters && !s.membership_committed);
+        let others_joint = [f, g, 3]
+            .iter()
+            .all(|i| nodes[*i].status().is_some_and(|s| s.joint));
+        if leader_went_on && others_joint {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the move's joint configuration was not committed within 20 s: leader {:?}, others {:?}",
+            nodes[l].status(),
+            [f, g, 3].map(|i| nodes[i].status())
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    moving.abort();
+    let _ = moving.await;
+    nodes[l].stop();
+    // The next leader leads joint, then finishes the change.
+    let (mut led_joint, until) = (false, Instant::now() + Duration::from_secs(30));
+    loop {
+        let statuses: Vec<RaftStatus> = [g, 3].iter().filter_map(|i| nodes[*i].status()).collect();
+        let leading = [f, g, 3]
+            .iter()
+            .filter_map(|i| nodes[*i].status())
+            .find(|s| s.state == "leader");
+        led_joint |= leading.as_ref().is_some_and(|s| s.joint);
+        if statuses.len() == 2
+            && statuses
+                .iter()
+                .all(|s| !s.joint && s.voters == new_voters && s.membership_committed)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the change was not finished within 30 s: {statuses:?} (led joint: {led_joint})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        led_joint,
+        "the test meant to see the group led in its joint configuration"
+    );
+    // The group takes writes with the stopped node one of its three
+    // voters, and both live voters hold them.
+    // (A leader the change took out hands its leadership on.)
+    let until = Instant::now() + Duration::from_secs(20);
+    let l2 = loop {
+        if let Some(i) = [g, 3]
+            .into_iter()
+            .find(|i| nodes[*i].status().is_some_and(|s| s.state == "leader"))
+        {
+            break i;
+        }
+        assert!(
+            Instant::now() < until,
+            "no leader among the new voters within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    write_soon(&nodes[l2], 2, "a write after the change").await;
+    let index = nodes[l2]
+        .status()
+        .and_then(|s| s.last_log_index)
+        .expect("log");
+    holds(&nodes, g, 1..=2, index).await;
+    holds(&nodes, 3, 1..=2, index).await;
+    nodes.iter_mut().for_each(Node::stop);
 }
 
 /// A move whose target's node answers nothing (down, or cut off from the

@@ -1271,35 +1271,9 @@ impl ShardStore {
             shard: self.shard,
             reason,
         };
-        let status_now = || {
-            self.raft_status()
-                .ok_or_else(|| not_executed("the shard's Raft group has stopped".into()))
-        };
-        // The group's status, read before a membership step: refused
-        // (`NotLeader`, routed again) unless this node leads the group as
-        // one of its voters. A leader that has just removed its own
-        // replica leads on for a moment (openraft hands its leadership
-        // over 150 ms after the removal commits), and a membership change
-        // it took then would be appended by a node outside the group (a
-        // debug build's openraft panicked: "Only leader is allowed to
-        // call update_effective_membership()"; a release build's would
-        // have taken it).
-        let leading_voter = || {
-            let status = status_now()?;
-            if status.state != "leader" || !status.voters.contains(&status.me) {
-                // (A leader that removed itself names none: the group's
-                // next is not known yet.)
-                let leader = status.leader.filter(|_| status.state != "leader");
-                return Err(raft_group::not_leader(
-                    self.shard,
-                    status.me,
-                    leader,
-                    status.term,
-                ));
-            }
-            Ok(status)
-        };
-        let status = status_now()?;
+        let status = self
+            .raft_status()
+            .ok_or_else(|| self.group_stopped_error())?;
         if status.state != "leader" {
             return Err(raft_group::not_leader(
                 self.shard,
@@ -1313,67 +1287,18 @@ impl ShardStore {
         // quorum that it still leads (a quiet leader has not heard one
         // lately, and openraft refuses its membership changes until it
         // has).
-        g.moves_under_way.fetch_add(1, Ordering::AcqRel);
-        g.quiet.hold_awake(&g.raft, catch_up_within);
-        // ...and lets it go quiet again once the last move under way is
-        // over, done or not.
-        struct Release<'a>(&'a raft_group::Group);
-        impl Drop for Release<'_> {
-            fn drop(&mut self) {
-                if self.0.moves_under_way.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    self.0
-                        .quiet
-                        .hold_awake(&self.0.raft, std::time::Duration::ZERO);
-                }
-            }
-        }
-        let _release = Release(g);
+        let _awake = AwakeForMove::hold(g, catch_up_within);
         self.linearize().await?;
-        // A step the group refused: not the leader (it names the one it
-        // knows: the edge routes the request there), or why.
-        type Refusal = openraft::errors::RaftError<
-            crate::raft_log::GroupConfig,
-            openraft::errors::ClientWriteError<crate::raft_log::GroupConfig>,
-        >;
-        let refused = |what: String, e: Refusal| {
-            raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
-                format!("{what}: {e}")
-            })
-        };
+        let refused = |what: String, e: MembershipRefusal| self.refused(g, what, e);
         // The membership steps of the group's moves go one at a time
         // (`Group::moving`); a move's catch-up wait does not hold it.
         let upto = {
             let _step = g.moving.lock().await;
-            leading_voter()?;
-            // A change of voters cut short between its two steps (its
-            // leader died with the group in the joint configuration, the
-            // old voters and the new) is finished first: to the
-            // configuration it was going to.
-            let (unfinished, joined) = {
-                use openraft::async_runtime::WatchReceiver;
-                let m = g.raft.metrics();
-                let m = m.borrow_watched();
-                let joint = m.membership_config.membership().get_joint_config();
-                match (joint.len() > 1, joint.first(), joint.last()) {
-                    // The node that change brings in (a move's target).
-                    (true, Some(old), Some(new)) => (
-                        Some(new.clone()),
-                        new.iter().copied().find(|n| !old.contains(n)),
-                    ),
-                    _ => (None, None),
-                }
-            };
-            if let Some(last) = &unfinished {
-                tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
-                g.raft
-                    .change_membership(
-                        openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
-                        false,
-                    )
-                    .await
-                    .map_err(|e| refused("finishing a change of voters cut short".into(), e))?;
-            }
-            let status = status_now()?;
+            self.leading_voter()?;
+            let finished = self.finish_cut_short(g).await?;
+            let status = self
+                .raft_status()
+                .ok_or_else(|| self.group_stopped_error())?;
             let voters: std::collections::BTreeSet<u64> = status.voters.iter().copied().collect();
             // Nothing (more) to move: `from` holds no voting replica, as a
             // quorum has just confirmed this node leads (a deposed leader
@@ -1383,11 +1308,11 @@ impl ShardStore {
             if !voters.contains(&from) {
                 return Ok(Replaced {
                     voters: voters.into_iter().collect(),
-                    changed: unfinished.is_some(),
-                    to: joined,
+                    changed: finished.is_some(),
+                    to: finished.and_then(|f| f.joined),
                 });
             }
-            leading_voter()?;
+            self.leading_voter()?;
             if voters.contains(&to) {
                 return Err(StoreError::Invalid(format!(
                     "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
@@ -1486,7 +1411,8 @@ impl ShardStore {
         // meanwhile. One that took `from` out (the same move asked
         // twice, say) leaves nothing (more) to move; one that took this
         // node out leaves the step to the next leader.
-        let voters: std::collections::BTreeSet<u64> = leading_voter()?.voters.into_iter().collect();
+        let voters: std::collections::BTreeSet<u64> =
+            self.leading_voter()?.voters.into_iter().collect();
         if !voters.contains(&from) {
             return Ok(Replaced {
                 voters: voters.into_iter().collect(),
@@ -1523,6 +1449,112 @@ impl ShardStore {
             changed: true,
             to: Some(to),
         })
+    }
+
+    /// On the leader of the shard's replicated group: finishes a change of
+    /// its voters that a leader cut short (it died, or lost its
+    /// leadership, with the group in openraft's joint configuration: the
+    /// old voters and the new, whose quorums must both agree to anything
+    /// until the change is finished), to the voters that change was going
+    /// to, as the next move of the shard would. `Ok(None)`: nothing was
+    /// under way. Confirms with a quorum first that this node leads, and
+    /// takes its turn with the group's moves (a move's own change is never
+    /// finished from under it). `NotLeader` when this node does not lead
+    /// the group; a refusal of openraft's (the joint membership not
+    /// committed in this leader's term yet) as `NotExecuted`, to be asked
+    /// again.
+    pub async fn finish_change_of_voters(
+        &self,
+        within: std::time::Duration,
+    ) -> Result<Option<Finished>, StoreError> {
+        let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
+            return Ok(None);
+        };
+        if !self.leading_voter()?.joint {
+            return Ok(None);
+        }
+        let _awake = AwakeForMove::hold(g, within);
+        self.linearize().await?;
+        let _step = g.moving.lock().await;
+        self.leading_voter()?;
+        self.finish_cut_short(g).await
+    }
+
+    /// The group's status, read before a membership step: refused
+    /// (`NotLeader`, routed again) unless this node leads the group as
+    /// one of its voters. A leader that has just removed its own replica
+    /// leads on for a moment (openraft hands its leadership over 150 ms
+    /// after the removal commits), and a membership change it took then
+    /// would be appended by a node outside the group (a debug build's
+    /// openraft panicked: "Only leader is allowed to call
+    /// update_effective_membership()"; a release build's would have taken
+    /// it).
+    fn leading_voter(&self) -> Result<raft_group::RaftStatus, StoreError> {
+        let status = self
+            .raft_status()
+            .ok_or_else(|| self.group_stopped_error())?;
+        if status.state != "leader" || !status.voters.contains(&status.me) {
+            // (A leader that removed itself names none: the group's next
+            // is not known yet.)
+            let leader = status.leader.filter(|_| status.state != "leader");
+            return Err(raft_group::not_leader(
+                self.shard,
+                status.me,
+                leader,
+                status.term,
+            ));
+        }
+        Ok(status)
+    }
+
+    fn group_stopped_error(&self) -> StoreError {
+        StoreError::NotExecuted {
+            shard: self.shard,
+            reason: "the shard's Raft group has stopped".into(),
+        }
+    }
+
+    /// A membership step the group refused: not the leader (it names the
+    /// one it knows: the edge routes the request there), or why.
+    fn refused(&self, g: &raft_group::Group, what: String, e: MembershipRefusal) -> StoreError {
+        raft_group::forwarded(&g.raft, self.shard, e.forward_to_leader(), || {
+            format!("{what}: {e}")
+        })
+    }
+
+    /// With the group's `moving` lock held, this node its leading voter: a
+    /// change of voters cut short between its two steps (its leader died
+    /// with the group in the joint configuration) is finished, to the
+    /// configuration it was going to. `None`: the group was not joint.
+    async fn finish_cut_short(
+        &self,
+        g: &raft_group::Group,
+    ) -> Result<Option<Finished>, StoreError> {
+        let (last, joined) = {
+            use openraft::async_runtime::WatchReceiver;
+            let m = g.raft.metrics();
+            let m = m.borrow_watched();
+            let joint = m.membership_config.membership().get_joint_config();
+            match (joint.len() > 1, joint.first(), joint.last()) {
+                // The node that change brings in (a move's target).
+                (true, Some(old), Some(new)) => {
+                    (new.clone(), new.iter().copied().find(|n| !old.contains(n)))
+                }
+                _ => return Ok(None),
+            }
+        };
+        tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
+        g.raft
+            .change_membership(
+                openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
+                false,
+            )
+            .await
+            .map_err(|e| self.refused(g, "finishing a change of voters cut short".into(), e))?;
+        Ok(Some(Finished {
+            voters: last.into_iter().collect(),
+            joined,
+        }))
     }
 
     /// Ends (with how long) once `to`'s node has answered nothing
@@ -2098,6 +2130,43 @@ impl std::fmt::Debug for MoveBounds<'_> {
 
 /// How often a move's wait looks at its node's reachability.
 const MOVE_LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// A membership step openraft refused.
+type MembershipRefusal = openraft::errors::RaftError<
+    crate::raft_log::GroupConfig,
+    openraft::errors::ClientWriteError<crate::raft_log::GroupConfig>,
+>;
+
+/// Holds a group's leader awake (its timers on, `quiet::hold_awake`) while
+/// a membership step of it is under way, and lets it go quiet again once
+/// the last one is over, done or not.
+struct AwakeForMove<'a>(&'a raft_group::Group);
+
+impl<'a> AwakeForMove<'a> {
+    fn hold(g: &'a raft_group::Group, within: std::time::Duration) -> AwakeForMove<'a> {
+        g.moves_under_way.fetch_add(1, Ordering::AcqRel);
+        g.quiet.hold_awake(&g.raft, within);
+        AwakeForMove(g)
+    }
+}
+
+impl Drop for AwakeForMove<'_> {
+    fn drop(&mut self) {
+        if self.0.moves_under_way.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0
+                .quiet
+                .hold_awake(&self.0.raft, std::time::Duration::ZERO);
+        }
+    }
+}
+
+/// A change of voters [`ShardStore::finish_change_of_voters`] finished:
+/// the voters it left, and the node it brought in (a move's target).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub voters: Vec<u64>,
+    pub joined: Option<u64>,
+}
 
 /// What [`ShardStore::replace_replica`] came to: the group's voters after
 /// it, and whether it changed them (`false`: the replica to move was not
