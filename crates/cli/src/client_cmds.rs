@@ -712,6 +712,11 @@ fn not_level(maps: &[(u16, Result<ClusterMap, String>)], lag_max: u64) -> Vec<St
                 )),
             }
         }
+        if r.joint {
+            pending.push(format!(
+                "shard {shard}: a change of its voters is under way (its leader, node {led_by}, has the old voters and the new)"
+            ));
+        }
         for (n, m) in &answered {
             if at(m).and_then(|s| s.raft).is_some_and(|r| r.fresh) {
                 pending.push(format!(
@@ -896,6 +901,9 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 replicas.push('*');
             }
             let r = s.raft.as_ref();
+            if r.is_some_and(|r| r.joint) {
+                replicas.push('~');
+            }
             let lag = r.and_then(|r| r.followers.iter().filter_map(|f| f.lag).max());
             writeln!(
                 out,
@@ -927,6 +935,15 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 out,
                 "* as the cluster file places them: node {} holds no replica of the shard and has not heard from its leader",
                 m.node
+            )?;
+        }
+        if m.shards
+            .iter()
+            .any(|s| s.raft.as_ref().is_some_and(|r| r.joint))
+        {
+            writeln!(
+                out,
+                "~ a change of the shard's voters is under way: the old voters and the new are listed, and a quorum of each is needed for every write (the next leader finishes a change its leader left unfinished)"
             )?;
         }
         if m.shards
@@ -1089,6 +1106,53 @@ mod tests {
                 "shard 0: its leader, node 1, does not replicate to node 3".to_string(),
                 "shard 1: no node leads it".to_string(),
             ]
+        );
+    }
+
+    /// A group in the middle of a change of its voters (openraft's joint
+    /// configuration) is not level, and `forkless status` marks it.
+    #[test]
+    fn a_change_of_voters_under_way_is_not_level_and_is_marked() {
+        const UP: Lags = &[(2, Some(0)), (3, Some(0))];
+        let mut led = map(1, &[(1, "leader", UP, false), (1, "leader", UP, false)]);
+        let follower = |me: u16| {
+            map(
+                me,
+                &[(1, "follower", &[], false), (1, "follower", &[], false)],
+            )
+        };
+        let maps = |led: &ClusterMap| {
+            vec![
+                (1, Ok(led.clone())),
+                (2, Ok(follower(2))),
+                (3, Ok(follower(3))),
+            ]
+        };
+        assert!(not_level(&maps(&led), 16).is_empty());
+        let mut shown = Vec::new();
+        print_status(&led, &mut shown).expect("printed");
+        let shown = String::from_utf8(shown).expect("utf-8");
+        assert!(!shown.contains('~'), "{shown}");
+        led.shards[1].raft.as_mut().expect("a replica").joint = true;
+        assert_eq!(
+            not_level(&maps(&led), 16),
+            vec![
+                "shard 1: a change of its voters is under way (its leader, node 1, has the old voters and the new)"
+                    .to_string()
+            ]
+        );
+        let mut shown = Vec::new();
+        print_status(&led, &mut shown).expect("printed");
+        let shown = String::from_utf8(shown).expect("utf-8");
+        let row = shown
+            .lines()
+            .skip_while(|l| !l.starts_with("SHARD"))
+            .find(|l| l.starts_with("1 "))
+            .expect("shard 1's row");
+        assert!(row.contains("1,2,3~"), "{shown}");
+        assert!(
+            shown.contains("~ a change of the shard's voters is under way"),
+            "{shown}"
         );
     }
 }

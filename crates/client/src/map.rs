@@ -90,6 +90,13 @@ pub struct RaftInfo {
     /// entries yet.
     #[serde(default)]
     pub fresh: bool,
+    /// A change of the group's voters is under way (openraft's joint
+    /// configuration: the shard's `replicas` list the old voters and the
+    /// new, and a quorum of each is needed for every write). One its
+    /// leader left unfinished (it died between the change's two steps)
+    /// is finished by the next leader.
+    #[serde(default)]
+    pub joint: bool,
 }
 
 /// A follower's progress, as its leader knows it.

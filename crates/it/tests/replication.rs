@@ -182,6 +182,13 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
             held >= 1.0 && bytes > 0.0 && bytes < 64.0 * 1024.0 * 1024.0,
             "node {n}: shard 0's log holds {held} entries in {bytes} bytes"
         );
+        // No change of voters under way (none was asked).
+        let metrics = c.get("/metrics").text();
+        assert!(
+            metrics.contains("\nforkless_raft_joint{shard=\"0\"} 0\n"),
+            "node {n}: shard 0's joint gauge is not 0: {:?}",
+            metrics.lines().find(|l| l.contains("raft_joint"))
+        );
     }
     // Every replica holds the same events, read offline from its disk.
     let counts = cl.stop_and_compare_replicas();

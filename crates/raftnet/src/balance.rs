@@ -309,7 +309,8 @@ pub async fn run(
     // membership's log id, and when this loop first saw it so.
     let mut joint_since: HashMap<u32, ((u64, u64), Instant)> = HashMap::new();
     // Each shard whose cut-short change this node last set out to finish,
-    // and when (one at a time a shard; again only after TRANSFER_BACKOFF).
+    // and when it did or when its try failed (one at a time a shard; again
+    // only TRANSFER_BACKOFF after a failure).
     let finishing: Arc<Mutex<HashMap<u32, Instant>>> = Arc::default();
 
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
@@ -537,8 +538,9 @@ pub const JOINT_FINISHED_AFTER: Duration = Duration::from_secs(2);
 /// [`JOINT_FINISHED_AFTER`]: a group left joint needs a quorum of both
 /// its old and its new voters for every write, the old still counting the
 /// replica the change was taking out (a dead node, as often as not), until
-/// the next move of the shard finishes it. In a task of its own, bounded,
-/// one at a time a shard, and tried again only after [`TRANSFER_BACKOFF`].
+/// the next move of the shard finishes it. In a task of its own, bounded
+/// ([`FINISH_WITHIN`]), one at a time a shard, and tried again
+/// [`TRANSFER_BACKOFF`] after a try that failed ended.
 fn finish_if_cut_short(
     st: &Arc<forkless_store::ShardStore>,
     s: &forkless_store::RaftStatus,
@@ -575,36 +577,37 @@ fn finish_if_cut_short(
     );
     let (st, finishing) = (st.clone(), finishing.clone());
     tokio::spawn(async move {
-        match tokio::time::timeout(
-            TRANSFER_BACKOFF,
-            st.finish_change_of_voters(TRANSFER_BACKOFF),
-        )
-        .await
-        {
-            Ok(Ok(Some(done))) => {
-                tracing::info!(shard, voters = ?done.voters, joined = ?done.joined, "finished a change of voters its leader had cut short");
-                finishing
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&shard);
-            }
-            Ok(Ok(None)) => {
-                finishing
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&shard);
+        let finished =
+            tokio::time::timeout(FINISH_WITHIN, st.finish_change_of_voters(FINISH_WITHIN)).await;
+        let mut f = finishing.lock().unwrap_or_else(|e| e.into_inner());
+        match finished {
+            Ok(Ok(done)) => {
+                if let Some(done) = done {
+                    tracing::info!(shard, voters = ?done.voters, joined = ?done.joined, "finished a change of voters its leader had cut short");
+                }
+                f.remove(&shard);
             }
             Ok(Err(e)) => {
-                tracing::warn!(shard, error = %e, "finishing a change of voters cut short failed; tried again later")
+                tracing::warn!(shard, error = %e, "finishing a change of voters cut short failed; tried again later");
+                f.insert(shard, Instant::now());
             }
-            Err(_) => tracing::warn!(
-                shard,
-                within_s = TRANSFER_BACKOFF.as_secs(),
-                "finishing a change of voters cut short did not end in time; tried again later"
-            ),
+            Err(_) => {
+                tracing::warn!(
+                    shard,
+                    within_s = FINISH_WITHIN.as_secs(),
+                    "finishing a change of voters cut short did not end in time; tried again later"
+                );
+                f.insert(shard, Instant::now());
+            }
         }
     });
 }
+
+/// How long the balancer's try to finish a change of voters cut short
+/// may take ([`finish_if_cut_short`]): a quorum's confirmation and one
+/// membership entry committed. Shorter than [`TRANSFER_BACKOFF`], the
+/// wait before the next try, so that two never overlap.
+const FINISH_WITHIN: Duration = Duration::from_secs(5);
 
 /// How long a node shutting down waits for the shards it led to be led
 /// by another replica before it stops anyway ([`drain`]). A handover

@@ -293,13 +293,14 @@ impl StoreCollector {
         }
         groups.sort_by_key(|(id, _)| *id);
         type Pick = fn(&forkless_store::RaftStatus) -> i64;
-        let gauges: [(&str, &str, Pick); 9] = [
+        let gauges: [(&str, &str, Pick); 10] = [
             ("raft_term", "The shard's Raft term (its epoch) as this replica knows it", |g| g.term as i64),
             ("raft_leader", "The node this replica believes leads the shard's group (-1: none known, an election is under way)", |g| g.leader.map_or(-1, |l| l as i64)),
             ("raft_is_leader", "1 while this node leads the shard's group (owns the shard), else 0", |g| i64::from(g.leader == Some(g.me))),
             ("raft_last_log_index", "The last entry in this replica's log of the shard's group (-1: none)", |g| g.last_log_index.map_or(-1, |i| i as i64)),
             ("raft_committed_index", "The last entry this replica knows to be committed (-1: none)", |g| g.committed.map_or(-1, |i| i as i64)),
             ("raft_applied_index", "The last entry this replica has applied (-1: none)", |g| g.applied.map_or(-1, |i| i as i64)),
+            ("raft_joint", "1 while a change of the shard's group's voters is under way as this replica knows it (openraft's joint configuration: a quorum of the old voters and of the new needed; one its leader left unfinished is finished by the next leader), else 0", |g| i64::from(g.joint)),
             ("raft_quiet", "1 while the shard's group is idle with its timers off here (its leader known alive by its node's heartbeat), else 0", |g| i64::from(g.quiet)),
             ("raft_log_held_entries", "Entries this replica's log of the shard's group holds past its purge mark (raft.log_kept_entries past the last snapshot, at most): a follower further behind gets a snapshot", |g| g.log_held_entries as i64),
             ("raft_log_memory_bytes", "Memory this replica's log of the shard's group holds: its entries' places and the bodies it caches", |g| g.log_memory_bytes as i64),

@@ -204,15 +204,24 @@ impl Quiet {
         s.rejoin(raft);
     }
 
-    /// The group wakes and stays awake for at least `for_at_least`.
+    /// The group wakes and stays awake for at least `for_at_least` (a
+    /// longer hold already on stands: two holds at once, a move's and a
+    /// shorter one's, do not cut each other short).
     pub(crate) fn hold_awake<SM: RaftStateMachine<GroupConfig>>(
         &self,
         raft: &Raft<SM>,
         for_at_least: Duration,
     ) -> bool {
         let mut s = self.lock();
-        s.awake_until = Some(Instant::now() + for_at_least);
+        let until = Instant::now() + for_at_least;
+        s.awake_until = Some(s.awake_until.map_or(until, |t| t.max(until)));
         s.wake(raft)
+    }
+
+    /// Ends every hold ([`Self::hold_awake`]): the group may go quiet
+    /// again once idle (the last membership step under way is over).
+    pub(crate) fn end_holds(&self) {
+        self.lock().awake_until = None;
     }
 
     /// On the leader: goes quiet if nothing was proposed for `idle`, no

@@ -1530,24 +1530,31 @@ impl ShardStore {
         &self,
         g: &raft_group::Group,
     ) -> Result<Option<Finished>, StoreError> {
-        let (last, joined) = {
+        let (last, joined, seen) = {
             use openraft::async_runtime::WatchReceiver;
             let m = g.raft.metrics();
             let m = m.borrow_watched();
             let joint = m.membership_config.membership().get_joint_config();
             match (joint.len() > 1, joint.first(), joint.last()) {
                 // The node that change brings in (a move's target).
-                (true, Some(old), Some(new)) => {
-                    (new.clone(), new.iter().copied().find(|n| !old.contains(n)))
-                }
+                (true, Some(old), Some(new)) => (
+                    new.clone(),
+                    new.iter().copied().find(|n| !old.contains(n)),
+                    *m.membership_config.log_id(),
+                ),
                 _ => return Ok(None),
             }
         };
         tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
+        // Made only while the group's membership is still the joint one
+        // read here (openraft checks it as it proposes the change).
         g.raft
-            .change_membership(
+            .change_membership_if(
                 openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
                 false,
+                [openraft::Precondition::LastMembershipLogId {
+                    last_membership_log_id: seen,
+                }],
             )
             .await
             .map_err(|e| self.refused(g, "finishing a change of voters cut short".into(), e))?;
@@ -2153,9 +2160,7 @@ impl<'a> AwakeForMove<'a> {
 impl Drop for AwakeForMove<'_> {
     fn drop(&mut self) {
         if self.0.moves_under_way.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0
-                .quiet
-                .hold_awake(&self.0.raft, std::time::Duration::ZERO);
+            self.0.quiet.end_holds();
         }
     }
 }
