@@ -807,7 +807,20 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
         if replicated { "LEADS" } else { "SHARDS" }
     )?;
     for n in &m.nodes {
-        let owned = m.shards.iter().filter(|s| s.owner == Some(n.id)).count();
+        // (Replicated: the leader the shard table below shows, which is
+        // none during an election; the routing table's owner of record
+        // stays the last leader until a new one is heard.)
+        let owned = m
+            .shards
+            .iter()
+            .filter(|s| {
+                if replicated {
+                    s.leader == Some(n.id)
+                } else {
+                    s.owner == Some(n.id)
+                }
+            })
+            .count();
         writeln!(
             out,
             "{:<6} {:<22} {:<22} {:<6} {:>6}",
@@ -1133,6 +1146,25 @@ mod tests {
         print_status(&led, &mut shown).expect("printed");
         let shown = String::from_utf8(shown).expect("utf-8");
         assert!(!shown.contains('~'), "{shown}");
+        // Node 1 leads both shards; with shard 0's leader unknown (an
+        // election), the LEADS column counts one, whatever the routing
+        // table's owner of record.
+        let leads = |m: &ClusterMap| {
+            let mut shown = Vec::new();
+            print_status(m, &mut shown).expect("printed");
+            let shown = String::from_utf8(shown).expect("utf-8");
+            shown
+                .lines()
+                .skip_while(|l| !l.starts_with("NODE"))
+                .nth(1)
+                .and_then(|l| l.split_whitespace().last().map(String::from))
+                .expect("node 1's row")
+        };
+        assert_eq!(leads(&led), "2");
+        let mut electing = led.clone();
+        electing.shards[0].leader = None;
+        assert_eq!(electing.shards[0].owner, Some(1));
+        assert_eq!(leads(&electing), "1");
         led.shards[1].raft.as_mut().expect("a replica").joint = true;
         assert_eq!(
             not_level(&maps(&led), 16),

@@ -233,6 +233,23 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
             .filter_map(|v| v["payload"]["marker"].as_str().map(String::from))
             .collect();
         assert_eq!(markers, vec![format!("{e}-via-removed-node-1")]);
+        // A stale read through node 1 is not answered by its left-behind
+        // replica, which never took these executions (it answered 404):
+        // it goes to the shard's replicas.
+        let r = c1.get(&format!("/api/executions/{e}/events?consistency=stale"));
+        assert_eq!(
+            r.status,
+            200,
+            "a stale read of {e} through node 1: {}",
+            r.text()
+        );
+        let markers: Vec<String> = r.json()["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v["payload"]["marker"].as_str().map(String::from))
+            .collect();
+        assert_eq!(markers, vec![format!("{e}-via-removed-node-1")]);
     }
     let mut batches = shared.finish(writers);
     eprintln!("answers: {:?}", histogram(&batches));

@@ -1163,14 +1163,19 @@ struct Unrouted {
 }
 
 /// This node's replica of a replicated `shard` and its applied index, if
-/// it may answer a stale read: it holds one, and it is not a new replica
-/// still catching up (whose state may be empty, not merely behind). Its
-/// group may know no leader: a stale read is served on the minority side
-/// of a partition too.
+/// it may answer a stale read: it holds one, it is one of its group's
+/// voters as it knows the group, it is not a new replica still catching
+/// up (whose state may be empty, not merely behind), and its group has not
+/// left it behind (a removed node back on its old data: its replica takes
+/// no entry ever again, so its answers would fall further behind for
+/// good, and it would answer 404 for every execution started since). A
+/// learner (a move's target catching up) is not asked either: it may hold
+/// nothing yet. Its group may know no leader: a stale read is served on
+/// the minority side of a partition too.
 fn stale_replica(app: &App, shard: ShardId) -> Option<(Arc<ShardStore>, u64)> {
     let st = app.store.shard(shard).filter(|st| st.is_replicated())?;
     let s = st.raft_status()?;
-    if s.fresh {
+    if s.fresh || st.has_left_group() || !s.voters.contains(&s.me) {
         return None;
     }
     Some((st, s.applied.unwrap_or(0)))

@@ -73,6 +73,19 @@ pub const FD_RESERVE: u64 = 256;
 /// The longest idle and write timeouts accepted (one hour).
 pub const CONNECTION_TIMEOUT_MS_MAX: u64 = 3_600_000;
 
+/// The largest `limits.request_body_bytes_max` accepted: one request's
+/// events go into one Raft entry (with others' commands, up to
+/// `forkless_store::GROUP_COMMIT_BYTES_MAX` before it), which a leader
+/// sends its followers whole in one transport frame (at most
+/// `forkless_raftnet::FRAME_BYTES_MAX`); a larger entry would break the
+/// connection between two nodes each time it was sent, for every shard
+/// they share.
+pub const REQUEST_BODY_BYTES_CAP: usize = forkless_store::APPEND_BYTES_MAX;
+/// The largest `limits.read_page_bytes_max` accepted: a page read through
+/// another node is relayed whole (at most 64 MiB with its encoding), so
+/// half of that.
+pub const READ_PAGE_BYTES_CAP: usize = crate::forward::FORWARD_RESPONSE_BYTES_MAX / 2;
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
@@ -982,6 +995,30 @@ pub fn resolve(
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
     }
+    for (field, v, cap) in [
+        (
+            "limits.request_body_bytes_max",
+            cfg.limits.request_body_bytes_max,
+            REQUEST_BODY_BYTES_CAP,
+        ),
+        (
+            "limits.read_page_bytes_max",
+            cfg.limits.read_page_bytes_max,
+            READ_PAGE_BYTES_CAP,
+        ),
+    ] {
+        if v > cap {
+            return Err(ConfigError::Invalid(format!(
+                "{field} must be at most {cap} ({} MiB), not {v}: {}",
+                cap >> 20,
+                if field.ends_with("request_body_bytes_max") {
+                    "a request's events are one Raft entry, which a leader sends to its followers whole"
+                } else {
+                    "a page read through another node is relayed whole"
+                }
+            )));
+        }
+    }
     if cfg.limits.event_payload_bytes_max > cfg.limits.request_body_bytes_max {
         return Err(ConfigError::Invalid(
             "limits.event_payload_bytes_max cannot exceed limits.request_body_bytes_max".into(),
@@ -1599,6 +1636,14 @@ peer_addr = "127.0.0.1:7172"
             (
                 "write_timeout_ms = 3600001",
                 "limits.write_timeout_ms must be positive",
+            ),
+            (
+                "request_body_bytes_max = 33554433",
+                "limits.request_body_bytes_max must be at most 33554432 (32 MiB), not 33554433",
+            ),
+            (
+                "read_page_bytes_max = 33554433",
+                "limits.read_page_bytes_max must be at most 33554432 (32 MiB), not 33554433",
             ),
         ] {
             check(&format!("[limits]\n{bad}\n"), None, Some(want));

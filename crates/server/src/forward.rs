@@ -30,7 +30,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Largest owner answer a forwarder relays (a full page of events plus room).
-const FORWARD_RESPONSE_BYTES_MAX: usize = 64 * 1024 * 1024;
+pub(crate) const FORWARD_RESPONSE_BYTES_MAX: usize = 64 * 1024 * 1024;
 /// Largest answer a probe reads.
 const PROBE_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 /// An answer's head longer than this is not an answer of a forkless node.
