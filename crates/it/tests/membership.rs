@@ -184,6 +184,11 @@ fn a_dead_nodes_replicas_move_to_the_other_nodes_and_count_towards_their_quorums
             "node 1 names no leader, or not the owner, for a shard: {s}"
         );
     }
+    // ...and so does its /metrics.
+    for shard in &left {
+        let series = format!("forkless_raft_left_group{{shard=\"{shard}\"}}");
+        assert_eq!(c1.metric(&series), 1.0, "node 1's {series}");
+    }
     let log = strip_ansi(&cl.node(1).proc().log());
     assert!(
         log.contains("whose group no longer counts it"),

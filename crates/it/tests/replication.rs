@@ -102,6 +102,15 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
     let elected = struck_at.elapsed();
     let before = shared.acks();
     acked_at_least(before + 200, "200 acknowledged writes after the fault");
+    // A survivor counted shard 0's first leader and the one after it.
+    let changes = cl
+        .client(others[0])
+        .metric("forkless_raft_leader_changes_total{shard=\"0\"}");
+    assert!(
+        changes >= 2.0,
+        "node {} counted {changes} leaders of shard 0",
+        others[0]
+    );
 
     match fault {
         Fault::Kill => {
@@ -182,13 +191,16 @@ fn leader_fault(mut cl: Cluster, fault: Fault, lab: Option<&netlab::NetLab>) {
             held >= 1.0 && bytes > 0.0 && bytes < 64.0 * 1024.0 * 1024.0,
             "node {n}: shard 0's log holds {held} entries in {bytes} bytes"
         );
-        // No change of voters under way (none was asked).
+        // No change of voters under way (none was asked), every replica
+        // caught up and counted by its group.
         let metrics = c.get("/metrics").text();
-        assert!(
-            metrics.contains("\nforkless_raft_joint{shard=\"0\"} 0\n"),
-            "node {n}: shard 0's joint gauge is not 0: {:?}",
-            metrics.lines().find(|l| l.contains("raft_joint"))
-        );
+        for gauge in ["raft_joint", "raft_fresh", "raft_left_group"] {
+            assert!(
+                metrics.contains(&format!("\nforkless_{gauge}{{shard=\"0\"}} 0\n")),
+                "node {n}: shard 0's {gauge} gauge is not 0: {:?}",
+                metrics.lines().find(|l| l.contains(gauge))
+            );
+        }
     }
     // Every replica holds the same events, read offline from its disk.
     let counts = cl.stop_and_compare_replicas();
@@ -1318,6 +1330,85 @@ fn a_drained_node_leads_nothing_until_undrained() {
         || (leaders_via(&c2)? == spread).then_some(()),
     );
     assert_eq!(c1.get("/api/cluster").json()["draining"], false);
+}
+
+/// A long-poll waits on its shard's leader. Once that node leads the
+/// shard no more (here it is drained: its shards are handed over), the
+/// poll ends at once with what there is, and the next one goes to the new
+/// leader. Before, it waited out its whole `wait_ms` on a node that no
+/// longer led the shard (and held the shard's store all along, which a
+/// supervisor's restart of the group waits for).
+#[test]
+fn a_long_poll_on_a_leader_that_hands_its_shard_over_ends_then() {
+    let _deadline = deadline(
+        "replication: a long-poll across a handover",
+        Duration::from_secs(120),
+    );
+    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
+    let spread = vec![1u16, 2, 3, 1];
+    let (c1, c2) = (cl.client(1), cl.client(2));
+    wait_until(
+        "every shard led by its preferred replica",
+        Duration::from_secs(30),
+        || (leaders_via(&c2)? == spread).then_some(()),
+    );
+    let exec =
+        id_of(&c2.start(&json!({"workflow": "w", "routing_key": key_on_shard("poll-0", 0, 4)})));
+    // A poll on node 1, shard 0's leader, for up to 25 s: nothing comes.
+    let polling = {
+        let (c1, exec) = (cl.client(1), exec.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let r = c1.try_req(
+                "GET",
+                &format!("/api/executions/{exec}/events?after=1&wait_ms=25000"),
+                &[],
+                None,
+                Duration::from_secs(40),
+            );
+            (started.elapsed(), r)
+        })
+    };
+    wait_until("the poll waits on node 1", Duration::from_secs(10), || {
+        (c1.metric("forkless_long_polls_waiting") >= 1.0).then_some(())
+    });
+    let said = cl.drain_node(1, true);
+    assert!(said["handed"].as_u64() >= Some(2), "the drain: {said}");
+    let (took, r) = polling.join().expect("the poll's thread");
+    let r = r.expect("the poll answered");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["events"], json!([]), "{}", r.text());
+    assert!(
+        took < Duration::from_secs(15),
+        "the poll on node 1 ended after {took:?}: it waited on, though node 1 handed shard 0 over"
+    );
+    // The next poll, through node 1, waits on the new leader and sees the
+    // next event.
+    let next = {
+        let (c1, exec) = (cl.client(1), exec.clone());
+        std::thread::spawn(move || {
+            c1.try_req(
+                "GET",
+                &format!("/api/executions/{exec}/events?after=1&wait_ms=20000"),
+                &[],
+                None,
+                Duration::from_secs(30),
+            )
+        })
+    };
+    let r = append_one(&c2, &exec, "after-the-handover").expect("node 2 answers");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = next
+        .join()
+        .expect("the next poll's thread")
+        .expect("the next poll answered");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["events"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        r.text()
+    );
 }
 
 /// Nodes drained one right after the other hand nothing to each other

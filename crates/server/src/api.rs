@@ -1836,6 +1836,16 @@ async fn read_events(
             let interest = (!p.wait.is_zero()).then(|| st.watch_execution(id));
             let mut slot: Option<LongPollSlot> = None;
             let mut stopping = app2.stopping.subscribe();
+            // A replicated shard's poll is its leader's: it ends (with what
+            // there is) once this node leads no more or the group stops
+            // (its supervisor restarts it only once nothing holds the
+            // shard), and the client's next poll goes to the new leader.
+            let mut leadership = st.raft_watch().filter(|_| !p.wait.is_zero());
+            let leads = |w: &forkless_store::RaftWatch| {
+                let l = w.now();
+                l.leader == Some(l.me)
+            };
+            let mut led_away = leadership.as_ref().is_some_and(|w| !leads(w));
             loop {
                 let woken = interest.as_ref().map(|i| i.notified());
                 tokio::pin!(woken);
@@ -1849,7 +1859,8 @@ async fn read_events(
                 let done = !events.is_empty()
                     || meta.status.is_terminal()
                     || tokio::time::Instant::now() >= deadline
-                    || *stopping.borrow();
+                    || *stopping.borrow()
+                    || led_away;
                 if done {
                     // Where to continue when the page stopped before the
                     // end of the log (by `limit` or by the byte budget).
@@ -1875,9 +1886,16 @@ async fn read_events(
                     // No wait asked for: answered above.
                     continue;
                 };
-                // Wake on a commit of this execution, the deadline, or
+                // Wake on a commit of this execution, the deadline,
                 // shutdown (the poll then answers with what there is, so
-                // it does not hold the node's shutdown up).
+                // it does not hold the node's shutdown up), or a change of
+                // the shard's leadership.
+                let moved = async {
+                    match leadership.as_mut() {
+                        Some(watch) => watch.changed().await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     r = tokio::time::timeout_at(deadline, w) => {
                         if r.is_ok() {
@@ -1885,6 +1903,10 @@ async fn read_events(
                         }
                     }
                     _ = stopping.changed() => {}
+                    now = moved => {
+                        // (The group stopped: `None`.)
+                        led_away = now.is_none_or(|l| l.leader != Some(l.me));
+                    }
                 }
             }
         },

@@ -632,6 +632,10 @@ async fn follow_leader(
             match l.leader.and_then(forkless_types::NodeId::new) {
                 Some(leader) => {
                     app.observe(shard, leader, forkless_types::Epoch(l.term));
+                    app.metrics
+                        .raft_leader_changes
+                        .get_or_create(&crate::metrics::ShardLabel { shard: shard.get() })
+                        .inc();
                     tracing::info!(
                         shard = shard.get(),
                         leader = l.leader,

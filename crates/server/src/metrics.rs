@@ -93,6 +93,10 @@ pub struct Metrics {
     /// Reloads of the cluster file (`forkless cluster reload`, SIGHUP), by
     /// outcome: `taken` or `refused`.
     pub cluster_reloads: Family<OutcomeLabel, Counter>,
+    /// Leaders this node's replica of a shard has come to know: one per
+    /// new (leader, term) it learned (an election, a handover), so an
+    /// alert sees a shard's leadership move between two scrapes.
+    pub raft_leader_changes: Family<ShardLabel, Counter>,
 }
 
 impl Metrics {
@@ -175,7 +179,14 @@ impl Metrics {
             "Reloads of the cluster file (forkless cluster reload, SIGHUP) by outcome: taken, or refused with nothing changed",
             cluster_reloads.clone(),
         );
+        let raft_leader_changes = Family::<ShardLabel, Counter>::default();
+        registry.register(
+            "raft_leader_changes",
+            "Leaders this node's replica of the shard came to know, one per new leader and term (an election or a handover): a rate above zero is a shard whose leadership moves",
+            raft_leader_changes.clone(),
+        );
         Metrics {
+            raft_leader_changes,
             cluster_reloads,
             connections_open,
             connections_refused,
@@ -266,8 +277,8 @@ struct PhaseLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ShardLabel {
-    shard: u32,
+pub struct ShardLabel {
+    pub shard: u32,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -286,14 +297,14 @@ impl StoreCollector {
             .hosted()
             .into_iter()
             .filter(|s| s.is_replicated())
-            .filter_map(|s| Some((s.id().get(), s.raft_status()?)))
+            .filter_map(|s| Some((s.id().get(), s.raft_status()?, s.has_left_group())))
             .collect();
         if groups.is_empty() {
             return Ok(());
         }
-        groups.sort_by_key(|(id, _)| *id);
+        groups.sort_by_key(|(id, _, _)| *id);
         type Pick = fn(&forkless_store::RaftStatus) -> i64;
-        let gauges: [(&str, &str, Pick); 10] = [
+        let gauges: [(&str, &str, Pick); 11] = [
             ("raft_term", "The shard's Raft term (its epoch) as this replica knows it", |g| g.term as i64),
             ("raft_leader", "The node this replica believes leads the shard's group (-1: none known, an election is under way)", |g| g.leader.map_or(-1, |l| l as i64)),
             ("raft_is_leader", "1 while this node leads the shard's group (owns the shard), else 0", |g| i64::from(g.leader == Some(g.me))),
@@ -301,15 +312,26 @@ impl StoreCollector {
             ("raft_committed_index", "The last entry this replica knows to be committed (-1: none)", |g| g.committed.map_or(-1, |i| i as i64)),
             ("raft_applied_index", "The last entry this replica has applied (-1: none)", |g| g.applied.map_or(-1, |i| i as i64)),
             ("raft_joint", "1 while a change of the shard's group's voters is under way as this replica knows it (openraft's joint configuration: a quorum of the old voters and of the new needed; one its leader left unfinished is finished by the next leader), else 0", |g| i64::from(g.joint)),
+            ("raft_fresh", "1 while this replica's data directory is new (a lost disk, back under its id) and it has not caught up: it votes for no candidate with entries yet", |g| i64::from(g.fresh)),
             ("raft_quiet", "1 while the shard's group is idle with its timers off here (its leader known alive by its node's heartbeat), else 0", |g| i64::from(g.quiet)),
             ("raft_log_held_entries", "Entries this replica's log of the shard's group holds past its purge mark (raft.log_kept_entries past the last snapshot, at most): a follower further behind gets a snapshot", |g| g.log_held_entries as i64),
             ("raft_log_memory_bytes", "Memory this replica's log of the shard's group holds: its entries' places and the bodies it caches", |g| g.log_memory_bytes as i64),
         ];
         for (name, help, pick) in gauges {
             let mut m = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for (shard, g) in &groups {
+            for (shard, g, _) in &groups {
                 ConstGauge::new(pick(g)).encode(m.encode_family(&ShardLabel { shard: *shard })?)?;
             }
+        }
+        let mut left = encoder.encode_descriptor(
+            "raft_left_group",
+            "1 while this replica's group no longer counts it (its node was removed while away, and came back on its old data): it stands for nothing and takes no entry; its data stays until the node is retired",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (shard, _, l) in &groups {
+            ConstGauge::new(i64::from(*l))
+                .encode(left.encode_family(&ShardLabel { shard: *shard })?)?;
         }
         type Count = fn(&forkless_store::RaftStatus) -> u64;
         let counters: [(&str, &str, Count); 2] = [
@@ -318,7 +340,7 @@ impl StoreCollector {
         ];
         for (name, help, pick) in counters {
             let mut m = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
-            for (shard, g) in &groups {
+            for (shard, g, _) in &groups {
                 ConstCounter::new(pick(g))
                     .encode(m.encode_family(&ShardLabel { shard: *shard })?)?;
             }
@@ -329,7 +351,7 @@ impl StoreCollector {
             None,
             MetricType::Gauge,
         )?;
-        for (shard, g) in &groups {
+        for (shard, g, _) in &groups {
             let last = g.last_log_index.unwrap_or(0);
             for (follower, matched) in &g.matched {
                 let behind = last.saturating_sub(matched.unwrap_or(0));
