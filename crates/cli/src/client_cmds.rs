@@ -827,10 +827,11 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             n.id,
             n.api_addr,
             n.peer_addr.as_deref().unwrap_or("-"),
-            match (n.alive, n.probe.as_deref()) {
-                (false, _) => "NO",
-                (true, Some("never_answered")) => "never",
-                (true, _) => "yes",
+            match (n.alive, n.probe.as_deref(), n.draining) {
+                (false, _, _) => "NO",
+                (true, Some("never_answered"), _) => "never",
+                (true, _, Some(true)) => "drained",
+                (true, _, _) => "yes",
             },
             owned
         )?;
@@ -874,6 +875,20 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             m.node
         )?;
     }
+    // Other nodes that said they are drained ("drained" under ALIVE).
+    let drained: Vec<String> = m
+        .nodes
+        .iter()
+        .filter(|n| n.id != m.node && n.alive && n.draining == Some(true))
+        .map(|n| n.id.to_string())
+        .collect();
+    if !drained.is_empty() {
+        writeln!(
+            out,
+            "node(s) {} are drained (or stopping): they take no leadership (forkless cluster undrain --server <that node>)",
+            drained.join(", ")
+        )?;
+    }
     let placed_otherwise = differing(|n| n.same_placement);
     if !placed_otherwise.is_empty() {
         writeln!(
@@ -881,6 +896,16 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             "node(s) {} run groups made with another placement than node {}'s: their Raft calls are refused and their leaders not taken (compare forkless cluster placement on each)",
             placed_otherwise.join(", "),
             m.node
+        )?;
+    }
+    // Shards whose replica on the answering node failed.
+    for sh in m.shards.iter().filter(|sh| sh.failed.is_some()) {
+        writeln!(
+            out,
+            "shard {} failed on node {}: {} (it serves none of the shard's requests there; restart the node once the cause is fixed)",
+            sh.shard,
+            m.node,
+            sh.failed.as_deref().unwrap_or_default()
         )?;
     }
     writeln!(out)?;
@@ -917,6 +942,9 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
             if r.is_some_and(|r| r.joint) {
                 replicas.push('~');
             }
+            for l in r.map(|r| r.learners.as_slice()).unwrap_or_default() {
+                replicas.push_str(&format!("+{l}"));
+            }
             let lag = r.and_then(|r| r.followers.iter().filter_map(|f| f.lag).max());
             writeln!(
                 out,
@@ -925,7 +953,9 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 owner_text(s.leader),
                 num(s.term),
                 replicas,
-                r.map_or("-".to_string(), |r| if r.left_group {
+                r.map_or("-".to_string(), |r| if s.failed.is_some() {
+                    "failed".to_string()
+                } else if r.left_group {
                     "left the group".to_string()
                 } else if r.fresh {
                     format!("{} (new)", r.state)
@@ -948,6 +978,15 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 out,
                 "* as the cluster file places them: node {} holds no replica of the shard and has not heard from its leader",
                 m.node
+            )?;
+        }
+        if m.shards
+            .iter()
+            .any(|s| s.raft.as_ref().is_some_and(|r| !r.learners.is_empty()))
+        {
+            writeln!(
+                out,
+                "+N: node N is a learner of the shard's group (a move's target catching up, or one a move cut short left: asking the move again goes on, a move elsewhere removes it)"
             )?;
         }
         if m.shards
@@ -1186,5 +1225,36 @@ mod tests {
             shown.contains("~ a change of the shard's voters is under way"),
             "{shown}"
         );
+    }
+
+    /// `forkless status` names a node that said it is drained, a shard
+    /// whose replica failed, and a group's learners.
+    #[test]
+    fn status_shows_drained_peers_failed_shards_and_learners() {
+        const UP: Lags = &[(2, Some(0)), (3, Some(0))];
+        let mut m = map(1, &[(1, "leader", UP, false), (1, "leader", UP, false)]);
+        m.nodes[1].draining = Some(true);
+        m.shards[0].failed = Some("the node log's sync failed".into());
+        m.shards[1].raft.as_mut().expect("a replica").learners = vec![4];
+        let mut shown = Vec::new();
+        print_status(&m, &mut shown).expect("printed");
+        let shown = String::from_utf8(shown).expect("utf-8");
+        let row = |start: &str, after: &str| {
+            shown
+                .lines()
+                .skip_while(|l| !l.starts_with(after))
+                .find(|l| l.starts_with(start))
+                .unwrap_or_else(|| panic!("no row {start:?} after {after:?}: {shown}"))
+                .to_string()
+        };
+        assert!(row("2 ", "NODE").contains("drained"), "{shown}");
+        assert!(shown.contains("node(s) 2 are drained"), "{shown}");
+        assert!(row("0 ", "SHARD").contains("failed"), "{shown}");
+        assert!(
+            shown.contains("shard 0 failed on node 1: the node log's sync failed"),
+            "{shown}"
+        );
+        assert!(row("1 ", "SHARD").contains("1,2,3+4"), "{shown}");
+        assert!(shown.contains("+N: node N is a learner"), "{shown}");
     }
 }

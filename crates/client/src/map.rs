@@ -31,6 +31,11 @@ pub struct NodeInfo {
     /// or an older server).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub same_placement: Option<bool>,
+    /// Whether this node is drained or stopping (it takes no leadership),
+    /// as it last told the answering node (`None`: not known yet, or an
+    /// older server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draining: Option<bool>,
 }
 
 fn yes() -> bool {
@@ -63,6 +68,10 @@ pub struct ShardInfo {
     /// The answering node's replica of the shard's group, if it holds one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raft: Option<RaftInfo>,
+    /// Why the answering node's replica of the shard failed (it serves
+    /// none of the shard's requests until restarted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// One replica's view of its shard's Raft group.
@@ -97,6 +106,10 @@ pub struct RaftInfo {
     /// is finished by the next leader.
     #[serde(default)]
     pub joint: bool,
+    /// Nodes the group replicates to that do not vote: a move's target
+    /// catching up, or one a move cut short left.
+    #[serde(default)]
+    pub learners: Vec<u64>,
 }
 
 /// A follower's progress, as its leader knows it.

@@ -1316,6 +1316,21 @@ fn a_drained_node_leads_nothing_until_undrained() {
     assert_eq!(c1.get("/api/cluster").json()["draining"], true);
     let (_, status, _) = run_cli(&["status", "--server", &server], Duration::from_secs(30));
     assert!(status.contains("node 1 is drained"), "{status}");
+    // Node 2 says so too, from node 1's answers to its probes.
+    let drained_via_2 = || {
+        c2.get("/api/cluster").json()["nodes"]
+            .as_array()
+            .and_then(|ns| ns.iter().find(|n| n["id"] == 1).cloned())
+            .map(|n| n["draining"].clone())
+    };
+    wait_until(
+        "node 2 to show node 1 drained",
+        Duration::from_secs(10),
+        || (drained_via_2() == Some(json!(true))).then_some(()),
+    );
+    let via_2 = format!("http://{}", cl.node(2).api);
+    let (_, status, _) = run_cli(&["status", "--server", &via_2], Duration::from_secs(30));
+    assert!(status.contains("node(s) 1 are drained"), "{status}");
     // Still serving: a write through it is forwarded and taken.
     let r = append_one(&c1, &exec, "through-drained").expect("node 1 answers");
     assert_eq!(r.status, 200, "{}", r.text());
@@ -1330,6 +1345,11 @@ fn a_drained_node_leads_nothing_until_undrained() {
         || (leaders_via(&c2)? == spread).then_some(()),
     );
     assert_eq!(c1.get("/api/cluster").json()["draining"], false);
+    wait_until(
+        "node 2 to show node 1 undrained",
+        Duration::from_secs(10),
+        || (drained_via_2() == Some(json!(false))).then_some(()),
+    );
 }
 
 /// A long-poll waits on its shard's leader. Once that node leads the

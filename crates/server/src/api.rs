@@ -2671,6 +2671,12 @@ async fn cluster(State(app): AppState) -> Response {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .clone();
+    let drained = app
+        .drained_peers
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let me_drained = app.drainer.get().is_some_and(|d| d.draining());
     let nodes: Vec<_> = app
         .dir
         .nodes()
@@ -2688,6 +2694,9 @@ async fn cluster(State(app): AppState) -> Response {
                 // that does not replicate.
                 "same_placement": if nd.id == app.cfg.node_id { app.links.as_ref().map(|_| true) } else { same_placement.get(&nd.id.get()).copied() },
                 "self": nd.id == app.cfg.node_id,
+                // Takes no leadership (drained, or stopping), as it said in
+                // its last answer to a probe (null: not known yet).
+                "draining": if nd.id == app.cfg.node_id { Some(me_drained) } else { drained.get(&nd.id.get()).copied() },
             })
         })
         .collect();
@@ -2700,7 +2709,7 @@ async fn cluster(State(app): AppState) -> Response {
             "map_version": app.dir.map_version(),
             "routing_active": app.dir.routing_active(),
             // Takes no leadership (drained by an operator, or stopping).
-            "draining": app.drainer.get().is_some_and(|d| d.draining()),
+            "draining": me_drained,
             "nodes": nodes,
             "shards": shards,
         }),

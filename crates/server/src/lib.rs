@@ -91,6 +91,9 @@ pub struct App {
     /// as this node runs with: a peer not reloaded after the files were
     /// edited differs.
     pub same_nodes: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
+    /// Each peer's word, in its last answer to a probe, on whether it is
+    /// drained or stopping (absent: not known yet, or an older build).
+    pub drained_peers: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
     /// Whether each peer answered its last probe with the fingerprint of
     /// the placement this node's groups were made with (a replicated
     /// cluster's): a peer placed otherwise is not learned from.
@@ -328,6 +331,7 @@ impl App {
             reload,
             links,
             same_nodes: Default::default(),
+            drained_peers: Default::default(),
             same_placement: Default::default(),
             reloading: Default::default(),
             move_targets: Default::default(),

@@ -60,6 +60,8 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
         "owned": shards,
         "nodes": node_ids(&app),
         "placement": placement_fingerprint(&app),
+        // Takes no leadership (drained by an operator, or stopping).
+        "draining": app.drainer.get().is_some_and(|d| d.draining()),
     }))
     .into_response()
 }
@@ -116,6 +118,10 @@ struct PeerStatus {
     /// build's answer).
     #[serde(default)]
     nodes: Option<Vec<u16>>,
+    /// The peer is drained or stopping: it takes no leadership (absent
+    /// from an older build's answer).
+    #[serde(default)]
+    draining: Option<bool>,
 }
 
 /// Records whether peer `node` runs with the same node ids as this node
@@ -132,6 +138,25 @@ fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
                 "peer runs with another node list than this node: a cluster file edited and not reloaded everywhere? (`forkless cluster reload`)"
             );
         }
+    }
+}
+
+/// Records whether peer `node` said it is drained (`None`: an older build
+/// that does not say), logging when that changes.
+fn record_drained(app: &App, node: NodeId, draining: Option<bool>) {
+    let mut seen = app.drained_peers.lock().unwrap_or_else(|e| e.into_inner());
+    let before = match draining {
+        Some(d) => seen.insert(node.get(), d),
+        None => seen.remove(&node.get()),
+    };
+    match (before, draining) {
+        (Some(false) | None, Some(true)) => {
+            tracing::info!(peer = %node, "peer is drained: it takes no leadership")
+        }
+        (Some(true), Some(false)) => {
+            tracing::info!(peer = %node, "peer is no longer drained")
+        }
+        _ => {}
     }
 }
 
@@ -156,7 +181,7 @@ pub(crate) fn forget_peer(app: &App, node: NodeId) {
     app.metrics
         .peer_up
         .remove(&crate::metrics::NodeLabel { node: node.get() });
-    for seen in [&app.same_nodes, &app.same_placement] {
+    for seen in [&app.same_nodes, &app.same_placement, &app.drained_peers] {
         seen.lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&node.get());
@@ -233,6 +258,7 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                             learn(&app, node, &st).await;
                         }
                         theirs = st.nodes;
+                        record_drained(&app, node, st.draining);
                         true
                     }
                     _ => false,
