@@ -902,7 +902,7 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
     for sh in m.shards.iter().filter(|sh| sh.failed.is_some()) {
         writeln!(
             out,
-            "shard {} failed on node {}: {} (it serves none of the shard's requests there; restart the node once the cause is fixed)",
+            "shard {} is out of service on node {}: {} (it serves none of the shard's requests there until it is back)",
             sh.shard,
             m.node,
             sh.failed.as_deref().unwrap_or_default()
@@ -953,17 +953,21 @@ pub fn print_status(m: &ClusterMap, out: &mut impl Write) -> std::io::Result<()>
                 owner_text(s.leader),
                 num(s.term),
                 replicas,
-                r.map_or("-".to_string(), |r| if s.failed.is_some() {
+                if s.failed.is_some() {
                     "failed".to_string()
-                } else if r.left_group {
-                    "left the group".to_string()
-                } else if r.fresh {
-                    format!("{} (new)", r.state)
-                } else if r.quiet {
-                    format!("{} (quiet)", r.state)
                 } else {
-                    r.state.clone()
-                }),
+                    r.map_or("-".to_string(), |r| {
+                        if r.left_group {
+                            "left the group".to_string()
+                        } else if r.fresh {
+                            format!("{} (new)", r.state)
+                        } else if r.quiet {
+                            format!("{} (quiet)", r.state)
+                        } else {
+                            r.state.clone()
+                        }
+                    })
+                },
                 num(r.and_then(|r| r.last_log_index)),
                 num(r.and_then(|r| r.committed)),
                 num(r.and_then(|r| r.applied)),
@@ -1235,6 +1239,9 @@ mod tests {
         let mut m = map(1, &[(1, "leader", UP, false), (1, "leader", UP, false)]);
         m.nodes[1].draining = Some(true);
         m.shards[0].failed = Some("the node log's sync failed".into());
+        // (A replica that failed to open, or is being restarted, has no
+        // group to show.)
+        m.shards[0].raft = None;
         m.shards[1].raft.as_mut().expect("a replica").learners = vec![4];
         let mut shown = Vec::new();
         print_status(&m, &mut shown).expect("printed");
@@ -1251,7 +1258,7 @@ mod tests {
         assert!(shown.contains("node(s) 2 are drained"), "{shown}");
         assert!(row("0 ", "SHARD").contains("failed"), "{shown}");
         assert!(
-            shown.contains("shard 0 failed on node 1: the node log's sync failed"),
+            shown.contains("shard 0 is out of service on node 1: the node log's sync failed"),
             "{shown}"
         );
         assert!(row("1 ", "SHARD").contains("1,2,3+4"), "{shown}");

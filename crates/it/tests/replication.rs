@@ -1416,6 +1416,17 @@ fn a_long_poll_on_a_leader_that_hands_its_shard_over_ends_then() {
             )
         })
     };
+    // (It waits on whichever of nodes 2 and 3 took shard 0.)
+    wait_until(
+        "the next poll waits on shard 0's new leader",
+        Duration::from_secs(10),
+        || {
+            [2, 3]
+                .iter()
+                .any(|n| cl.client(*n).metric("forkless_long_polls_waiting") >= 1.0)
+                .then_some(())
+        },
+    );
     let r = append_one(&c2, &exec, "after-the-handover").expect("node 2 answers");
     assert_eq!(r.status, 200, "{}", r.text());
     let r = next

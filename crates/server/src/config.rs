@@ -81,9 +81,11 @@ pub const CONNECTION_TIMEOUT_MS_MAX: u64 = 3_600_000;
 /// connection between two nodes each time it was sent, for every shard
 /// they share.
 pub const REQUEST_BODY_BYTES_CAP: usize = forkless_store::APPEND_BYTES_MAX;
-/// The largest `limits.read_page_bytes_max` accepted: a page read through
-/// another node is relayed whole (at most 64 MiB with its encoding), so
-/// half of that.
+/// The most `limits.read_page_bytes_max` plus
+/// `limits.event_payload_bytes_max` accepted: a page stops only after the
+/// event that reaches its byte budget (so it may hold one payload more),
+/// and a page read through another node is relayed whole (at most 64
+/// MiB with its encoding), so half of that.
 pub const READ_PAGE_BYTES_CAP: usize = crate::forward::FORWARD_RESPONSE_BYTES_MAX / 2;
 
 impl Default for Limits {
@@ -995,29 +997,22 @@ pub fn resolve(
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
     }
-    for (field, v, cap) in [
-        (
-            "limits.request_body_bytes_max",
-            cfg.limits.request_body_bytes_max,
-            REQUEST_BODY_BYTES_CAP,
-        ),
-        (
-            "limits.read_page_bytes_max",
-            cfg.limits.read_page_bytes_max,
-            READ_PAGE_BYTES_CAP,
-        ),
-    ] {
-        if v > cap {
-            return Err(ConfigError::Invalid(format!(
-                "{field} must be at most {cap} ({} MiB), not {v}: {}",
-                cap >> 20,
-                if field.ends_with("request_body_bytes_max") {
-                    "a request's events are one Raft entry, which a leader sends to its followers whole"
-                } else {
-                    "a page read through another node is relayed whole"
-                }
-            )));
-        }
+    let (body, page, payload) = (
+        cfg.limits.request_body_bytes_max,
+        cfg.limits.read_page_bytes_max,
+        cfg.limits.event_payload_bytes_max,
+    );
+    if body > REQUEST_BODY_BYTES_CAP {
+        return Err(ConfigError::Invalid(format!(
+            "limits.request_body_bytes_max must be at most {REQUEST_BODY_BYTES_CAP} ({} MiB), not {body}: a request's events are one Raft entry, which a leader sends to its followers whole",
+            REQUEST_BODY_BYTES_CAP >> 20
+        )));
+    }
+    if page.saturating_add(payload) > READ_PAGE_BYTES_CAP {
+        return Err(ConfigError::Invalid(format!(
+            "limits.read_page_bytes_max ({page}) plus limits.event_payload_bytes_max ({payload}) must be at most {READ_PAGE_BYTES_CAP} ({} MiB): a page may hold one payload past its budget, and a page read through another node is relayed whole",
+            READ_PAGE_BYTES_CAP >> 20
+        )));
     }
     if cfg.limits.event_payload_bytes_max > cfg.limits.request_body_bytes_max {
         return Err(ConfigError::Invalid(
@@ -1642,8 +1637,8 @@ peer_addr = "127.0.0.1:7172"
                 "limits.request_body_bytes_max must be at most 33554432 (32 MiB), not 33554433",
             ),
             (
-                "read_page_bytes_max = 33554433",
-                "limits.read_page_bytes_max must be at most 33554432 (32 MiB), not 33554433",
+                "read_page_bytes_max = 32505857",
+                "limits.read_page_bytes_max (32505857) plus limits.event_payload_bytes_max (1048576) must be at most 33554432 (32 MiB)",
             ),
         ] {
             check(&format!("[limits]\n{bad}\n"), None, Some(want));

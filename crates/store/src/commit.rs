@@ -338,12 +338,12 @@ impl Core {
             Err(mpsc::error::TryRecvError::Disconnected) => return Err(NoGroup::Closed),
         };
         let cmds = &mut self.group;
-        let mut bytes = first.payload_bytes();
+        let mut bytes = first.entry_bytes();
         cmds.push(first);
         while cmds.len() < GROUP_COMMIT_COMMANDS_MAX && bytes < GROUP_COMMIT_BYTES_MAX {
             match self.rx.try_recv() {
                 Ok(c) => {
-                    bytes += c.payload_bytes();
+                    bytes += c.entry_bytes();
                     cmds.push(c);
                 }
                 Err(_) => break,

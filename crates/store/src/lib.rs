@@ -123,8 +123,9 @@ use std::sync::{Arc, RwLock};
 
 /// Largest number of commands one group commit takes from the queue.
 pub const GROUP_COMMIT_COMMANDS_MAX: usize = 1024;
-/// Largest number of payload bytes one group commit takes from the queue
-/// (it always takes at least one command, whatever its size).
+/// Largest number of bytes (the commands' entry bytes: payloads, types,
+/// keys and framing) one group commit takes from the queue (it always
+/// takes at least one command, whatever its size).
 pub const GROUP_COMMIT_BYTES_MAX: usize = 16 * 1024 * 1024;
 /// Commands that may wait for a shard's writer before senders block.
 pub const WRITER_QUEUE_DEPTH: usize = 4096;

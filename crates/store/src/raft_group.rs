@@ -1265,7 +1265,12 @@ pub struct RaftWatch(
 
 impl RaftWatch {
     pub(crate) fn new(raft: &ShardRaft) -> RaftWatch {
-        RaftWatch(raft.server_metrics())
+        use openraft::async_runtime::WatchReceiver;
+        // (A new receiver takes the value it was made with for unseen: its
+        // first `changed` would return at once, for no change.)
+        let mut rx = raft.server_metrics();
+        let _ = rx.borrow_and_update();
+        RaftWatch(rx)
     }
 
     /// Who leads after the group's next change of leader, term or state;

@@ -55,13 +55,28 @@ pub(crate) enum Command {
 }
 
 impl Command {
-    pub(crate) fn payload_bytes(&self) -> usize {
+    /// About how many bytes the command takes in its log entry: what a
+    /// client sent (payloads, types, keys) and a fixed share for each
+    /// event's framing. A group commit is bounded by it
+    /// (`GROUP_COMMIT_BYTES_MAX`), and so is a Raft entry, which a leader
+    /// sends to its followers whole in one transport frame: counting the
+    /// payloads alone let many events with small payloads and long keys
+    /// make an entry far larger than the bound.
+    pub(crate) fn entry_bytes(&self) -> usize {
+        const FRAMING: usize = 32;
+        let key = |k: &Option<String>| k.as_ref().map_or(0, String::len);
         match self {
-            Command::Start(r, _) => r.started_payload.len() + r.workflow.len(),
+            Command::Start(r, _) => {
+                r.started_payload.len()
+                    + r.workflow.len()
+                    + key(&r.routing_key)
+                    + key(&r.idempotency_key)
+                    + FRAMING
+            }
             Command::Append(r, _) => r
                 .events
                 .iter()
-                .map(|e| e.payload.len() + e.event_type.len())
+                .map(|e| e.payload.len() + e.event_type.len() + key(&e.idempotency_key) + FRAMING)
                 .sum(),
             Command::AdvanceEpoch(..) | Command::Checkpoint(_) => 0,
         }
