@@ -391,6 +391,24 @@ fn append_one(c: &Client, exec: &str, marker: &str) -> std::io::Result<Resp> {
     )
 }
 
+/// Each of the four shards' leader once they are spread
+/// ([`spread_cluster`]): every shard led by its preferred replica.
+const SPREAD: [u16; 4] = [1, 2, 3, 1];
+
+/// A cluster of [`NODES`] nodes and four shards of three replicas, once
+/// every shard is led by its preferred replica ([`SPREAD`], as node 2
+/// sees it).
+fn spread_cluster() -> Cluster {
+    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
+    let c2 = cl.client(2);
+    wait_until(
+        "every shard led by its preferred replica",
+        Duration::from_secs(30),
+        || (leaders_via(&c2)? == SPREAD).then_some(()),
+    );
+    cl
+}
+
 fn leaders_via(c: &Client) -> Option<Vec<u16>> {
     let v = c
         .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
@@ -1150,14 +1168,9 @@ fn a_write_through_a_node_with_no_replica_goes_to_its_leader_back_from_a_pause()
 #[test]
 fn leaders_spread_evenly_and_return_to_a_restarted_node() {
     let _deadline = deadline("replication: leaders spread", Duration::from_secs(180));
-    let mut cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
-    let spread = vec![1u16, 2, 3, 1];
+    let mut cl = spread_cluster();
+    let spread = SPREAD.to_vec();
     let c = cl.client(2);
-    wait_until(
-        "every shard led by its preferred replica",
-        Duration::from_secs(30),
-        || (leaders_via(&c)? == spread).then_some(()),
-    );
     let key = key_on_shard("spread-0", 0, 4);
     let exec = id_of(&c.start(&json!({"workflow": "w", "routing_key": key})));
 
@@ -1275,14 +1288,9 @@ fn leaders_spread_evenly_and_return_to_a_restarted_node() {
 #[test]
 fn a_drained_node_leads_nothing_until_undrained() {
     let _deadline = deadline("replication: a drained node", Duration::from_secs(120));
-    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
-    let spread = vec![1u16, 2, 3, 1];
+    let cl = spread_cluster();
+    let spread = SPREAD.to_vec();
     let (c1, c2) = (cl.client(1), cl.client(2));
-    wait_until(
-        "every shard led by its preferred replica",
-        Duration::from_secs(30),
-        || (leaders_via(&c2)? == spread).then_some(()),
-    );
     let exec =
         id_of(&c2.start(&json!({"workflow": "w", "routing_key": key_on_shard("drain-0", 0, 4)})));
     let server = format!("http://{}", cl.node(1).api);
@@ -1364,14 +1372,8 @@ fn a_long_poll_on_a_leader_that_hands_its_shard_over_ends_then() {
         "replication: a long-poll across a handover",
         Duration::from_secs(120),
     );
-    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
-    let spread = vec![1u16, 2, 3, 1];
+    let cl = spread_cluster();
     let (c1, c2) = (cl.client(1), cl.client(2));
-    wait_until(
-        "every shard led by its preferred replica",
-        Duration::from_secs(30),
-        || (leaders_via(&c2)? == spread).then_some(()),
-    );
     let exec =
         id_of(&c2.start(&json!({"workflow": "w", "routing_key": key_on_shard("poll-0", 0, 4)})));
     // A poll on node 1, shard 0's leader, for up to 25 s: nothing comes.
@@ -1460,14 +1462,9 @@ fn a_drained_node_hands_over_what_its_drain_could_not() {
         "replication: a drained node hands over later",
         Duration::from_secs(150),
     );
-    let cl = Cluster::start_replicated(NODES, 4, 3, PeerTiming::default());
-    let spread = vec![1u16, 2, 3, 1];
+    let cl = spread_cluster();
+    let spread = SPREAD.to_vec();
     let c2 = cl.client(2);
-    wait_until(
-        "every shard led by its preferred replica",
-        Duration::from_secs(30),
-        || (leaders_via(&c2)? == spread).then_some(()),
-    );
     let cli = |verb: &str, node: u16| {
         let server = format!("http://{}", cl.node(node).api);
         run_cli(

@@ -176,7 +176,8 @@ fn record_sameness(
 }
 
 /// Drops what this node reports of peer `node` (its `forkless_peer_up`
-/// gauge and whether it runs with the same node list): it retired.
+/// gauge, whether it runs with the same node list and placement, and
+/// whether it said it is drained): it retired.
 pub(crate) fn forget_peer(app: &App, node: NodeId) {
     app.metrics
         .peer_up
