@@ -234,7 +234,7 @@ pub async fn run(
                 quiet.push((st.id().get(), term));
                 members.push(st.members());
                 led.push((st.id().get(), term));
-            } else if let Some(l) = st.leadership().filter(|l| l.leader == Some(l.me)) {
+            } else if let Some(l) = st.leadership().filter(|l| l.this_node_leads()) {
                 led.push((st.id().get(), l.term));
             }
         }

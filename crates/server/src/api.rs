@@ -545,7 +545,7 @@ where
                         let left =
                             wait_until.saturating_duration_since(tokio::time::Instant::now());
                         let settled = st.leadership_settled(term, left).await.and_then(|l| {
-                            let moved = !(l.leader == Some(l.me) && l.term <= term);
+                            let moved = !(l.this_node_leads() && l.term <= term);
                             l.leader.filter(|_| moved).map(|n| (n, l.term))
                         });
                         let owner = settled.map_or(Owner::Unknown { hint: None }, |(l, t)| {
@@ -1841,11 +1841,9 @@ async fn read_events(
             // (its supervisor restarts it only once nothing holds the
             // shard), and the client's next poll goes to the new leader.
             let mut leadership = st.raft_watch().filter(|_| !p.wait.is_zero());
-            let leads = |w: &forkless_store::RaftWatch| {
-                let l = w.now();
-                l.leader == Some(l.me)
-            };
-            let mut led_away = leadership.as_ref().is_some_and(|w| !leads(w));
+            let mut led_away = leadership
+                .as_ref()
+                .is_some_and(|w| !w.now().this_node_leads());
             loop {
                 let woken = interest.as_ref().map(|i| i.notified());
                 tokio::pin!(woken);
@@ -1905,7 +1903,7 @@ async fn read_events(
                     _ = stopping.changed() => {}
                     now = moved => {
                         // (The group stopped: `None`.)
-                        led_away = now.is_none_or(|l| l.leader != Some(l.me));
+                        led_away = now.is_none_or(|l| !l.this_node_leads());
                     }
                 }
             }

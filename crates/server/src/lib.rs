@@ -644,7 +644,7 @@ async fn follow_leader(
                         shard = shard.get(),
                         leader = l.leader,
                         term = l.term,
-                        this_node_leads = l.leader == Some(l.me),
+                        this_node_leads = l.this_node_leads(),
                         "shard leader known"
                     );
                 }

@@ -1255,6 +1255,13 @@ pub struct Leadership {
     pub term: u64,
 }
 
+impl Leadership {
+    /// Whether this replica takes itself for the group's leader.
+    pub fn this_node_leads(&self) -> bool {
+        self.leader == Some(self.me)
+    }
+}
+
 /// Waits for a change of who leads a shard's group (or its term).
 pub struct RaftWatch(
     openraft::type_config::alias::WatchReceiverOf<

@@ -1093,7 +1093,7 @@ impl ShardStore {
         within: std::time::Duration,
     ) -> Option<raft_group::Leadership> {
         self.leadership_until(within, |l| {
-            l.leader.is_some() && !(l.leader == Some(l.me) && l.term <= term)
+            l.leader.is_some() && !(l.this_node_leads() && l.term <= term)
         })
         .await
     }
@@ -1158,7 +1158,7 @@ impl ShardStore {
     /// awake long enough for its heartbeats to reach that follower. Says
     /// whether it was quiet.
     pub fn hold_awake_for_a_follower(&self) -> bool {
-        let leads = self.leadership().is_some_and(|l| l.leader == Some(l.me));
+        let leads = self.leadership().is_some_and(|l| l.this_node_leads());
         self.raft
             .as_ref()
             .filter(|g| g.replicated && leads)
