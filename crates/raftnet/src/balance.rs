@@ -24,7 +24,9 @@
 //!
 //! A shard this node leads in a joint configuration that a dead leader
 //! left (a move's change of voters cut short between its two steps) has
-//! its change finished ([`finish_if_cut_short`]).
+//! its change finished ([`finish_if_cut_short`]), and one with learners
+//! that moves cut short left behind (no move under way here catching them
+//! up) has them removed after a while ([`remove_if_left`]).
 //!
 //! A node drained by an operator hands every shard it still leads to
 //! any replica that can take it ([`hand_off_to`]), its own preferred
@@ -51,6 +53,18 @@ pub struct DrainState {
     /// (`forkless_store::Replication::beat_now`): the balancer of a
     /// drained node beats before it hands a shard over.
     pub beat_now: Arc<tokio::sync::Notify>,
+}
+
+/// What the balancer ([`run`]) goes by.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// The groups' timers (the windows within which a replica counts as
+    /// heard lately).
+    pub timing: forkless_store::RaftTiming,
+    /// How long a learner that moves cut short left behind is kept before
+    /// the shard's leader removes it (`[raft] learner_kept_s`,
+    /// [`remove_if_left`]).
+    pub learners_kept: Duration,
 }
 
 /// How long a node waits before it tries again to hand over a shard its
@@ -274,16 +288,23 @@ pub fn steps_down_to(
 /// (no replica could take it then) goes once one can. It starts
 /// [`DRAIN_WITHIN`] after it first sees the node drained or a drain start
 /// (that drain's handovers are done by then), and asks the next replica
-/// in turn after one that did not take it.
+/// in turn after one that did not take it. Of the shards it leads, it
+/// also finishes a change of voters cut short ([`finish_if_cut_short`])
+/// and removes the learners moves cut short left behind once they have
+/// been so for `settings.learners_kept` ([`remove_if_left`]).
 pub async fn run(
     shards: crate::Hosted,
     placed: Arc<dyn Fn(ShardId) -> Vec<u64> + Send + Sync>,
     heard: Arc<crate::quiesce::PeersHeard>,
     peers: Arc<dyn forkless_store::Peers>,
-    timing: forkless_store::RaftTiming,
+    settings: Settings,
     drain: DrainState,
     mut stop: watch::Receiver<bool>,
 ) {
+    let Settings {
+        timing,
+        learners_kept,
+    } = settings;
     let heard_within = Duration::from_millis(timing.heartbeat_ms) * HEARD_WITHIN_BEATS;
     let silent_for =
         Duration::from_millis(timing.election_timeout_max_ms) * STEP_DOWN_SILENT_TIMEOUTS;
@@ -308,10 +329,11 @@ pub async fn run(
     // Each shard this node leads in a joint configuration: the
     // membership's log id, and when this loop first saw it so.
     let mut joint_since: HashMap<u32, ((u64, u64), Instant)> = HashMap::new();
-    // Each shard whose cut-short change this node last set out to finish,
-    // and when it did or when its try failed (one at a time a shard; again
-    // only TRANSFER_BACKOFF after a failure).
-    let finishing: Arc<Mutex<HashMap<u32, Instant>>> = Arc::default();
+    // Each shard this node leads with learners that no replacement under
+    // way here is catching up: the membership's log id, and when this loop
+    // first saw it so.
+    let mut learners_since: HashMap<u32, ((u64, u64), Instant)> = HashMap::new();
+    let chores = Chores::default();
 
     let mut ticks = tokio::time::interval(BALANCE_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -388,7 +410,8 @@ pub async fn run(
         for st in &hosted {
             let Some(s) = st.raft_status() else { continue };
             let shard = st.id().get();
-            finish_if_cut_short(st, &s, &mut joint_since, &finishing);
+            finish_if_cut_short(st, &s, &mut joint_since, &chores);
+            remove_if_left(st, &s, &mut learners_since, &chores, learners_kept);
             let led_for = if s.state == "leader" && s.leader == Some(s.me) {
                 let since = leading.entry(shard).or_insert((s.term, Instant::now()));
                 if since.0 != s.term {
@@ -538,14 +561,12 @@ pub const JOINT_FINISHED_AFTER: Duration = Duration::from_secs(2);
 /// [`JOINT_FINISHED_AFTER`]: a group left joint needs a quorum of both
 /// its old and its new voters for every write, the old still counting the
 /// replica the change was taking out (a dead node, as often as not), until
-/// the next move of the shard finishes it. In a task of its own, bounded
-/// ([`FINISH_WITHIN`]), one at a time a shard, and tried again
-/// [`TRANSFER_BACKOFF`] after a try that failed ended.
+/// the next move of the shard finishes it. A [`Chores`] task.
 fn finish_if_cut_short(
     st: &Arc<forkless_store::ShardStore>,
     s: &forkless_store::RaftStatus,
     joint_since: &mut HashMap<u32, ((u64, u64), Instant)>,
-    finishing: &Arc<Mutex<HashMap<u32, Instant>>>,
+    chores: &Chores,
 ) {
     let shard = st.id().get();
     let leads = s.state == "leader" && s.leader == Some(s.me) && s.voters.contains(&s.me);
@@ -553,61 +574,161 @@ fn finish_if_cut_short(
         joint_since.remove(&shard);
         return;
     };
-    let since = joint_since.entry(shard).or_insert((log, Instant::now()));
-    if since.0 != log {
-        *since = (log, Instant::now());
-    }
-    if since.1.elapsed() < JOINT_FINISHED_AFTER {
+    if !seen_for(joint_since, shard, log, JOINT_FINISHED_AFTER) {
         return;
     }
-    {
-        let mut f = finishing.lock().unwrap_or_else(|e| e.into_inner());
-        if f.get(&shard)
-            .is_some_and(|at| at.elapsed() < TRANSFER_BACKOFF)
-        {
-            return;
-        }
-        f.insert(shard, Instant::now());
-    }
-    tracing::warn!(
+    let (st2, term, voters) = (st.clone(), s.term, s.voters.clone());
+    chores.start(
         shard,
-        term = s.term,
-        voters = ?s.voters,
-        "the shard's group was left in the middle of a change of its voters (its last leader died or lost its leadership between the change's two steps): finishing the change"
+        "finishing a change of voters cut short",
+        move || {
+            tracing::warn!(
+                shard,
+                term,
+                voters = ?voters,
+                "the shard's group was left in the middle of a change of its voters (its last leader died or lost its leadership between the change's two steps): finishing the change"
+            );
+        },
+        async move { st2.finish_change_of_voters(CHORE_WITHIN).await },
+        move |done| {
+            if let Some(done) = done {
+                tracing::info!(shard, voters = ?done.voters, joined = ?done.joined, "finished a change of voters its leader had cut short");
+            }
+        },
     );
-    let (st, finishing) = (st.clone(), finishing.clone());
-    tokio::spawn(async move {
-        let finished =
-            tokio::time::timeout(FINISH_WITHIN, st.finish_change_of_voters(FINISH_WITHIN)).await;
-        let mut f = finishing.lock().unwrap_or_else(|e| e.into_inner());
-        match finished {
-            Ok(Ok(done)) => {
-                if let Some(done) = done {
-                    tracing::info!(shard, voters = ?done.voters, joined = ?done.joined, "finished a change of voters its leader had cut short");
-                }
-                f.remove(&shard);
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(shard, error = %e, "finishing a change of voters cut short failed; tried again later");
-                f.insert(shard, Instant::now());
-            }
-            Err(_) => {
-                tracing::warn!(
-                    shard,
-                    within_s = FINISH_WITHIN.as_secs(),
-                    "finishing a change of voters cut short did not end in time; tried again later"
-                );
-                f.insert(shard, Instant::now());
-            }
-        }
-    });
 }
 
-/// How long the balancer's try to finish a change of voters cut short
-/// may take ([`finish_if_cut_short`]): a quorum's confirmation and one
-/// membership entry committed. Shorter than [`TRANSFER_BACKOFF`], the
-/// wait before the next try, so that two never overlap.
-const FINISH_WITHIN: Duration = Duration::from_secs(5);
+/// Removes shard `st`'s learners that moves cut short left behind
+/// ([`forkless_store::ShardStore::remove_left_learners`]), once this node
+/// has led the shard with them, in the same committed membership and with
+/// no replacement of a replica under way here, for `kept`
+/// (`[raft] learner_kept_s`). A move's own learner is its replacement's
+/// while it runs; one found without any was left by a move whose leader
+/// died or lost its leadership, whose call ended, or whose learner did not
+/// catch up in time. A move asked again within `kept` takes its learner up
+/// where it stopped; later, it adds it again. A [`Chores`] task.
+fn remove_if_left(
+    st: &Arc<forkless_store::ShardStore>,
+    s: &forkless_store::RaftStatus,
+    learners_since: &mut HashMap<u32, ((u64, u64), Instant)>,
+    chores: &Chores,
+    kept: Duration,
+) {
+    let shard = st.id().get();
+    let leads = s.state == "leader" && s.leader == Some(s.me) && s.voters.contains(&s.me);
+    let left =
+        leads && !s.learners.is_empty() && !s.joint && s.membership_committed && !st.replacing();
+    let (true, Some(log)) = (left, s.membership_log) else {
+        learners_since.remove(&shard);
+        return;
+    };
+    if !seen_for(learners_since, shard, log, kept) {
+        return;
+    }
+    let (st2, learners) = (st.clone(), s.learners.clone());
+    chores.start(
+        shard,
+        "removing learners that moves cut short left",
+        move || {
+            tracing::warn!(
+                shard,
+                learners = ?learners,
+                kept_s = kept.as_secs(),
+                "the shard's group has learners that no move under way is catching up (moves cut short left them): removing them"
+            );
+        },
+        async move { st2.remove_left_learners(log, CHORE_WITHIN).await },
+        move |removed| {
+            if !removed.is_empty() {
+                tracing::info!(shard, learners = ?removed, "removed learners that moves cut short left");
+            }
+        },
+    );
+}
+
+/// Whether shard `shard` has been seen in the membership whose entry is
+/// `log` (term, index) for `wait` since `since` first saw it so (it
+/// notes the membership when it is new).
+fn seen_for(
+    since: &mut HashMap<u32, ((u64, u64), Instant)>,
+    shard: u32,
+    log: (u64, u64),
+    wait: Duration,
+) -> bool {
+    let at = since.entry(shard).or_insert((log, Instant::now()));
+    if at.0 != log {
+        *at = (log, Instant::now());
+    }
+    at.1.elapsed() >= wait
+}
+
+/// The membership chores the balancer runs for the shards it leads
+/// ([`finish_if_cut_short`], [`remove_if_left`]): each in a task of its
+/// own, bounded by [`CHORE_WITHIN`], one at a time a shard, and one that
+/// failed or timed out is followed by the shard's next only
+/// [`TRANSFER_BACKOFF`] after it ended.
+#[derive(Clone, Default)]
+struct Chores {
+    /// Each shard whose chore is running (when it started), or whose last
+    /// one failed (when it ended).
+    busy: Arc<Mutex<HashMap<u32, Instant>>>,
+}
+
+impl Chores {
+    /// Starts `chore` for `shard` unless the shard's last is running or
+    /// failed lately; `starting` runs first when it does, `done` with
+    /// what a chore that succeeded came to.
+    fn start<T: Send + 'static>(
+        &self,
+        shard: u32,
+        what: &'static str,
+        starting: impl FnOnce(),
+        chore: impl std::future::Future<Output = Result<T, forkless_store::StoreError>> + Send + 'static,
+        done: impl FnOnce(T) + Send + 'static,
+    ) {
+        {
+            let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            if busy
+                .get(&shard)
+                .is_some_and(|at| at.elapsed() < TRANSFER_BACKOFF)
+            {
+                return;
+            }
+            busy.insert(shard, Instant::now());
+        }
+        starting();
+        let busy = self.busy.clone();
+        tokio::spawn(async move {
+            let outcome = tokio::time::timeout(CHORE_WITHIN, chore).await;
+            let mut busy = busy.lock().unwrap_or_else(|e| e.into_inner());
+            match outcome {
+                Ok(Ok(v)) => {
+                    busy.remove(&shard);
+                    drop(busy);
+                    done(v);
+                }
+                Ok(Err(e)) => {
+                    busy.insert(shard, Instant::now());
+                    tracing::warn!(shard, error = %e, "{what} failed; tried again later");
+                }
+                Err(_) => {
+                    busy.insert(shard, Instant::now());
+                    tracing::warn!(
+                        shard,
+                        within_s = CHORE_WITHIN.as_secs(),
+                        "{what} did not end in time; tried again later"
+                    );
+                }
+            }
+        });
+    }
+}
+
+/// How long one of the balancer's membership chores may take
+/// ([`Chores`]): a quorum's confirmation and one membership entry
+/// committed. Shorter than [`TRANSFER_BACKOFF`], the wait before the next
+/// try, so that two never overlap.
+const CHORE_WITHIN: Duration = Duration::from_secs(5);
 
 /// How long a node shutting down waits for the shards it led to be led
 /// by another replica before it stops anyway ([`drain`]). A handover

@@ -1613,7 +1613,10 @@ async fn a_change_of_voters_its_leader_left_joint_is_finished_by_the_next_leader
             Arc::new(move |_| vec![me]),
             Arc::default(),
             n.peers.clone(),
-            forkless_store::RaftTiming::default(),
+            forkless_raftnet::balance::Settings {
+                timing: forkless_store::RaftTiming::default(),
+                learners_kept: Duration::from_secs(120),
+            },
             forkless_raftnet::balance::DrainState::default(),
             n.stop.subscribe(),
         ));
@@ -1725,6 +1728,107 @@ async fn a_change_of_voters_its_leader_left_joint_is_finished_by_the_next_leader
         .expect("log");
     holds(&nodes, g, 1..=2, index).await;
     holds(&nodes, 3, 1..=2, index).await;
+    nodes.iter_mut().for_each(Node::stop);
+}
+
+/// A learner a move cut short left behind (here the call that asked for
+/// the move ended while its learner, on a node that is down, could not
+/// catch up) is removed by the shard's leader once it has been so for
+/// `learners_kept`, and not while a move is catching it up, however long
+/// that takes. Before, it stayed until the next move of the shard: the
+/// leader replicated to it for good, and its group, never all caught up,
+/// never went quiet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
+    const KEPT: Duration = Duration::from_secs(1);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes =
+        cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
+    for n in &nodes[..3] {
+        let cell = n.cell.clone();
+        let me = n.id;
+        tokio::spawn(forkless_raftnet::balance::run(
+            Arc::new(move || {
+                cell.read()
+                    .ok()
+                    .and_then(|s| s.as_ref()?.shard(SHARD))
+                    .into_iter()
+                    .collect()
+            }),
+            Arc::new(move |_| vec![me]),
+            Arc::default(),
+            n.peers.clone(),
+            forkless_raftnet::balance::Settings {
+                timing: forkless_store::RaftTiming::default(),
+                learners_kept: KEPT,
+            },
+            forkless_raftnet::balance::DrainState::default(),
+            n.stop.subscribe(),
+        ));
+        n.quiesce();
+    }
+    let l = leader(&nodes).await;
+    write_soon(&nodes[l], 1, "a write before the move").await;
+    let f = (l + 1) % 3;
+    // The move's target is down: its learner takes nothing.
+    let target = nodes[3].id;
+    nodes[3].stop();
+    let moving = {
+        let (st, from, addr) = (nodes[l].shard(), nodes[f].id, nodes[3].addr.clone());
+        tokio::spawn(async move {
+            st.replace_replica(from, target, addr, bounds(Duration::from_secs(60)))
+                .await
+        })
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while !nodes[l]
+        .status()
+        .is_some_and(|s| s.learners == [target] && s.membership_committed)
+    {
+        assert!(
+            Instant::now() < until,
+            "the move added no learner within 10 s: {:?}",
+            nodes[l].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // While the move waits for it, the learner stays: four times the
+    // time a learner left behind is kept, and the balancer's tick.
+    let watched = Instant::now() + KEPT * 4 + forkless_raftnet::balance::BALANCE_EVERY;
+    while Instant::now() < watched {
+        let s = nodes[l].status().expect("up");
+        assert_eq!(
+            s.learners,
+            [target],
+            "a move's own learner was removed: {s:?}"
+        );
+        assert!(!moving.is_finished(), "the move ended: {:?}", moving.await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The call that asked for the move ends (an operator's interrupted
+    // `forkless cluster remove-node`, say): the learner is left behind,
+    // and removed.
+    moving.abort();
+    let _ = moving.await;
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = nodes[l].status().expect("up");
+        if s.learners.is_empty() && s.membership_committed {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the learner left behind was not removed within 15 s: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The voters are as before, every replica drops the learner, and the
+    // group, all caught up, goes quiet.
+    until_all(&nodes[..3], "without the learner, and quiet", |s| {
+        s.learners.is_empty() && s.voters == [1, 2, 3] && s.quiet
+    })
+    .await;
+    write_soon(&nodes[l], 2, "a write after the learner's removal").await;
     nodes.iter_mut().for_each(Node::stop);
 }
 
@@ -2075,7 +2179,10 @@ async fn a_drained_leaders_balancer_hands_over_by_an_answer_to_a_fresh_beat() {
         placed,
         heard[l].clone(),
         nodes[l].peers.clone(),
-        timing,
+        forkless_raftnet::balance::Settings {
+            timing,
+            learners_kept: Duration::from_secs(120),
+        },
         forkless_raftnet::balance::DrainState {
             on: nodes[l].draining.clone(),
             runs: Arc::default(),

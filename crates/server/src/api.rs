@@ -1995,7 +1995,9 @@ async fn by_key(
 // Operators: replacing replicas (Raft membership changes), the cluster map
 
 /// How long a new replica may take to catch up as a learner before its
-/// replacement gives up (it stays a learner; asking again goes on).
+/// replacement gives up (it stays a learner; asking again within
+/// `[raft] learner_kept_s` goes on, and the shard's leader removes it
+/// after that: `forkless_raftnet::balance::run`).
 const CATCH_UP_WITHIN: Duration = Duration::from_secs(300);
 /// How long a replacement waits for a new replica's node that answers
 /// none of this node's probes, its learner taking nothing meanwhile (the

@@ -335,6 +335,24 @@ pub struct RaftTimingFile {
     /// this many behind: a follower further behind gets a snapshot. Left
     /// out: `RaftLogLimits::for_groups`, by the groups the node holds.
     pub log_kept_entries: Option<u64>,
+    /// A learner that moves cut short left behind (no move under way
+    /// catching it up) is removed by its shard's leader after this many
+    /// seconds so.
+    pub learner_kept_s: u64,
+}
+
+/// How long a learner that moves cut short left behind is kept by
+/// default (`[raft] learner_kept_s`): long enough for an operator to ask
+/// a move that failed again and have it take its learner up where it
+/// stopped.
+pub const LEARNER_KEPT_S: u64 = 120;
+
+/// `[raft]`, checked: what a replicated cluster's groups run with.
+struct RaftSection {
+    timing: forkless_store::RaftTiming,
+    snapshot_every: u64,
+    log_kept: Option<u64>,
+    learner_kept: std::time::Duration,
 }
 
 impl Default for RaftTimingFile {
@@ -347,14 +365,15 @@ impl Default for RaftTimingFile {
             quiesce: d.quiesce,
             snapshot_every_entries: forkless_store::RaftLogLimits::default().snapshot_every,
             log_kept_entries: None,
+            learner_kept_s: LEARNER_KEPT_S,
         }
     }
 }
 
 impl RaftTimingFile {
-    /// The timers, and the log's limits: the snapshot distance and the
-    /// entries kept, if set.
-    fn validate(&self) -> Result<(forkless_store::RaftTiming, u64, Option<u64>), ConfigError> {
+    /// The timers, the log's limits (the snapshot distance and the
+    /// entries kept, if set) and how long a learner left behind is kept.
+    fn validate(&self) -> Result<RaftSection, ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         let RaftTimingFile {
             heartbeat_ms: h,
@@ -363,7 +382,13 @@ impl RaftTimingFile {
             quiesce,
             snapshot_every_entries: every,
             log_kept_entries: kept,
+            learner_kept_s,
         } = *self;
+        if !(1..=604_800).contains(&learner_kept_s) {
+            return bad(format!(
+                "raft.learner_kept_s must be 1 to 604800 (a week), not {learner_kept_s}"
+            ));
+        }
         if !(10..=10_000_000).contains(&every) {
             return bad(format!(
                 "raft.snapshot_every_entries must be 10 to 10000000, not {every}"
@@ -387,16 +412,17 @@ impl RaftTimingFile {
                 "raft.election_timeout_max_ms ({hi}) must be more than raft.election_timeout_min_ms ({lo}) and at most 60000"
             ));
         }
-        Ok((
-            forkless_store::RaftTiming {
+        Ok(RaftSection {
+            timing: forkless_store::RaftTiming {
                 heartbeat_ms: h,
                 election_timeout_min_ms: lo,
                 election_timeout_max_ms: hi,
                 quiesce,
             },
-            every,
-            kept,
-        ))
+            snapshot_every: every,
+            log_kept: kept,
+            learner_kept: std::time::Duration::from_secs(learner_kept_s),
+        })
     }
 }
 
@@ -461,6 +487,8 @@ pub struct Replicated {
     pub snapshot_every: u64,
     /// `raft.log_kept_entries`, if set.
     pub log_kept: Option<u64>,
+    /// `raft.learner_kept_s`.
+    pub learner_kept: std::time::Duration,
     /// Every node's Raft address.
     pub raft_addrs: std::collections::BTreeMap<NodeId, SocketAddr>,
     /// The shards whose replicas the file pins (`[[placement]]`).
@@ -684,7 +712,12 @@ pub fn validate_cluster(
                 }
                 raft_addrs.insert(nodes[i].id, a);
             }
-            let (timing, snapshot_every, log_kept) = file.raft.unwrap_or_default().validate()?;
+            let RaftSection {
+                timing,
+                snapshot_every,
+                log_kept,
+                learner_kept,
+            } = file.raft.unwrap_or_default().validate()?;
             let retired = retired_nodes(&file.retired_nodes, &ids)?;
             let placeable: BTreeSet<NodeId> = ids.union(&retired).copied().collect();
             Some(Replicated {
@@ -692,6 +725,7 @@ pub fn validate_cluster(
                 timing,
                 snapshot_every,
                 log_kept,
+                learner_kept,
                 raft_addrs,
                 pinned: pinned_placement(&file.placement, f as usize, n, &placeable)?,
                 retired,
@@ -1267,6 +1301,7 @@ peer_addr = "127.0.0.1:7172"
             (vec![1, 2, 3], vec![2, 3, 1], vec![3, 1, 2], vec![1, 2, 3])
         );
         assert_eq!(r.timing, forkless_store::RaftTiming::default());
+        assert_eq!(r.learner_kept, std::time::Duration::from_secs(LEARNER_KEPT_S));
         // No owner until one is elected: every epoch 0.
         let a = &c.cluster.as_ref().expect("cluster").assignments;
         assert!(a.iter().all(|a| a.epoch == Epoch(0)));
@@ -1287,7 +1322,7 @@ peer_addr = "127.0.0.1:7172"
         let one = check(&replicated("replication_factor = 1"), Some(1), None).expect("valid");
         assert!(one.cluster.expect("cluster").replication.is_none());
 
-        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400\nquiesce = false\nsnapshot_every_entries = 500\nlog_kept_entries = 0";
+        let timers = "replication_factor = 3\n[raft]\nheartbeat_ms = 50\nelection_timeout_min_ms = 200\nelection_timeout_max_ms = 400\nquiesce = false\nsnapshot_every_entries = 500\nlog_kept_entries = 0\nlearner_kept_s = 30";
         let t = check(&replicated(timers), Some(1), None).expect("valid");
         assert_eq!(
             t.cluster
@@ -1299,6 +1334,13 @@ peer_addr = "127.0.0.1:7172"
                 kept: 0,
                 cache_bytes: 256 << 10,
             })
+        );
+        assert_eq!(
+            t.cluster
+                .as_ref()
+                .and_then(|c| c.replication.as_ref())
+                .map(|r| r.learner_kept),
+            Some(std::time::Duration::from_secs(30))
         );
         // Left out: 100,000 entries and a 1 MiB cache a group up to 64
         // groups on the node, 6,400,000 and 64 MiB shared past that.
@@ -1327,6 +1369,7 @@ peer_addr = "127.0.0.1:7172"
             ("replication_factor = 1\n[raft]\nheartbeat_ms = 50", "the [raft] timers are for a replicated cluster"),
             ("replication_factor = 3\n[raft]\nsnapshot_every_entries = 5", "raft.snapshot_every_entries must be 10 to 10000000, not 5"),
             ("replication_factor = 3\n[raft]\nlog_kept_entries = 20000000", "raft.log_kept_entries must be at most 10000000"),
+            ("replication_factor = 3\n[raft]\nlearner_kept_s = 0", "raft.learner_kept_s must be 1 to 604800 (a week), not 0"),
         ] {
             check(&replicated(extra), Some(1), Some(why));
         }

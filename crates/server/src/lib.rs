@@ -860,7 +860,18 @@ pub async fn run(
                     placed,
                     heard,
                     rep.peers.clone(),
-                    rep.timing,
+                    forkless_raftnet::balance::Settings {
+                        timing: rep.timing,
+                        learners_kept: app
+                            .cfg
+                            .cluster
+                            .as_ref()
+                            .and_then(|c| c.replication.as_ref())
+                            .map_or(
+                                std::time::Duration::from_secs(crate::config::LEARNER_KEPT_S),
+                                |r| r.learner_kept,
+                            ),
+                    },
                     drains,
                     draining_rx.clone(),
                 ));

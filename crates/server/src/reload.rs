@@ -248,7 +248,10 @@ pub fn plan(
     let mut restart_needed = Vec::new();
     let raft = match (&now.replication, &new.replication) {
         (Some(a), Some(b)) => {
-            a.timing != b.timing || a.snapshot_every != b.snapshot_every || a.log_kept != b.log_kept
+            a.timing != b.timing
+                || a.snapshot_every != b.snapshot_every
+                || a.log_kept != b.log_kept
+                || a.learner_kept != b.learner_kept
         }
         _ => false,
     };
@@ -844,6 +847,7 @@ mod tests {
         for raft in [
             "[raft]\nlog_kept_entries = 100000\n",
             "[raft]\nsnapshot_every_entries = 500\n",
+            "[raft]\nlearner_kept_s = 30\n",
         ] {
             let p = planned(&file(THREE, ""), &file(THREE, raft)).unwrap();
             assert_eq!(p.restart_needed, vec!["raft"], "{raft}");

@@ -861,6 +861,7 @@ pub(crate) fn start_alone(
         staging: tokio::sync::Mutex::new(None),
         moving: tokio::sync::Mutex::new(()),
         moves_under_way: std::sync::atomic::AtomicUsize::new(0),
+        replacing: std::sync::atomic::AtomicUsize::new(0),
         appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
@@ -968,6 +969,7 @@ pub(crate) fn start_replicated(
         staging: tokio::sync::Mutex::new(None),
         moving: tokio::sync::Mutex::new(()),
         moves_under_way: std::sync::atomic::AtomicUsize::new(0),
+        replacing: std::sync::atomic::AtomicUsize::new(0),
         appends: AppendCounts::default(),
         released: Mutex::new(on_release),
         stopped,
@@ -1003,6 +1005,10 @@ pub(crate) struct Group {
     /// Moves of the group's replicas under way on this replica (its
     /// leader): the last one over lets the group go quiet again.
     pub(crate) moves_under_way: std::sync::atomic::AtomicUsize,
+    /// Of those, the replacements of a replica (`ShardStore::replace_
+    /// replica`, which add a learner and wait for it): while one runs, a
+    /// learner of the group is not one a move left behind.
+    pub(crate) replacing: std::sync::atomic::AtomicUsize,
     /// Set while this replica's data directory is new and it has not
     /// caught up (`crate::fresh`).
     fresh: Option<Arc<crate::fresh::Fresh>>,

@@ -1288,6 +1288,7 @@ impl ShardStore {
         // lately, and openraft refuses its membership changes until it
         // has).
         let _awake = AwakeForMove::hold(g, catch_up_within);
+        let _replacing = Replacing::hold(g);
         self.linearize().await?;
         let refused = |what: String, e: MembershipRefusal| self.refused(g, what, e);
         // The membership steps of the group's moves go one at a time
@@ -1478,6 +1479,78 @@ impl ShardStore {
         let _step = g.moving.lock().await;
         self.leading_voter()?;
         self.finish_cut_short(g).await
+    }
+
+    /// Whether a replacement of one of the group's replicas
+    /// ([`ShardStore::replace_replica`]) is under way on this replica.
+    pub fn replacing(&self) -> bool {
+        self.raft
+            .as_ref()
+            .is_some_and(|g| g.replacing.load(Ordering::Acquire) > 0)
+    }
+
+    /// On the leader of the shard's replicated group: removes the learners
+    /// that moves cut short left behind (a move's target that never became
+    /// a voter: its leader died or lost its leadership, the call that
+    /// asked for it ended, or its learner did not catch up in time, and
+    /// the move was not asked again), while no replacement runs here and
+    /// the group's membership is still the one its entry `seen` (term,
+    /// index) made. Such a learner is replicated to for good, and keeps
+    /// its group from going quiet while it does not hold every entry (a
+    /// dead node's never will). The learners removed, none when there was
+    /// nothing to do. Confirms with a quorum first that this node leads,
+    /// and takes its turn with the group's moves; `NotLeader` when this
+    /// node does not lead the group as a voter.
+    pub async fn remove_left_learners(
+        &self,
+        seen: (u64, u64),
+        within: std::time::Duration,
+    ) -> Result<Vec<u64>, StoreError> {
+        let Some(g) = self.raft.as_ref().filter(|g| g.replicated) else {
+            return Ok(Vec::new());
+        };
+        let current = |s: &raft_group::RaftStatus| {
+            !s.joint && s.membership_committed && s.membership_log == Some(seen)
+        };
+        let status = self.leading_voter()?;
+        if self.replacing() || status.learners.is_empty() || !current(&status) {
+            return Ok(Vec::new());
+        }
+        let _awake = AwakeForMove::hold(g, within);
+        self.linearize().await?;
+        let _step = g.moving.lock().await;
+        let status = self.leading_voter()?;
+        // (A replacement that starts from here on waits for this step, and
+        // then finds its learner gone, if it was one of these: it adds it
+        // again.)
+        if self.replacing() || status.learners.is_empty() || !current(&status) {
+            return Ok(Vec::new());
+        }
+        let last = {
+            use openraft::async_runtime::WatchReceiver;
+            *g.raft.metrics().borrow_watched().membership_config.log_id()
+        };
+        let learners: std::collections::BTreeSet<u64> = status.learners.into_iter().collect();
+        tracing::info!(
+            shard = self.shard.get(),
+            learners = ?learners,
+            "removing learners that moves cut short left behind"
+        );
+        // Made only while the group's membership is still the one read
+        // here (openraft checks it as it proposes the change).
+        g.raft
+            .change_membership_if(
+                openraft::ChangeMembers::RemoveNodes(learners.clone()),
+                false,
+                [openraft::Precondition::LastMembershipLogId {
+                    last_membership_log_id: last,
+                }],
+            )
+            .await
+            .map_err(|e| {
+                self.refused(g, "removing learners that moves cut short left".into(), e)
+            })?;
+        Ok(learners.into_iter().collect())
     }
 
     /// The group's status, read before a membership step: refused
@@ -2162,6 +2235,23 @@ impl Drop for AwakeForMove<'_> {
         if self.0.moves_under_way.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.quiet.end_holds();
         }
+    }
+}
+
+/// Counts a replacement of a replica under way on the group's leader
+/// (`Group::replacing`) for as long as it is held.
+struct Replacing<'a>(&'a raft_group::Group);
+
+impl<'a> Replacing<'a> {
+    fn hold(g: &'a raft_group::Group) -> Replacing<'a> {
+        g.replacing.fetch_add(1, Ordering::AcqRel);
+        Replacing(g)
+    }
+}
+
+impl Drop for Replacing<'_> {
+    fn drop(&mut self) {
+        self.0.replacing.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
