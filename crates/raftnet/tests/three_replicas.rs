@@ -1770,6 +1770,21 @@ async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
     let l = leader(&nodes).await;
     write_soon(&nodes[l], 1, "a write before the move").await;
     let f = (l + 1) % 3;
+    // A move to a voter is refused, naming it.
+    let g = (l + 2) % 3;
+    let refused = nodes[l]
+        .shard()
+        .replace_replica(
+            nodes[f].id,
+            nodes[g].id,
+            nodes[g].addr.clone(),
+            bounds(Duration::from_secs(60)),
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(StoreError::MoveTargetIsVoter { node, .. }) if node == nodes[g].id),
+        "{refused:?}"
+    );
     // The move's target is down: its learner takes nothing.
     let target = nodes[3].id;
     nodes[3].stop();

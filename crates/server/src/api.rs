@@ -2258,14 +2258,17 @@ async fn replace_on_leader(
     }
     let nodes = replicated_nodes(app)?;
     let to = match to {
+        // (Checked again by the move, under its group's lock.)
         Some(t) if already_a_voter(&status, t) => {
-            return Err(ApiError::invalid(
-                "to",
-                format!(
-                    "node {t} already holds a voting replica of shard {shard}: choose a node \
-                     outside its replicas ({:?})",
-                    status.voters
-                ),
+            return Err(from_store(
+                StoreError::MoveTargetIsVoter {
+                    shard,
+                    node: u64::from(t.get()),
+                    voters: status.voters,
+                },
+                shard.get(),
+                None,
+                app.dir.map_version(),
             ));
         }
         // (A node this one does not run yet, or no longer, is refused

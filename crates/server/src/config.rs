@@ -1301,7 +1301,10 @@ peer_addr = "127.0.0.1:7172"
             (vec![1, 2, 3], vec![2, 3, 1], vec![3, 1, 2], vec![1, 2, 3])
         );
         assert_eq!(r.timing, forkless_store::RaftTiming::default());
-        assert_eq!(r.learner_kept, std::time::Duration::from_secs(LEARNER_KEPT_S));
+        assert_eq!(
+            r.learner_kept,
+            std::time::Duration::from_secs(LEARNER_KEPT_S)
+        );
         // No owner until one is elected: every epoch 0.
         let a = &c.cluster.as_ref().expect("cluster").assignments;
         assert!(a.iter().all(|a| a.epoch == Epoch(0)));

@@ -334,6 +334,7 @@ pub fn from_store(e: StoreError, shard: u32, partition: Option<u32>, map_version
             detail: e.to_string(),
         },
         StoreError::Invalid(m) => ApiError::invalid("request", m),
+        e @ StoreError::MoveTargetIsVoter { .. } => ApiError::invalid("to", e.to_string()),
         StoreError::OutcomeUnknown { reason, .. } => ApiError::ShardUnavailable {
             shard,
             executed: Executed::Unknown,
@@ -417,5 +418,29 @@ mod tests {
             assert!(message.contains("node 4"), "{message}");
             assert!(!message.contains("nothing was written"), "{message}");
         }
+        // A move to a node that is a voter already (found by the move,
+        // under its group's lock): the field is the target's.
+        let a = from_store(
+            StoreError::MoveTargetIsVoter {
+                shard: ShardId(2),
+                node: 4,
+                voters: vec![1, 4, 5],
+            },
+            2,
+            None,
+            1,
+        );
+        assert_eq!(a.status(), StatusCode::BAD_REQUEST);
+        let body = a.body();
+        assert_eq!(
+            (&body["error"], &body["field"]),
+            (&json!("invalid_request"), &json!("to")),
+            "{body}"
+        );
+        let message = body["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("node 4 already holds a voting replica of shard 2"),
+            "{message}"
+        );
     }
 }

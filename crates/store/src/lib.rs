@@ -366,9 +366,10 @@ pub enum StoreError {
     /// its learner, if it has one, took no entry in that time.
     #[error(
         "shard {shard}: node {node} has answered nothing for {silent_s} s and its learner took \
-         nothing in that time (is it down, or cut off from this node?); it stays a learner: \
-         once the node answers again, asking again goes on, and a move of the shard elsewhere \
-         removes it"
+         nothing in that time (is it down, or cut off from this node?); it stays a learner for \
+         a while: once the node answers again, asking again goes on, and a move of the shard \
+         elsewhere removes it (as does the shard's leader, once no move has caught it up for \
+         raft.learner_kept_s)"
     )]
     MoveTargetUnreachable {
         shard: ShardId,
@@ -379,12 +380,24 @@ pub enum StoreError {
     /// its learner did not catch up within `within_s` seconds.
     #[error(
         "shard {shard}: node {node} did not catch up as a learner within {within_s} s; it stays \
-         one, and asking again goes on"
+         one for a while, and asking again within raft.learner_kept_s goes on (the shard's \
+         leader removes a learner no move catches up after that)"
     )]
     MoveCatchUpTimeout {
         shard: ShardId,
         node: u64,
         within_s: u64,
+    },
+    /// A move of one of the shard's replicas was asked to go to `node`,
+    /// which holds one of its voting replicas already (`voters`).
+    #[error(
+        "node {node} already holds a voting replica of shard {shard}: choose a node outside its \
+         replicas ({voters:?})"
+    )]
+    MoveTargetIsVoter {
+        shard: ShardId,
+        node: u64,
+        voters: Vec<u64>,
     },
 }
 

@@ -1315,10 +1315,11 @@ impl ShardStore {
             }
             self.leading_voter()?;
             if voters.contains(&to) {
-                return Err(StoreError::Invalid(format!(
-                    "node {to} already holds a voting replica of shard {}: choose a node outside its replicas ({voters:?})",
-                    self.shard
-                )));
+                return Err(StoreError::MoveTargetIsVoter {
+                    shard: self.shard,
+                    node: to,
+                    voters: voters.into_iter().collect(),
+                });
             }
             // A learner other than `to`: one a move cut short left (its
             // target died, or did not catch up in time, and the move went
