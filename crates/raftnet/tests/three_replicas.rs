@@ -148,6 +148,33 @@ impl Node {
             .is_some_and(|s| s.state == "leader" && s.term == term)
     }
 
+    /// Runs the node's balancer until the node stops, its shard read
+    /// through the node (none once it stops), preferring its own replica
+    /// (it hands no leadership on), and removing learners left behind
+    /// after `learners_kept`.
+    fn balance(&self, learners_kept: Duration) {
+        let cell = self.cell.clone();
+        let me = self.id;
+        tokio::spawn(forkless_raftnet::balance::run(
+            Arc::new(move || {
+                cell.read()
+                    .ok()
+                    .and_then(|s| s.as_ref()?.shard(SHARD))
+                    .into_iter()
+                    .collect()
+            }),
+            Arc::new(move |_| vec![me]),
+            Arc::default(),
+            self.peers.clone(),
+            forkless_raftnet::balance::Settings {
+                timing: forkless_store::RaftTiming::default(),
+                learners_kept,
+            },
+            forkless_raftnet::balance::DrainState::default(),
+            self.stop.subscribe(),
+        ));
+    }
+
     /// Runs the node's heartbeat, which lets its idle groups go quiet,
     /// until the node stops.
     fn quiesce(&self) {
@@ -1597,29 +1624,8 @@ async fn a_change_of_voters_its_leader_left_joint_is_finished_by_the_next_leader
     let dir = tempfile::tempdir().expect("tempdir");
     let mut nodes =
         cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
-    // Each node's balancer, its shard read through the node (none once
-    // it stops), preferring its own replica (it hands no leadership on).
     for n in &nodes {
-        let cell = n.cell.clone();
-        let me = n.id;
-        tokio::spawn(forkless_raftnet::balance::run(
-            Arc::new(move || {
-                cell.read()
-                    .ok()
-                    .and_then(|s| s.as_ref()?.shard(SHARD))
-                    .into_iter()
-                    .collect()
-            }),
-            Arc::new(move |_| vec![me]),
-            Arc::default(),
-            n.peers.clone(),
-            forkless_raftnet::balance::Settings {
-                timing: forkless_store::RaftTiming::default(),
-                learners_kept: Duration::from_secs(120),
-            },
-            forkless_raftnet::balance::DrainState::default(),
-            n.stop.subscribe(),
-        ));
+        n.balance(Duration::from_secs(120));
     }
     let l = leader(&nodes).await;
     write_soon(&nodes[l], 1, "a write before the move").await;
@@ -1745,26 +1751,7 @@ async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
     let mut nodes =
         cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
     for n in &nodes[..3] {
-        let cell = n.cell.clone();
-        let me = n.id;
-        tokio::spawn(forkless_raftnet::balance::run(
-            Arc::new(move || {
-                cell.read()
-                    .ok()
-                    .and_then(|s| s.as_ref()?.shard(SHARD))
-                    .into_iter()
-                    .collect()
-            }),
-            Arc::new(move |_| vec![me]),
-            Arc::default(),
-            n.peers.clone(),
-            forkless_raftnet::balance::Settings {
-                timing: forkless_store::RaftTiming::default(),
-                learners_kept: KEPT,
-            },
-            forkless_raftnet::balance::DrainState::default(),
-            n.stop.subscribe(),
-        ));
+        n.balance(KEPT);
         n.quiesce();
     }
     let l = leader(&nodes).await;
