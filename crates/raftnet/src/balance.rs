@@ -16,7 +16,10 @@
 //!
 //! A shard moved off a node (`forkless cluster remove-node`) prefers the
 //! replica that took that node's place ([`preferred_replica`]): a node
-//! that replaces another takes over the shards it was preferred for.
+//! that replaces another takes over the shards it was preferred for. A
+//! shard is not handed to its preferred replica while a move of one of
+//! its replicas waits on this leader for its learner
+//! (`ShardStore::replacing`): the handover would end the move.
 //!
 //! A leader that no quorum has answered for a while (it still sends, and
 //! hears nothing) hands its leadership away the same way
@@ -462,6 +465,14 @@ pub async fn run(
             if !leads || want == s.me {
                 continue;
             }
+            // A move of one of the shard's replicas under way here waits
+            // for its learner on this leader (up to minutes, for a large
+            // shard's snapshot): the preferred replica takes the shard
+            // once it is over. (A cut-off or drained leader hands it
+            // over regardless: the move would end anyway.)
+            if cut_off.is_none() && !drained_now && st.replacing() {
+                continue;
+            }
             // Only an answer to a beat made since this node led the shard
             // says whether `want` can lead it (a beat's answer speaks of
             // the shards the beat said its sender leads): a node shutting
@@ -625,22 +636,22 @@ fn remove_if_left(
     if !seen_for(learners_since, shard, log, kept) {
         return;
     }
-    let (st2, learners) = (st.clone(), s.learners.clone());
+    let st2 = st.clone();
+    // (Logged as it is done: the store checks again, under the group's
+    // lock, that no move has begun meanwhile.)
     chores.start(
         shard,
         "removing learners that moves cut short left",
-        move || {
-            tracing::warn!(
-                shard,
-                learners = ?learners,
-                kept_s = kept.as_secs(),
-                "the shard's group has learners that no move under way is catching up (moves cut short left them): removing them"
-            );
-        },
+        || {},
         async move { st2.remove_left_learners(log, CHORE_WITHIN).await },
         move |removed| {
             if !removed.is_empty() {
-                tracing::info!(shard, learners = ?removed, "removed learners that moves cut short left");
+                tracing::info!(
+                    shard,
+                    learners = ?removed,
+                    kept_s = kept.as_secs(),
+                    "removed learners that moves cut short left behind: no move under way had caught them up for kept_s"
+                );
             }
         },
     );
@@ -706,6 +717,12 @@ impl Chores {
                     busy.remove(&shard);
                     drop(busy);
                     done(v);
+                }
+                // (This node no longer leads: the next leader's balancer
+                // takes it up.)
+                Ok(Err(e @ forkless_store::StoreError::NotLeader { .. })) => {
+                    busy.insert(shard, Instant::now());
+                    tracing::debug!(shard, error = %e, "{what}: this node no longer leads the shard");
                 }
                 Ok(Err(e)) => {
                     busy.insert(shard, Instant::now());

@@ -11,6 +11,7 @@ use forkless_store::{
 };
 use forkless_types::{Epoch, ExecutionId, ShardCount, ShardId};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -153,8 +154,13 @@ impl Node {
     /// (it hands no leadership on), and removing learners left behind
     /// after `learners_kept`.
     fn balance(&self, learners_kept: Duration) {
+        self.balance_preferring(learners_kept, Arc::new(AtomicU64::new(self.id)));
+    }
+
+    /// [`Node::balance`], the shard's preferred replica the one `prefer`
+    /// names when the balancer looks.
+    fn balance_preferring(&self, learners_kept: Duration, prefer: Arc<AtomicU64>) {
         let cell = self.cell.clone();
-        let me = self.id;
         tokio::spawn(forkless_raftnet::balance::run(
             Arc::new(move || {
                 cell.read()
@@ -163,7 +169,7 @@ impl Node {
                     .into_iter()
                     .collect()
             }),
-            Arc::new(move |_| vec![me]),
+            Arc::new(move |_| vec![prefer.load(Ordering::Acquire)]),
             Arc::default(),
             self.peers.clone(),
             forkless_raftnet::balance::Settings {
@@ -1794,9 +1800,9 @@ async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    // While the move waits for it, the learner stays: four times the
-    // time a learner left behind is kept, and the balancer's tick.
-    let watched = Instant::now() + KEPT * 4 + forkless_raftnet::balance::BALANCE_EVERY;
+    // While the move waits for it, the learner stays: twice the time a
+    // learner left behind is kept, and the balancer's tick.
+    let watched = Instant::now() + KEPT * 2 + forkless_raftnet::balance::BALANCE_EVERY;
     while Instant::now() < watched {
         let s = nodes[l].status().expect("up");
         assert_eq!(
@@ -1831,6 +1837,73 @@ async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
     })
     .await;
     write_soon(&nodes[l], 2, "a write after the learner's removal").await;
+    nodes.iter_mut().for_each(Node::stop);
+}
+
+/// A leader does not hand its shard to the preferred replica while a
+/// move of one of the shard's replicas waits on it for its learner (a
+/// large shard's snapshot may take minutes, and the handover would end
+/// the move); it does once the move is over. Before, a handover at
+/// start (the preferred replica back) ended a move asked then with
+/// "this node stopped leading the shard's group".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_keeps_its_shard_while_a_move_waits_on_it_and_hands_it_over_after() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes =
+        cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
+    let l = leader(&nodes).await;
+    // Each balancer prefers the leader at first: no handover.
+    let prefer = Arc::new(AtomicU64::new(nodes[l].id));
+    for n in &nodes[..3] {
+        n.balance_preferring(Duration::from_secs(120), prefer.clone());
+    }
+    write_soon(&nodes[l], 1, "a write before the move").await;
+    let (f, g) = ((l + 1) % 3, (l + 2) % 3);
+    let target = nodes[3].id;
+    nodes[3].stop();
+    let moving = {
+        let (st, from, addr) = (nodes[l].shard(), nodes[f].id, nodes[3].addr.clone());
+        tokio::spawn(async move {
+            st.replace_replica(from, target, addr, bounds(Duration::from_secs(60)))
+                .await
+        })
+    };
+    let until = Instant::now() + Duration::from_secs(10);
+    while !nodes[l]
+        .status()
+        .is_some_and(|s| s.learners == [target] && s.membership_committed)
+    {
+        assert!(
+            Instant::now() < until,
+            "the move added no learner within 10 s: {:?}",
+            nodes[l].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Node g becomes the preferred replica, level and answering.
+    prefer.store(nodes[g].id, Ordering::Release);
+    let term = nodes[l].status().expect("up").term;
+    let watched = Instant::now() + forkless_raftnet::balance::BALANCE_EVERY * 4;
+    while Instant::now() < watched {
+        assert!(
+            nodes[l].leads_at(term),
+            "the leader handed its shard over during the move: {:?}",
+            nodes[l].status()
+        );
+        assert!(!moving.is_finished(), "the move ended: {:?}", moving.await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    moving.abort();
+    let _ = moving.await;
+    let until = Instant::now() + Duration::from_secs(15);
+    while !nodes[g].status().is_some_and(|s| s.state == "leader") {
+        assert!(
+            Instant::now() < until,
+            "the preferred replica did not take the shard within 15 s of the move's end: {:?}",
+            nodes[g].status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     nodes.iter_mut().for_each(Node::stop);
 }
 

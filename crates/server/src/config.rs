@@ -319,8 +319,9 @@ pub struct FilePlacement {
     pub replicas: Vec<u64>,
 }
 
-/// `[raft]`: a replicated group's timers, in milliseconds, and how much
-/// of its log it keeps in memory.
+/// `[raft]`: a replicated group's timers, in milliseconds, how much of
+/// its log it keeps in memory, and how long a learner left behind is kept
+/// (in seconds).
 #[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RaftTimingFile {

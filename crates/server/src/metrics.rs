@@ -325,7 +325,7 @@ impl StoreCollector {
         }
         let mut left = encoder.encode_descriptor(
             "raft_left_group",
-            "1 while this replica's group no longer counts it (its node was removed while away, and came back on its old data): it stands for nothing and takes no entry; its data stays until the node is retired",
+            "1 while this replica's group no longer counts it (its node was removed while away and came back on its old data, or it was the learner of a move left unfinished, removed since): it stands for nothing and takes no entry; its data stays until deleted by hand or the node is retired, or a move of the shard to this node takes it up again",
             None,
             MetricType::Gauge,
         )?;

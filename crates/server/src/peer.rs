@@ -337,8 +337,9 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                 };
                 // A replica here that the group's newer membership no
                 // longer counts (this node was removed while it was
-                // away): said when it is taken for left behind, and when
-                // it is counted again; the data stays.
+                // away, or it was the learner of a move that did not
+                // finish, removed since): said when it is taken for left
+                // behind, and when it is counted again; the data stays.
                 let me = u64::from(app.cfg.node_id.get());
                 if let Some(st) = app.store.shard(shard).filter(|st| st.is_replicated()) {
                     let local = st.raft_status();
@@ -358,7 +359,7 @@ async fn learn(app: &App, node: NodeId, st: &PeerStatus) {
                             leader = %node,
                             term = o.epoch,
                             voters = ?now.voters,
-                            "this node holds a replica of a shard whose group no longer counts it (it was removed while away): the replica follows no group and stands for no election; its data stays until it is deleted by hand"
+                            "this node holds a replica of a shard whose group no longer counts it (it was removed while away, or it was a learner a move left unfinished): the replica follows no group and stands for no election; its data stays until it is deleted by hand, or a move of the shard to this node takes it up again"
                         ),
                         Some((false, true)) => tracing::info!(
                             shard = o.shard,

@@ -1527,10 +1527,15 @@ impl ShardStore {
         if self.replacing() || status.learners.is_empty() || !current(&status) {
             return Ok(Vec::new());
         }
+        // The membership's log id, for the precondition below: the one the
+        // learners were read from (`seen`), or nothing is done.
         let last = {
             use openraft::async_runtime::WatchReceiver;
             *g.raft.metrics().borrow_watched().membership_config.log_id()
         };
+        if last.as_ref().map(|l| (l.leader_id.term, l.index)) != Some(seen) {
+            return Ok(Vec::new());
+        }
         let learners: std::collections::BTreeSet<u64> = status.learners.into_iter().collect();
         tracing::info!(
             shard = self.shard.get(),
