@@ -1896,7 +1896,7 @@ async fn a_leader_keeps_its_shard_while_a_move_waits_on_it_and_hands_it_over_aft
     moving.abort();
     let _ = moving.await;
     let until = Instant::now() + Duration::from_secs(15);
-    while !nodes[g].status().is_some_and(|s| s.state == "leader") {
+    while nodes[g].status().is_none_or(|s| s.state != "leader") {
         assert!(
             Instant::now() < until,
             "the preferred replica did not take the shard within 15 s of the move's end: {:?}",
