@@ -1173,6 +1173,8 @@ pub struct Cluster {
     /// `[raft]` snapshot_every_entries and log_kept_entries, if not the
     /// defaults.
     pub raft_log: Option<(u64, u64)>,
+    /// `[raft]` learner_kept_s, if not the default.
+    pub raft_learner_kept_s: Option<u64>,
     /// The loopback ports picked for nodes that have not started yet, held
     /// (bound, not listening), by port: a node's are let go just before it starts
     /// (see [`Cluster::spawn`]), so nothing else can take them meanwhile.
@@ -1236,6 +1238,7 @@ impl Cluster {
             replication_factor: None,
             raft_timing: None,
             raft_log: None,
+            raft_learner_kept_s: None,
             held: ports.iter().copied().zip(held).collect(),
             file_tail: String::new(),
             retired: Vec::new(),
@@ -1717,8 +1720,14 @@ impl Cluster {
         if !self.retired.is_empty() {
             s = format!("retired_nodes = {:?}\n{s}", self.retired);
         }
-        if self.raft_timing.is_some() || self.raft_log.is_some() {
+        if self.raft_timing.is_some()
+            || self.raft_log.is_some()
+            || self.raft_learner_kept_s.is_some()
+        {
             s.push_str("\n[raft]\n");
+        }
+        if let Some(kept) = self.raft_learner_kept_s {
+            s.push_str(&format!("learner_kept_s = {kept}\n"));
         }
         if let Some((h, lo, hi)) = self.raft_timing {
             s.push_str(&format!(

@@ -133,6 +133,10 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
     let lab = netlab::NetLab::new(NODES);
     let mut cl = Cluster::prepare_in_lab(&lab, SHARDS, FACTOR, PeerTiming::default());
     cl.raft_log = Some((100, 20));
+    // A learner a move cut short left (its leader killed mid-move) is
+    // removed within seconds, so that the removal meets the moves asked
+    // again (which take their learner up, or add it again).
+    cl.raft_learner_kept_s = Some(2);
     let ids = cl.start_all_replicated();
     let c = cl.client(1);
     // Leaders are being handed to their preferred replicas just after
