@@ -405,4 +405,14 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
     }
     let counts = cl.stop_and_compare_replicas();
     assert_eq!(counts.len(), SHARDS as usize, "{counts:?}");
+    // How often the membership's repairs ran (rare paths, reached by
+    // chance: a fault loop reads this line).
+    let logs = cl.logs();
+    eprintln!(
+        "membership repairs the nodes logged: {} changes of voters finished, {} removals of learners left behind",
+        logs.matches("finished a change of voters its leader had cut short")
+            .count(),
+        logs.matches("removed learners that moves cut short left behind")
+            .count()
+    );
 }
