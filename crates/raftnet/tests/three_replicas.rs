@@ -590,6 +590,76 @@ async fn a_leader_whose_group_panics_is_restarted_and_catches_up() {
     }
 }
 
+/// The leader's read of its state fails (a disk error) as it checks an
+/// entry's preconditions at apply, the entry committed on a quorum: the
+/// write's outcome is unknown, not "not executed" (the followers apply it,
+/// and a client told "not executed" may send it again without a key: a
+/// duplicate), and the leader's group stops and is restarted, applying
+/// the entry then. Before, the failed read was taken for a precondition
+/// that did not hold: the entry was refused on the leader alone, its
+/// waiter told "not executed", and the leader's replica lacked what the
+/// followers held, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_that_fails_as_the_leader_applies_is_no_refusal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    let l = leader(&nodes).await;
+    for n in 1..=5 {
+        write(&nodes[l], n).await.expect("a write on the leader");
+    }
+    forkless_store::failpoints::fail_next_apply_read(&nodes[l].path);
+    let started = nodes[l]
+        .shard()
+        .start(StartRequest {
+            epoch: Epoch(1),
+            id: id(6),
+            workflow: "wf".into(),
+            started_payload: b"{}".to_vec(),
+            routing_key: None,
+            idempotency_key: None,
+        })
+        .await;
+    assert!(
+        !matches!(
+            started,
+            Err(StoreError::NotExecuted { .. } | StoreError::NotLeader { .. }) | Ok(_)
+        ),
+        "a start whose entry committed, answered as if it had not: {started:?}"
+    );
+    // Every replica holds it: the followers at once, the leader once its
+    // group is restarted and applies the entry again.
+    let until = Instant::now() + Duration::from_secs(20);
+    for (i, node) in nodes.iter().enumerate() {
+        loop {
+            let there = node
+                .store
+                .as_ref()
+                .and_then(|s| s.shard(SHARD))
+                .and_then(|st| st.read_events(id(6), 0, 10).ok().flatten());
+            if there.is_some() {
+                break;
+            }
+            assert!(
+                Instant::now() < until,
+                "node {i} lacks execution 6 after 20 s: {:?}",
+                node.status()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let r = nodes[l]
+        .store
+        .as_ref()
+        .expect("up")
+        .restarts()
+        .get(&SHARD)
+        .cloned();
+    assert!(
+        r.as_ref().is_some_and(|r| r.count == 1),
+        "the leader's group was not restarted once: {r:?}"
+    );
+}
+
 /// A follower that was away catches up on entries too many bytes for one
 /// call: openraft asks for up to 300 entries a call, and entries of whole
 /// group commits (up to 16 MiB each) would make a frame the transport

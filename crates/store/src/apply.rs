@@ -187,6 +187,35 @@ pub enum Applied {
     Refused(String),
 }
 
+/// A state whose reads of executions and idempotency keys fail, as on a
+/// disk that returned an error: what a test arms
+/// (`failpoints::fail_next_apply_read`).
+#[cfg(any(test, feature = "failpoints"))]
+struct FailingReads<'a, S>(&'a S);
+
+#[cfg(any(test, feature = "failpoints"))]
+impl<S: machine::State> machine::State for FailingReads<'_, S> {
+    fn epoch(&self) -> Epoch {
+        self.0.epoch()
+    }
+
+    fn meta(&self, _: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
+        Err(StoreError::Io("a read a test failed".into()))
+    }
+
+    fn start_idem(&self, _: &[u8]) -> Result<Option<ExecutionId>, StoreError> {
+        Err(StoreError::Io("a read a test failed".into()))
+    }
+
+    fn event_idem(&self, _: &[u8]) -> Result<Option<u64>, StoreError> {
+        Err(StoreError::Io("a read a test failed".into()))
+    }
+
+    fn stored_event(&self, id: ExecutionId, seq: u64) -> Result<StoredEvent, StoreError> {
+        self.0.stored_event(id, seq)
+    }
+}
+
 /// The shard's committed state, as a replica reads it to check an entry
 /// (and the writer, to evaluate commands).
 pub(crate) struct Committed<'a> {
@@ -456,6 +485,8 @@ impl Applier {
         self.puts.clear();
         self.written.clear();
         let mut refused = None;
+        #[cfg(any(test, feature = "failpoints"))]
+        let fail_reads = crate::failpoints::apply_read_fails(&self.ks);
         each_item(payload, segment, offset, |item| {
             match item {
                 Item::Record(Record::Event {
@@ -501,7 +532,18 @@ impl Applier {
                         epoch: &self.epoch,
                         events: &self.events,
                     };
-                    if let Err(why) = self.checker.check(&state, std::slice::from_ref(&p)) {
+                    // (A read that failed stops the apply, and with it the
+                    // group: its waiters' outcome is unknown.)
+                    #[cfg(any(test, feature = "failpoints"))]
+                    let checked = if fail_reads {
+                        self.checker
+                            .check(&FailingReads(&state), std::slice::from_ref(&p))?
+                    } else {
+                        self.checker.check(&state, std::slice::from_ref(&p))?
+                    };
+                    #[cfg(not(any(test, feature = "failpoints")))]
+                    let checked = self.checker.check(&state, std::slice::from_ref(&p))?;
+                    if let Err(why) = checked {
                         refused = Some(why);
                         return Ok(false);
                     }

@@ -81,6 +81,31 @@ pub mod failpoints {
             .push((store_dir.join(crate::NODE_LOG_DIR), shard.get()));
     }
 
+    /// The next entry a shard of the store at `store_dir` applies finds
+    /// its state reads failing (a disk error) as it checks the entry's
+    /// preconditions (an entry with none, a blank or membership entry,
+    /// disarms it unharmed): the apply stops there, and so does the
+    /// group.
+    pub fn fail_next_apply_read(store_dir: &std::path::Path) {
+        APPLY_READ_FAILS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(store_dir.to_path_buf());
+    }
+
+    pub(crate) static APPLY_READ_FAILS: std::sync::Mutex<Vec<std::path::PathBuf>> =
+        std::sync::Mutex::new(Vec::new());
+
+    /// Whether the shard whose keyspaces are `ks` is in a store armed by
+    /// [`fail_next_apply_read`] (disarmed then).
+    pub(crate) fn apply_read_fails(ks: &crate::keyspaces::Keyspaces) -> bool {
+        let mut armed = APPLY_READ_FAILS.lock().unwrap_or_else(|e| e.into_inner());
+        let at = armed
+            .iter()
+            .position(|dir| ks.executions.path().starts_with(dir));
+        at.map(|i| armed.remove(i)).is_some()
+    }
+
     /// Every append to the log of shard `shard`'s Raft group in the store
     /// at `store_dir` first waits `delay`, as on a slow disk (until the
     /// process ends).

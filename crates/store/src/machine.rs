@@ -130,9 +130,18 @@ impl Checker {
         self.epoch = None;
     }
 
-    /// `Ok` if every precondition holds; else the first that does not, and
-    /// what the replica has instead.
-    pub(crate) fn check(&self, state: &impl State, pre: &[Precondition<'_>]) -> Result<(), String> {
+    /// `Ok(Ok(()))` if every precondition holds; `Ok(Err(why))` for the
+    /// first that does not, and what the replica has instead: the same on
+    /// every replica, which refuses the entry alike. A read of the state
+    /// that failed (`Err`) is this replica's failure, not the shard's
+    /// state: never a refusal (the other replicas apply the entry; a
+    /// refusal here would answer its waiters "not executed" and leave this
+    /// replica without what they hold).
+    pub(crate) fn check(
+        &self,
+        state: &impl State,
+        pre: &[Precondition<'_>],
+    ) -> Result<Result<(), String>, StoreError> {
         for p in pre {
             let holds = match p {
                 Precondition::Epoch(e) => {
@@ -145,8 +154,7 @@ impl Checker {
                     let now = match self.executions.get(id) {
                         Some(&(seq, open)) => Some((seq, open)),
                         None => state
-                            .meta(*id)
-                            .map_err(|e| e.to_string())?
+                            .meta(*id)?
                             .map(|m| (m.last_seq, !m.status.is_terminal())),
                     };
                     match now {
@@ -159,30 +167,31 @@ impl Checker {
                     }
                 }
                 Precondition::Absent(id) => {
-                    let exists = self.executions.contains_key(id)
-                        || state.meta(*id).map_err(|e| e.to_string())?.is_some();
+                    let exists = self.executions.contains_key(id) || state.meta(*id)?.is_some();
                     (!exists)
                         .then_some(())
                         .ok_or_else(|| format!("execution {id} exists"))
                 }
                 Precondition::EventKeyUnused(k) => {
-                    let used = self.event_keys.contains(k.as_ref())
-                        || state.event_idem(k).map_err(|e| e.to_string())?.is_some();
+                    let used =
+                        self.event_keys.contains(k.as_ref()) || state.event_idem(k)?.is_some();
                     (!used)
                         .then_some(())
                         .ok_or_else(|| "an event idempotency key is used".to_string())
                 }
                 Precondition::StartKeyUnused(k) => {
-                    let used = self.start_keys.contains(k.as_ref())
-                        || state.start_idem(k).map_err(|e| e.to_string())?.is_some();
+                    let used =
+                        self.start_keys.contains(k.as_ref()) || state.start_idem(k)?.is_some();
                     (!used)
                         .then_some(())
                         .ok_or_else(|| "a start idempotency key is used".to_string())
                 }
             };
-            holds?;
+            if let Err(why) = holds {
+                return Ok(Err(why));
+            }
         }
-        Ok(())
+        Ok(Ok(()))
     }
 
     /// An event the entry's command applied (its value as stored).
@@ -1311,7 +1320,7 @@ mod tests {
         let mut c = Checker::default();
         c.begin();
         for d in did {
-            c.check(state, &d.pre)?;
+            c.check(state, &d.pre).map_err(|e| e.to_string())??;
             for (id, seq, v) in &d.events {
                 c.event(*id, *seq, v).map_err(|e| e.to_string())?;
             }
@@ -1444,7 +1453,57 @@ mod tests {
         // Without the first command's event the second does not hold.
         let mut c = Checker::default();
         c.begin();
-        assert!(c.check(&replica, &did[1].pre).is_err());
+        assert!(matches!(c.check(&replica, &did[1].pre), Ok(Err(_))));
+    }
+
+    /// A replica whose reads of its state fail (a disk error).
+    struct Broken;
+
+    impl State for Broken {
+        fn epoch(&self) -> Epoch {
+            EPOCH
+        }
+        fn meta(&self, _: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
+            Err(StoreError::Io("the disk said no".into()))
+        }
+        fn start_idem(&self, _: &[u8]) -> Result<Option<ExecutionId>, StoreError> {
+            Err(StoreError::Io("the disk said no".into()))
+        }
+        fn event_idem(&self, _: &[u8]) -> Result<Option<u64>, StoreError> {
+            Err(StoreError::Io("the disk said no".into()))
+        }
+        fn stored_event(&self, _: ExecutionId, _: u64) -> Result<StoredEvent, StoreError> {
+            Err(StoreError::Io("the disk said no".into()))
+        }
+    }
+
+    #[test]
+    fn a_read_that_fails_is_the_replicas_failure_not_a_precondition_that_does_not_hold() {
+        let mut c = Checker::default();
+        c.begin();
+        let id = id(7);
+        for p in [
+            Precondition::Open { id, last_seq: 1 },
+            Precondition::Absent(id),
+            Precondition::EventKeyUnused(std::borrow::Cow::Borrowed(b"k")),
+            Precondition::StartKeyUnused(std::borrow::Cow::Borrowed(b"k")),
+        ] {
+            let what = describe(&p);
+            let checked = c.check(&Broken, &[Precondition::Epoch(EPOCH), p]);
+            assert!(
+                matches!(checked, Err(StoreError::Io(_))),
+                "{what}: {checked:?}"
+            );
+        }
+        // What holds or not without a read is checked as ever.
+        assert!(matches!(
+            c.check(&Broken, &[Precondition::Epoch(Epoch(EPOCH.get() + 1))]),
+            Ok(Err(_))
+        ));
+        assert!(matches!(
+            c.check(&Broken, &[Precondition::Epoch(EPOCH)]),
+            Ok(Ok(()))
+        ));
     }
 
     mod agree {
