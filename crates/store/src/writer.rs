@@ -862,7 +862,15 @@ impl Writer {
             Answer::Done(Err(ClientWriteError::LogEntryDiscarded(_))) => Some(unknown(
                 "its entry was discarded by a newer leader; it may have been committed".into(),
             )),
-            Answer::Done(Err(e)) => Some(not_executed(e.to_string())),
+            // Refused before anything was appended (the shard's writes
+            // carry no membership change and no precondition of
+            // openraft's, so these do not come). Each variant is named,
+            // none taken by a catch-all: one a later openraft adds must be
+            // decided here, not answered "not executed" unseen.
+            Answer::Done(Err(
+                e @ (ClientWriteError::ChangeMembershipError(_)
+                | ClientWriteError::PreconditionFailed(_)),
+            )) => Some(not_executed(e.to_string())),
             // The group stopped with the entry (a failed write of its
             // log, a panic): what it did is unknown, and so is its state.
             Answer::Dropped => {
