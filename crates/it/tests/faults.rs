@@ -90,6 +90,32 @@ fn assert_moved(
     );
 }
 
+/// Waits (at most 10 s) until node `leader` shows node `to` a learner of
+/// shard `shard`'s group, or the move (`moving`) has ended.
+fn learner_seen<T>(
+    cl: &Cluster,
+    leader: u16,
+    shard: u32,
+    to: u16,
+    moving: &std::thread::JoinHandle<T>,
+) {
+    let c = cl.client(leader);
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until && !moving.is_finished() {
+        let learner = c
+            .try_req("GET", "/api/cluster", &[], None, Duration::from_secs(2))
+            .is_ok_and(|r| {
+                r.json()["shards"][shard as usize]["raft"]["learners"]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|n| n.as_u64() == Some(u64::from(to))))
+            });
+        if learner {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Waits (at most 30 s) until the leader of shard `shard`, seen through
 /// one of the `live` nodes, leads a group with no learners and not in the
 /// middle of a change of its voters: what a
@@ -336,9 +362,15 @@ fn random_faults_on_five_nodes_lose_no_acknowledged_write() {
                     std::thread::spawn(move || move_replica(&via, shard, from, to, Some(&give_up)))
                 };
                 if let Some(l) = kill_leader {
-                    // Somewhere in the move: the learner's catch-up, the
-                    // change of voters, or just after.
-                    std::thread::sleep(Duration::from_millis(rng.below(400)));
+                    if *abandon {
+                        // While its learner catches up: the move leaves
+                        // the learner for the next leader to remove.
+                        learner_seen(&cl, *l, shard, to, &moving);
+                    } else {
+                        // Somewhere in the move: the learner's catch-up,
+                        // the change of voters, or just after.
+                        std::thread::sleep(Duration::from_millis(rng.below(400)));
+                    }
                     cl.kill9(*l);
                     give_up.store(*abandon, Ordering::Release);
                 }
