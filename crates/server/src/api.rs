@@ -1976,7 +1976,12 @@ async fn by_key(
             for id in ids {
                 // Steered ids are minted on the key's shard, so this is
                 // normally the same store; after a resize it may not be.
-                let meta = app2.store.shard(id.shard(n)).and_then(|s| s.execution(id).ok().flatten());
+                // (A read that fails is the request's failure: taken for
+                // "held elsewhere", it would answer 200 with a bare id.)
+                let meta = match app2.store.shard(id.shard(n)) {
+                    Some(s) => s.execution(id).map_err(|e| ApiError::Internal(e.to_string()))?,
+                    None => None,
+                };
                 out.push(match meta {
                     Some(m) => execution_json(&app2, &m, Some(epoch)),
                     None => json!({"execution_id": id.to_string(), "partition": id.partition().get(), "shard": id.shard(n).get()}),

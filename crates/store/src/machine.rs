@@ -207,8 +207,17 @@ impl Checker {
         Ok(())
     }
 
-    /// A put the entry's command applied.
+    /// A put the entry's command applied. One to a keyspace this version
+    /// does not know is damage (or an entry of a newer version): the
+    /// apply stops there, as a replay of the log does, rather than leave
+    /// the put out on this replica.
     pub(crate) fn put(&mut self, keyspace: u8, key: &[u8], value: &[u8]) -> Result<(), StoreError> {
+        use keyspace_id::*;
+        if ![META, EXECUTIONS, EVENT_IDEM, ROUTING_KEYS, START_IDEM].contains(&keyspace) {
+            return Err(StoreError::Corrupt(format!(
+                "an entry's put to keyspace {keyspace}, which this version does not know"
+            )));
+        }
         match keyspace {
             keyspace_id::EVENT_IDEM => {
                 self.event_keys.insert(key.to_vec());
@@ -1454,6 +1463,14 @@ mod tests {
         let mut c = Checker::default();
         c.begin();
         assert!(matches!(c.check(&replica, &did[1].pre), Ok(Err(_))));
+    }
+
+    #[test]
+    fn a_put_to_a_keyspace_this_version_does_not_know_stops_the_apply() {
+        let mut c = Checker::default();
+        c.begin();
+        assert!(c.put(keyspace_id::START_IDEM, b"k", b"v").is_ok());
+        assert!(matches!(c.put(9, b"k", b"v"), Err(StoreError::Corrupt(_))));
     }
 
     /// A replica whose reads of its state fail (a disk error).
