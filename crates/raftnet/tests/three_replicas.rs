@@ -1473,6 +1473,66 @@ async fn depose(nodes: &[Node]) -> (usize, u64, usize) {
     }
 }
 
+/// A leader deposed without knowing it (cut off from the other two, who
+/// elected one of them) answers no refusal from its own state: an append
+/// to an execution the new leader started is not "not found" there (a
+/// definitive answer, which a client may act on), but not executed, for
+/// the leader to answer. Before, a group that wrote nothing (all its
+/// commands refused, or retries found done) was answered from the
+/// replica's state alone, with no quorum's word that it still led, until
+/// it took itself for cut off (1.5 s with no quorum): the test failed so,
+/// `NotFound`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_leader_answers_no_refusal_from_its_own_state() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nodes = cluster(dir.path()).await;
+    write_soon(&nodes[leader(&nodes).await], 1, "a write before the cut").await;
+    let (old, old_term, new) = depose(&nodes).await;
+    let started = Instant::now();
+    let until = started + Duration::from_secs(5);
+    loop {
+        let st = nodes[new].shard();
+        let r = st
+            .start(StartRequest {
+                epoch: Epoch(1),
+                id: id(2),
+                workflow: "wf".into(),
+                started_payload: b"{}".to_vec(),
+                routing_key: None,
+                idempotency_key: None,
+            })
+            .await;
+        match r {
+            Ok(_) => break,
+            Err(e) => assert!(Instant::now() < until, "the new leader takes no start: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let leading = nodes[old].leads_at(old_term);
+    let answer = nodes[old]
+        .shard()
+        .append(AppendRequest {
+            epoch: Epoch(1),
+            id: id(2),
+            events: vec![NewEvent {
+                event_type: "step".into(),
+                payload: b"{}".to_vec(),
+                idempotency_key: None,
+            }],
+            expected_last_seq: Some(1),
+        })
+        .await;
+    assert!(
+        matches!(
+            answer,
+            Err(StoreError::NotLeader { .. } | StoreError::NotExecuted { .. })
+        ),
+        "the deposed leader (term {old_term}, taking itself for the leader when asked: {leading}, \
+         {} ms after the new leader was seen) answered from its own state: {answer:?}",
+        started.elapsed().as_millis()
+    );
+}
+
 /// A replica that lost its disk forgot the highest term it saw. Here it
 /// comes back reaching only a leader the other two deposed (cut off from
 /// them): before a new replica took a leader's word, that leader did not

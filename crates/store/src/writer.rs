@@ -117,6 +117,31 @@ impl Reply {
     /// The reply, whatever it was, becomes `err` (a group evaluated as
     /// of a group in flight that failed: its refusals rest on a state
     /// that may never have been, as much as its successes).
+    /// Whether the answer was read from the shard's state (a refusal such
+    /// as a sequence conflict, a retry found done), not a failure of this
+    /// replica or of its leadership.
+    fn rests_on_state(&self) -> bool {
+        let result = match self {
+            Reply::Start(_, r) => r.as_ref().err(),
+            Reply::Append(_, r) => r.as_ref().err(),
+            Reply::Epoch(_, r) => r.as_ref().err(),
+            Reply::Checkpoint(..) => return false,
+        };
+        !matches!(
+            result,
+            Some(
+                StoreError::NotLeader { .. }
+                    | StoreError::NotExecuted { .. }
+                    | StoreError::OutcomeUnknown { .. }
+                    | StoreError::ShardFailed { .. }
+                    | StoreError::WriterGone
+                    | StoreError::Io(_)
+                    | StoreError::Corrupt(_)
+                    | StoreError::Invalid(_)
+            )
+        )
+    }
+
     fn fail_all(self, err: StoreError) -> Reply {
         match self {
             Reply::Start(tx, _) => Reply::Start(tx, Err(err)),
@@ -282,6 +307,15 @@ impl RaftWrite {
         if !leads || !self.quiet.touch(&self.raft) {
             return Ok(false);
         }
+        self.confirm_leads(shard, "the shard's group was idle")?;
+        Ok(true)
+    }
+
+    /// Confirms with a quorum that this node still leads the group (a
+    /// read-index round, as a linearizable read makes), waiting at most
+    /// [`LEADER_READY_WITHIN`]; else why not, `since` saying why it was
+    /// asked.
+    fn confirm_leads(&self, shard: ShardId, since: &str) -> Result<(), StoreError> {
         let raft = self.raft.clone();
         let confirmed = raft_group::run(
             async move {
@@ -294,14 +328,14 @@ impl RaftWrite {
             LEADER_READY_WITHIN * 2,
         )?;
         match confirmed {
-            Some(Ok(Ok(_))) => Ok(true),
+            Some(Ok(Ok(_))) => Ok(()),
             Some(Ok(Err(e))) => Err(raft_group::forwarded(&self.raft, shard, e.forward_to_leader(), || {
-                format!("the shard's group was idle, and this node could not confirm it still leads it: {e}")
+                format!("{since}, and this node could not confirm it still leads the shard's group: {e}")
             })),
             _ => Err(StoreError::NotExecuted {
                 shard,
                 reason: format!(
-                    "the shard's group was idle, and no quorum confirmed this node still leads it within {} s",
+                    "{since}, and no quorum confirmed this node still leads the shard's group within {} s",
                     LEADER_READY_WITHIN.as_secs()
                 ),
             }),
@@ -691,6 +725,24 @@ impl Writer {
             return (replies, false);
         };
         let wrote = r.proposal.has_records();
+        // A group that writes nothing is answered from this replica's
+        // state alone (a refusal, a retry found done): no entry of it
+        // commits to prove that this node still leads. A leader deposed
+        // without knowing it (cut off, or handing its leadership over)
+        // would answer from a state the new leader has moved on from (a
+        // start there answered "not found" here, say), until it takes
+        // itself for cut off. So a quorum confirms first, as for a read;
+        // refused so, the answers are not executed (nothing was written)
+        // and the edge asks the leader.
+        if !wrote && r.replicated && replies.iter().any(Reply::rests_on_state) {
+            if let Err(e) = r.confirm_leads(self.shard, "the group writes nothing") {
+                self.machine.begin();
+                return (
+                    replies.into_iter().map(|r| r.fail_all(e.clone())).collect(),
+                    false,
+                );
+            }
+        }
         let mut answer = None;
         if wrote {
             let proposal = Proposal(r.proposal.take());
