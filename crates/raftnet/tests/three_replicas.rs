@@ -1474,13 +1474,14 @@ async fn depose(nodes: &[Node]) -> (usize, u64, usize) {
 }
 
 /// A leader deposed without knowing it (cut off from the other two, who
-/// elected one of them) answers no refusal from its own state: an append
-/// to an execution the new leader started is not "not found" there (a
-/// definitive answer, which a client may act on), but not executed, for
-/// the leader to answer. Before, a group that wrote nothing (all its
-/// commands refused, or retries found done) was answered from the
-/// replica's state alone, with no quorum's word that it still led, until
-/// it took itself for cut off (1.5 s with no quorum): the test failed so,
+/// elected one of them) answers no refusal from its own state: appends
+/// to an execution the new leader started are not "not found" there (a
+/// definitive answer, which a client may act on), but not executed (or
+/// unknown), for the leader to answer; whether they come in a group that
+/// writes nothing (confirmed first by a quorum, which the deposed leader
+/// cannot get) or ride in one with starts (whose entry never commits).
+/// Before, both were answered from the replica's state alone until it
+/// took itself for cut off (1.5 s with no quorum): the test failed so,
 /// `NotFound`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deposed_leader_answers_no_refusal_from_its_own_state() {
@@ -1490,47 +1491,62 @@ async fn a_deposed_leader_answers_no_refusal_from_its_own_state() {
     let (old, old_term, new) = depose(&nodes).await;
     let started = Instant::now();
     let until = started + Duration::from_secs(5);
+    let start = |st: Arc<forkless_store::ShardStore>, n: i64| async move {
+        st.start(StartRequest {
+            epoch: Epoch(1),
+            id: id(n),
+            workflow: "wf".into(),
+            started_payload: b"{}".to_vec(),
+            routing_key: None,
+            idempotency_key: None,
+        })
+        .await
+    };
     loop {
-        let st = nodes[new].shard();
-        let r = st
-            .start(StartRequest {
-                epoch: Epoch(1),
-                id: id(2),
-                workflow: "wf".into(),
-                started_payload: b"{}".to_vec(),
-                routing_key: None,
-                idempotency_key: None,
-            })
-            .await;
-        match r {
-            Ok(_) => break,
+        match start(nodes[new].shard(), 2).await {
+            // (A try answered otherwise may have landed.)
+            Ok(_) | Err(StoreError::ExecutionExists(_)) => break,
             Err(e) => assert!(Instant::now() < until, "the new leader takes no start: {e}"),
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let leading = nodes[old].leads_at(old_term);
-    let answer = nodes[old]
-        .shard()
-        .append(AppendRequest {
-            epoch: Epoch(1),
-            id: id(2),
-            events: vec![NewEvent {
-                event_type: "step".into(),
-                payload: b"{}".to_vec(),
-                idempotency_key: None,
-            }],
-            expected_last_seq: Some(1),
-        })
-        .await;
-    assert!(
-        matches!(
-            answer,
-            Err(StoreError::NotLeader { .. } | StoreError::NotExecuted { .. })
-        ),
-        "the deposed leader (term {old_term}, taking itself for the leader when asked: {leading}, \
-         {} ms after the new leader was seen) answered from its own state: {answer:?}",
-        started.elapsed().as_millis()
-    );
+    // Through the deposed leader, at once: starts (which write) and
+    // appends to execution 2 (which it does not hold), some in the same
+    // groups.
+    let st = nodes[old].shard();
+    let mut appends = Vec::new();
+    for k in 0..8 {
+        tokio::spawn(start(st.clone(), 10 + k));
+        let st = st.clone();
+        appends.push(tokio::spawn(async move {
+            st.append(AppendRequest {
+                epoch: Epoch(1),
+                id: id(2),
+                events: vec![NewEvent {
+                    event_type: "step".into(),
+                    payload: b"{}".to_vec(),
+                    idempotency_key: None,
+                }],
+                expected_last_seq: Some(1),
+            })
+            .await
+        }));
+    }
+    for a in appends {
+        let answer = a.await.expect("an append's task");
+        assert!(
+            matches!(
+                answer,
+                Err(StoreError::NotLeader { .. }
+                    | StoreError::NotExecuted { .. }
+                    | StoreError::OutcomeUnknown { .. })
+            ),
+            "the deposed leader (term {old_term}, taking itself for the leader when asked: {leading}, \
+             {} ms after the new leader was seen) answered from its own state: {answer:?}",
+            started.elapsed().as_millis()
+        );
+    }
 }
 
 /// A replica that lost its disk forgot the highest term it saw. Here it

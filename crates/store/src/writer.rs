@@ -114,9 +114,6 @@ impl Reply {
         }
     }
 
-    /// The reply, whatever it was, becomes `err` (a group evaluated as
-    /// of a group in flight that failed: its refusals rest on a state
-    /// that may never have been, as much as its successes).
     /// Whether the answer was read from the shard's state (a refusal such
     /// as a sequence conflict, a retry found done), not a failure of this
     /// replica or of its leadership.
@@ -142,12 +139,40 @@ impl Reply {
         )
     }
 
+    /// The reply, whatever it was, becomes `err` (a group evaluated as
+    /// of a group in flight that failed: its refusals rest on a state
+    /// that may never have been, as much as its successes).
     fn fail_all(self, err: StoreError) -> Reply {
         match self {
             Reply::Start(tx, _) => Reply::Start(tx, Err(err)),
             Reply::Append(tx, _) => Reply::Append(tx, Err(err)),
             Reply::Epoch(tx, _) => Reply::Epoch(tx, Err(err)),
             Reply::Checkpoint(tx, _) => Reply::Checkpoint(tx, Err(err)),
+        }
+    }
+
+    /// [`Reply::fail`] for a group whose entry did not commit at its
+    /// term (not led when proposed, discarded, or abandoned): no quorum's
+    /// word covers the state its refusals were read from either (its
+    /// leader may have been deposed), so a refusal is not executed (it
+    /// wrote nothing), to be asked again of the leader; a failure of this
+    /// replica stays as it was.
+    fn fail_unconfirmed(self, err: StoreError, shard: ShardId) -> Reply {
+        if !self.rests_on_state() {
+            return self.fail(err);
+        }
+        let unconfirmed = |refusal: &StoreError| StoreError::NotExecuted {
+            shard,
+            reason: format!(
+                "its group's entry did not commit ({err}), so no quorum confirmed the state it was \
+                 answered from ({refusal}); nothing was written"
+            ),
+        };
+        match self {
+            Reply::Start(tx, Err(r)) => Reply::Start(tx, Err(unconfirmed(&r))),
+            Reply::Append(tx, Err(r)) => Reply::Append(tx, Err(unconfirmed(&r))),
+            Reply::Epoch(tx, Err(r)) => Reply::Epoch(tx, Err(unconfirmed(&r))),
+            other => other.fail(err),
         }
     }
 
@@ -834,19 +859,34 @@ impl Writer {
                 }
             }),
         };
+        // (Refused at apply: the entry committed at its term.)
+        let committed = matches!(
+            &answer,
+            Some(Answer::Done(Ok(r))) if matches!(r.data, Applied::Refused(_))
+        );
         let failed = answer.and_then(|a| self.failure_of(a));
         let group = self.in_flight.pop_front()?;
         self.machine.settle_oldest();
         let replies = match (failed, &self.poisoned) {
             // The first to fail was evaluated against a state that stood:
-            // its refusals stand. A later one's rest on the failed group's
-            // writes, so all its answers become its own failure.
+            // its refusals stand if its entry committed at its term (and
+            // was refused at apply), which confirms this node led as it
+            // answered; else nothing confirms it, and they are not
+            // executed. A later one's rest on the failed group's writes,
+            // so all its answers become its own failure.
             (Some(e), None) => {
                 self.poisoned = Some(e.clone());
+                let shard = self.shard;
                 group
                     .replies
                     .into_iter()
-                    .map(|r| r.fail(e.clone()))
+                    .map(|r| {
+                        if committed {
+                            r.fail(e.clone())
+                        } else {
+                            r.fail_unconfirmed(e.clone(), shard)
+                        }
+                    })
                     .collect()
             }
             (Some(e), Some(_)) => group
