@@ -100,9 +100,18 @@ enum ToClient {
     },
 }
 
+/// The largest hello (and answer to one) a node reads: a connection is
+/// read with this bound until its hello is answered welcome, and with
+/// [`FRAME_BYTES_MAX`] after. A hello is a few dozen bytes; before, a
+/// connection that knew no secret could announce an 80 MiB hello and have
+/// the node reserve room for it (and wait for its bytes), on each of the
+/// listener's connections.
+pub const HELLO_BYTES_MAX: usize = 64 << 10;
+
+/// The codec of a connection before its hello is answered welcome.
 fn codec() -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder()
-        .max_frame_length(FRAME_BYTES_MAX)
+        .max_frame_length(HELLO_BYTES_MAX)
         .new_codec()
 }
 
@@ -498,7 +507,10 @@ async fn connect(
         .map_err(|e| format!("saying hello to node {target}: {e}"))?;
     match framed.next().await {
         Some(Ok(b)) => match decode::<ToClient>(&b)? {
-            ToClient::Welcome => Ok(framed),
+            ToClient::Welcome => {
+                framed.codec_mut().set_max_frame_length(FRAME_BYTES_MAX);
+                Ok(framed)
+            }
             ToClient::Refused(why) => Err(Connect {
                 why: format!("node {target} refused this node: {why}"),
                 refused: true,
@@ -725,6 +737,10 @@ impl Refusals {
 const REFUSAL_SAID_EVERY: Duration = Duration::from_secs(60);
 
 /// The shards being opened for a leader that replicates to them.
+/// How many replicas a node opens at once for leaders that replicate to
+/// it ([`Joins::open`]).
+const OPENING_MAX: usize = 16;
+
 struct Joins {
     join: Option<Join>,
     opening: Mutex<std::collections::HashSet<u32>>,
@@ -744,17 +760,19 @@ impl Joins {
 
     /// Opens this node's replica of `group` in the background for its
     /// leader `peer`, unless one is being opened; false if this node opens
-    /// none (no `join`).
+    /// none (no `join`). At most [`OPENING_MAX`] are opened at once: a
+    /// peer whose calls name many groups (a beat names every group it
+    /// leads that this node is a member of) waits for the next call for
+    /// the rest, rather than have a blocking task queued for each.
     fn open(self: &Arc<Self>, peer: u64, group: u32) -> bool {
         let Some(join) = self.join.clone() else {
             return false;
         };
-        if self
-            .opening
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(group)
-        {
+        let starts = {
+            let mut opening = self.opening.lock().unwrap_or_else(|e| e.into_inner());
+            opening.len() < OPENING_MAX && opening.insert(group)
+        };
+        if starts {
             let me = self.clone();
             tokio::task::spawn_blocking(move || {
                 if join(group).is_some() {
@@ -855,6 +873,7 @@ async fn serve_connection(
         .send(encode(&ToClient::Welcome)?)
         .await
         .map_err(|e| format!("answering hello: {e}"))?;
+    framed.codec_mut().set_max_frame_length(FRAME_BYTES_MAX);
     let (mut sink, mut stream) = framed.split();
     let (out, mut answers) = mpsc::channel::<Bytes>(IN_FLIGHT_MAX);
     let writer = tokio::spawn(async move {
@@ -1226,6 +1245,89 @@ mod tests {
 
     fn openraft_vote() -> openraft::raft::VoteRequest<forkless_store::GroupConfig> {
         openraft::raft::VoteRequest::new(openraft::impls::Vote::new(2, 1), None)
+    }
+
+    /// A peer whose calls name many groups this node holds no replica of
+    /// has at most `OPENING_MAX` of them opened at once: a blocking task
+    /// each, not one queued for every group named (a beat of 80 MiB could
+    /// name millions).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn at_most_a_few_replicas_are_opened_at_once_for_a_peer() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let join: Join = {
+            let (running, most) = (running.clone(), most.clone());
+            Arc::new(move |_| {
+                let now = running.fetch_add(1, Ordering::AcqRel) + 1;
+                most.fetch_max(now, Ordering::AcqRel);
+                std::thread::sleep(Duration::from_millis(200));
+                running.fetch_sub(1, Ordering::AcqRel);
+                None
+            })
+        };
+        let joins = Arc::new(Joins {
+            join: Some(join),
+            opening: Mutex::default(),
+        });
+        for g in 0..1000 {
+            joins.open(2, g);
+        }
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while !joins
+            .opening
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
+        {
+            assert!(std::time::Instant::now() < until, "the opens did not end");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let most = most.load(Ordering::Acquire);
+        assert!(
+            (1..=OPENING_MAX).contains(&most),
+            "{most} replicas were opened at once"
+        );
+    }
+
+    /// A connection that announces a hello larger than any is closed at
+    /// once, before its secret is read and without waiting for its bytes.
+    /// Before, the node took up to 80 MiB for it and waited the whole
+    /// hello bound (5 s) for them, on each of its listener's connections.
+    #[tokio::test]
+    async fn a_hello_larger_than_any_is_refused_at_once() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, "right".into(), groups, stop));
+        let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // A length-delimited frame's header: 16 MiB to come.
+        tcp.write_all(&(16u32 << 20).to_be_bytes()).await.unwrap();
+        tcp.write_all(&[0; 1024]).await.unwrap();
+        let mut buf = [0u8; 64];
+        let closed = tokio::time::timeout(Duration::from_secs(2), async {
+            loop {
+                match tcp.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await;
+        assert!(
+            closed.is_ok(),
+            "the connection was still open 2 s after announcing a 16 MiB hello"
+        );
+        // A real peer still gets in (its hello is small, its calls are not
+        // bounded by the hello's bound).
+        let links = Links::new(1, "right".into(), [(2, addr.to_string())]);
+        if let Err(CallError::Unreachable(why)) = links
+            .call(2, 0, Rpc::Vote(openraft_vote()), Duration::from_secs(2))
+            .await
+        {
+            assert!(!why.contains("hello"), "a real peer refused: {why}");
+        }
     }
 
     #[tokio::test]

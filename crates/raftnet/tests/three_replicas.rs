@@ -1922,27 +1922,7 @@ async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
         "{refused:?}"
     );
     // The move's target is down: its learner takes nothing.
-    let target = nodes[3].id;
-    nodes[3].stop();
-    let moving = {
-        let (st, from, addr) = (nodes[l].shard(), nodes[f].id, nodes[3].addr.clone());
-        tokio::spawn(async move {
-            st.replace_replica(from, target, addr, bounds(Duration::from_secs(60)))
-                .await
-        })
-    };
-    let until = Instant::now() + Duration::from_secs(10);
-    while !nodes[l]
-        .status()
-        .is_some_and(|s| s.learners == [target] && s.membership_committed)
-    {
-        assert!(
-            Instant::now() < until,
-            "the move added no learner within 10 s: {:?}",
-            nodes[l].status()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (target, moving) = move_to_a_stopped_spare(&mut nodes, l, f).await;
     // While the move waits for it, the learner stays: twice the time a
     // learner left behind is kept, and the balancer's tick.
     let watched = Instant::now() + KEPT * 2 + forkless_raftnet::balance::BALANCE_EVERY;
@@ -1983,25 +1963,18 @@ async fn a_learner_a_move_cut_short_left_is_removed_by_the_leader() {
     nodes.iter_mut().for_each(Node::stop);
 }
 
-/// A leader does not hand its shard to the preferred replica while a
-/// move of one of the shard's replicas waits on it for its learner (a
-/// large shard's snapshot may take minutes, and the handover would end
-/// the move); it does once the move is over. Before, a handover at
-/// start (the preferred replica back) ended a move asked then with
-/// "this node stopped leading the shard's group".
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leader_keeps_its_shard_while_a_move_waits_on_it_and_hands_it_over_after() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let mut nodes =
-        cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
-    let l = leader(&nodes).await;
-    // Each balancer prefers the leader at first: no handover.
-    let prefer = Arc::new(AtomicU64::new(nodes[l].id));
-    for n in &nodes[..3] {
-        n.balance_preferring(Duration::from_secs(120), prefer.clone());
-    }
-    write_soon(&nodes[l], 1, "a write before the move").await;
-    let (f, g) = ((l + 1) % 3, (l + 2) % 3);
+/// Stops the spare node (index 3) and moves node `f`'s replica to it on
+/// leader `l`, in a task of its own (a catch-up bound of 60 s), once the
+/// spare is the group's learner: its id and the move's task. The learner
+/// takes nothing: its node is down.
+async fn move_to_a_stopped_spare(
+    nodes: &mut [Node],
+    l: usize,
+    f: usize,
+) -> (
+    u64,
+    tokio::task::JoinHandle<Result<forkless_store::Replaced, StoreError>>,
+) {
     let target = nodes[3].id;
     nodes[3].stop();
     let moving = {
@@ -2023,6 +1996,29 @@ async fn a_leader_keeps_its_shard_while_a_move_waits_on_it_and_hands_it_over_aft
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    (target, moving)
+}
+
+/// A leader does not hand its shard to the preferred replica while a
+/// move of one of the shard's replicas waits on it for its learner (a
+/// large shard's snapshot may take minutes, and the handover would end
+/// the move); it does once the move is over. Before, a handover at
+/// start (the preferred replica back) ended a move asked then with
+/// "this node stopped leading the shard's group".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_keeps_its_shard_while_a_move_waits_on_it_and_hands_it_over_after() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut nodes =
+        cluster_and_spares(dir.path(), &[], forkless_store::RaftLogLimits::default(), 1).await;
+    let l = leader(&nodes).await;
+    // Each balancer prefers the leader at first: no handover.
+    let prefer = Arc::new(AtomicU64::new(nodes[l].id));
+    for n in &nodes[..3] {
+        n.balance_preferring(Duration::from_secs(120), prefer.clone());
+    }
+    write_soon(&nodes[l], 1, "a write before the move").await;
+    let (f, g) = ((l + 1) % 3, (l + 2) % 3);
+    let (_, moving) = move_to_a_stopped_spare(&mut nodes, l, f).await;
     // Node g becomes the preferred replica, level and answering.
     prefer.store(nodes[g].id, Ordering::Release);
     let term = nodes[l].status().expect("up").term;

@@ -748,7 +748,13 @@ pub async fn run(
         // here, learns its membership from that leader.
         let join: Option<forkless_raftnet::Join> = app.replication.as_ref().map(|_| {
             let store = app.store.clone();
+            let shards = app.dir.shard_count().get();
             let join: forkless_raftnet::Join = Arc::new(move |g| {
+                // (A peer's call naming a group past the shard count names
+                // no shard: nothing to open, nothing to warn of.)
+                if g >= shards {
+                    return None;
+                }
                 // A shard out of service here (damage found at open) stays
                 // so: reported once by the store, not reopened at every
                 // call of its leader.
