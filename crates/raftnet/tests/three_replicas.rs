@@ -332,15 +332,7 @@ fn id(n: i64) -> ExecutionId {
 
 async fn write(node: &Node, n: i64) -> Result<(), StoreError> {
     let st = node.shard();
-    st.start(StartRequest {
-        epoch: Epoch(1),
-        id: id(n),
-        workflow: "wf".into(),
-        started_payload: b"{}".to_vec(),
-        routing_key: None,
-        idempotency_key: None,
-    })
-    .await?;
+    st.start(start_of(n)).await?;
     st.append(AppendRequest {
         epoch: Epoch(1),
         id: id(n),
@@ -353,6 +345,18 @@ async fn write(node: &Node, n: i64) -> Result<(), StoreError> {
     })
     .await?;
     Ok(())
+}
+
+/// The start of execution `n`, at epoch 1, with no keys.
+fn start_of(n: i64) -> StartRequest {
+    StartRequest {
+        epoch: Epoch(1),
+        id: id(n),
+        workflow: "wf".into(),
+        started_payload: b"{}".to_vec(),
+        routing_key: None,
+        idempotency_key: None,
+    }
 }
 
 /// Waits until `node` (node `i`) has applied up to `index`, at most 10 s.
@@ -608,17 +612,7 @@ async fn a_read_that_fails_as_the_leader_applies_is_no_refusal() {
         write(&nodes[l], n).await.expect("a write on the leader");
     }
     forkless_store::failpoints::fail_next_apply_read(&nodes[l].path);
-    let started = nodes[l]
-        .shard()
-        .start(StartRequest {
-            epoch: Epoch(1),
-            id: id(6),
-            workflow: "wf".into(),
-            started_payload: b"{}".to_vec(),
-            routing_key: None,
-            idempotency_key: None,
-        })
-        .await;
+    let started = nodes[l].shard().start(start_of(6)).await;
     assert!(
         matches!(started, Err(StoreError::OutcomeUnknown { .. })),
         "a start whose entry committed, answered otherwise than unknown: {started:?}"
@@ -1104,16 +1098,7 @@ async fn snapshot_catch_up() {
     let st = nodes[l].shard();
     let written = Instant::now();
     for n in 1..=executions {
-        st.start(StartRequest {
-            epoch: Epoch(1),
-            id: id(n),
-            workflow: "wf".into(),
-            started_payload: b"{}".to_vec(),
-            routing_key: None,
-            idempotency_key: None,
-        })
-        .await
-        .expect("start");
+        st.start(start_of(n)).await.expect("start");
         st.append(AppendRequest {
             epoch: Epoch(1),
             id: id(n),
@@ -1214,16 +1199,7 @@ async fn a_follower_that_loses_its_disk_again_and_again_under_load_rejoins_each_
                 let mut n = w * 1_000_000;
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                     n += 1;
-                    let started = st
-                        .start(StartRequest {
-                            epoch: Epoch(1),
-                            id: id(n),
-                            workflow: "wf".into(),
-                            started_payload: b"{}".to_vec(),
-                            routing_key: None,
-                            idempotency_key: None,
-                        })
-                        .await;
+                    let started = st.start(start_of(n)).await;
                     if started.is_ok() {
                         acked.lock().expect("acked").push(n);
                     } else {
@@ -1491,17 +1467,8 @@ async fn a_deposed_leader_answers_no_refusal_from_its_own_state() {
     let (old, old_term, new) = depose(&nodes).await;
     let started = Instant::now();
     let until = started + Duration::from_secs(5);
-    let start = |st: Arc<forkless_store::ShardStore>, n: i64| async move {
-        st.start(StartRequest {
-            epoch: Epoch(1),
-            id: id(n),
-            workflow: "wf".into(),
-            started_payload: b"{}".to_vec(),
-            routing_key: None,
-            idempotency_key: None,
-        })
-        .await
-    };
+    let start =
+        |st: Arc<forkless_store::ShardStore>, n: i64| async move { st.start(start_of(n)).await };
     loop {
         match start(nodes[new].shard(), 2).await {
             // (A try answered otherwise may have landed.)
