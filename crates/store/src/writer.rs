@@ -583,12 +583,17 @@ impl Writer {
         // of that term and none of them failed.
         let mut settled = self.settle_ready();
         let mut not_leading = None;
+        // Whether a quorum confirmed this node leads since the group's
+        // commands came (its group woke from quiet): then a group that
+        // writes nothing needs no second round.
+        let mut confirmed = false;
         let lead = self.raft.as_ref().map(|r| {
             r.wake(self.shard)
-                .and_then(|confirmed| r.leading(self.shard, confirmed))
+                .and_then(|woke| r.leading(self.shard, woke).map(|term| (term, woke)))
         });
         match lead {
-            Some(Ok(term)) => {
+            Some(Ok((term, woke))) => {
+                confirmed = woke;
                 if !self.in_flight.is_empty() && self.in_flight_term != term {
                     settled.extend(self.settle_all());
                 }
@@ -683,7 +688,7 @@ impl Writer {
         // takes it.
         drop(cache);
         if self.raft.is_some() {
-            let (mut proposed, wrote) = self.propose(replies, asked, pipeline);
+            let (mut proposed, wrote) = self.propose(replies, asked, pipeline, confirmed);
             settled.append(&mut proposed);
             match pipeline {
                 Some(_) => settled.extend(self.settle_ready()),
@@ -745,6 +750,7 @@ impl Writer {
         replies: Vec<Reply>,
         asked: bool,
         waker: Option<&std::thread::Thread>,
+        confirmed: bool,
     ) -> (Vec<Reply>, bool) {
         let Some(r) = &mut self.raft else {
             return (replies, false);
@@ -756,10 +762,11 @@ impl Writer {
         // without knowing it (cut off, or handing its leadership over)
         // would answer from a state the new leader has moved on from (a
         // start there answered "not found" here, say), until it takes
-        // itself for cut off. So a quorum confirms first, as for a read;
+        // itself for cut off. So a quorum confirms first, as for a read
+        // (unless one did as the group woke, after its commands came);
         // refused so, the answers are not executed (nothing was written)
         // and the edge asks the leader.
-        if !wrote && r.replicated && replies.iter().any(Reply::rests_on_state) {
+        if !wrote && !confirmed && r.replicated && replies.iter().any(Reply::rests_on_state) {
             if let Err(e) = r.confirm_leads(self.shard, "the group writes nothing") {
                 self.machine.begin();
                 return (
