@@ -580,8 +580,10 @@ fn finish_if_cut_short(
     chores: &Chores,
 ) {
     let shard = st.id().get();
-    let leads = s.state == "leader" && s.leader == Some(s.me) && s.voters.contains(&s.me);
-    let (true, Some(log)) = (leads && s.joint && s.membership_committed, s.membership_log) else {
+    let (true, Some(log)) = (
+        leads_as_voter(s) && s.joint && s.membership_committed,
+        s.membership_log,
+    ) else {
         joint_since.remove(&shard);
         return;
     };
@@ -626,9 +628,11 @@ fn remove_if_left(
     kept: Duration,
 ) {
     let shard = st.id().get();
-    let leads = s.state == "leader" && s.leader == Some(s.me) && s.voters.contains(&s.me);
-    let left =
-        leads && !s.learners.is_empty() && !s.joint && s.membership_committed && !st.replacing();
+    let left = leads_as_voter(s)
+        && !s.learners.is_empty()
+        && !s.joint
+        && s.membership_committed
+        && !st.replacing();
     let (true, Some(log)) = (left, s.membership_log) else {
         learners_since.remove(&shard);
         return;
@@ -655,6 +659,12 @@ fn remove_if_left(
             }
         },
     );
+}
+
+/// Whether the replica whose status `s` is leads its group as one of its
+/// voters (the one that takes a membership step).
+fn leads_as_voter(s: &forkless_store::RaftStatus) -> bool {
+    s.state == "leader" && s.leader == Some(s.me) && s.voters.contains(&s.me)
 }
 
 /// Whether shard `shard` has been seen in the membership whose entry is

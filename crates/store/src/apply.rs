@@ -191,7 +191,7 @@ pub enum Applied {
 /// disk that returned an error: what a test arms
 /// (`failpoints::fail_next_apply_read`).
 #[cfg(any(test, feature = "failpoints"))]
-struct FailingReads<'a, S>(&'a S);
+pub(crate) struct FailingReads<'a, S>(pub(crate) &'a S);
 
 #[cfg(any(test, feature = "failpoints"))]
 impl<S: machine::State> machine::State for FailingReads<'_, S> {

@@ -1473,29 +1473,11 @@ mod tests {
         assert!(matches!(c.put(9, b"k", b"v"), Err(StoreError::Corrupt(_))));
     }
 
-    /// A replica whose reads of its state fail (a disk error).
-    struct Broken;
-
-    impl State for Broken {
-        fn epoch(&self) -> Epoch {
-            EPOCH
-        }
-        fn meta(&self, _: ExecutionId) -> Result<Option<ExecutionMeta>, StoreError> {
-            Err(StoreError::Io("the disk said no".into()))
-        }
-        fn start_idem(&self, _: &[u8]) -> Result<Option<ExecutionId>, StoreError> {
-            Err(StoreError::Io("the disk said no".into()))
-        }
-        fn event_idem(&self, _: &[u8]) -> Result<Option<u64>, StoreError> {
-            Err(StoreError::Io("the disk said no".into()))
-        }
-        fn stored_event(&self, _: ExecutionId, _: u64) -> Result<StoredEvent, StoreError> {
-            Err(StoreError::Io("the disk said no".into()))
-        }
-    }
-
     #[test]
     fn a_read_that_fails_is_the_replicas_failure_not_a_precondition_that_does_not_hold() {
+        // A replica whose reads of its state fail (a disk error).
+        let (_, replica) = setup();
+        let broken = crate::apply::FailingReads(&replica);
         let mut c = Checker::default();
         c.begin();
         let id = id(7);
@@ -1506,7 +1488,7 @@ mod tests {
             Precondition::StartKeyUnused(std::borrow::Cow::Borrowed(b"k")),
         ] {
             let what = describe(&p);
-            let checked = c.check(&Broken, &[Precondition::Epoch(EPOCH), p]);
+            let checked = c.check(&broken, &[Precondition::Epoch(EPOCH), p]);
             assert!(
                 matches!(checked, Err(StoreError::Io(_))),
                 "{what}: {checked:?}"
@@ -1514,11 +1496,11 @@ mod tests {
         }
         // What holds or not without a read is checked as ever.
         assert!(matches!(
-            c.check(&Broken, &[Precondition::Epoch(Epoch(EPOCH.get() + 1))]),
+            c.check(&broken, &[Precondition::Epoch(Epoch(EPOCH.get() + 1))]),
             Ok(Err(_))
         ));
         assert!(matches!(
-            c.check(&Broken, &[Precondition::Epoch(EPOCH)]),
+            c.check(&broken, &[Precondition::Epoch(EPOCH)]),
             Ok(Ok(()))
         ));
     }

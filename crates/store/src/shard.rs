@@ -1542,20 +1542,13 @@ impl ShardStore {
             learners = ?learners,
             "removing learners that moves cut short left behind"
         );
-        // Made only while the group's membership is still the one read
-        // here (openraft checks it as it proposes the change).
-        g.raft
-            .change_membership_if(
-                openraft::ChangeMembers::RemoveNodes(learners.clone()),
-                false,
-                [openraft::Precondition::LastMembershipLogId {
-                    last_membership_log_id: last,
-                }],
-            )
-            .await
-            .map_err(|e| {
-                self.refused(g, "removing learners that moves cut short left".into(), e)
-            })?;
+        self.change_membership_while(
+            g,
+            openraft::ChangeMembers::RemoveNodes(learners.clone()),
+            last,
+            "removing learners that moves cut short left",
+        )
+        .await?;
         Ok(learners.into_iter().collect())
     }
 
@@ -1625,22 +1618,40 @@ impl ShardStore {
             }
         };
         tracing::info!(shard = self.shard.get(), voters = ?last, "finishing a change of voters cut short");
-        // Made only while the group's membership is still the joint one
-        // read here (openraft checks it as it proposes the change).
+        self.change_membership_while(
+            g,
+            openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
+            seen,
+            "finishing a change of voters cut short",
+        )
+        .await?;
+        Ok(Some(Finished {
+            voters: last.into_iter().collect(),
+            joined,
+        }))
+    }
+
+    /// Makes `change` to the group's membership only while its membership
+    /// is still the one whose entry is `seen` (openraft checks it as it
+    /// proposes the change); a refusal says `what` was refused.
+    async fn change_membership_while(
+        &self,
+        g: &raft_group::Group,
+        change: openraft::ChangeMembers<u64, crate::BasicNode>,
+        seen: Option<openraft::type_config::alias::LogIdOf<crate::raft_log::GroupConfig>>,
+        what: &str,
+    ) -> Result<(), StoreError> {
         g.raft
             .change_membership_if(
-                openraft::ChangeMembers::ReplaceAllVoters(last.clone()),
+                change,
                 false,
                 [openraft::Precondition::LastMembershipLogId {
                     last_membership_log_id: seen,
                 }],
             )
             .await
-            .map_err(|e| self.refused(g, "finishing a change of voters cut short".into(), e))?;
-        Ok(Some(Finished {
-            voters: last.into_iter().collect(),
-            joined,
-        }))
+            .map_err(|e| self.refused(g, what.into(), e))?;
+        Ok(())
     }
 
     /// Ends (with how long) once `to`'s node has answered nothing
