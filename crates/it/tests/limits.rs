@@ -391,3 +391,147 @@ fn clients_at_the_connection_limit_do_not_shut_out_the_peers() {
     }
     drop(held);
 }
+
+/// A long-poll whose client hangs up is let go at once: at the node it
+/// waits on, and, sent through a peer, at its owner too (the peer drops
+/// the connection it forwarded it on, and the owner sees that close).
+/// Neither the slot it holds (`limits.long_polls_max`) nor the peer
+/// connection waits out its `wait_ms`.
+#[test]
+fn a_long_poll_whose_client_hangs_up_is_let_go_at_once() {
+    let _d = deadline(
+        "a_long_poll_whose_client_hangs_up_is_let_go_at_once",
+        TEST_DEADLINE,
+    );
+    let mut cl = Cluster::prepare(2, 2, PeerTiming::relaxed());
+    let cfg = cl.write_config("hang-up.toml", &[(0, 1, 1), (1, 2, 1)]);
+    for id in [1, 2] {
+        cl.spawn(id, &cfg);
+    }
+    for id in [1, 2] {
+        cl.wait_ready(id);
+    }
+    cl.wait_all_alive();
+    let (c1, c2) = (cl.client(1), cl.client(2));
+    // Placed on node 1's own shard.
+    let id = id_of(&c1.start(&json!({"workflow": "w"})));
+    for (through, how) in [(c1, "at its owner"), (c2, "through a peer")] {
+        let mut poll = RawConn::open(through.addr);
+        poll.send(
+            format!(
+                "GET /api/executions/{id}/events?after=1&wait_ms=30000 HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        wait_until(
+            &format!("the long-poll sent {how} waiting"),
+            Duration::from_secs(10),
+            || (c1.metric("forkless_long_polls_waiting") == 1.0).then_some(()),
+        );
+        drop(poll);
+        wait_until(
+            &format!("the long-poll sent {how} let go"),
+            Duration::from_secs(5),
+            || (c1.metric("forkless_long_polls_waiting") == 0.0).then_some(()),
+        );
+    }
+    assert_eq!(c1.metric("forkless_reads_abandoned_total"), 2.0);
+    assert_eq!(c2.metric("forkless_reads_abandoned_total"), 1.0);
+}
+
+/// Long-polls sent to a node through its peers leave room on its peer
+/// listener for the peers' probes and short requests: each peer forwards
+/// at most its share of the node's connections (`limits.connections_max`
+/// less two for each peer's probes, shared among the peers; at most half
+/// of a share waits), and refuses the rest at once with 503
+/// `too_many_forwards`. Before, each forwarded all it was sent, and the
+/// node's peer listener filled: further forwards and the probes were
+/// refused, and the peers took the node for down.
+#[test]
+fn long_polls_through_the_peers_leave_room_on_the_owners_peer_listener() {
+    let _d = deadline(
+        "long_polls_through_the_peers_leave_room_on_the_owners_peer_listener",
+        TEST_DEADLINE,
+    );
+    let mut cl = Cluster::prepare(3, 4, PeerTiming::relaxed());
+    let cfg = cl.write_config("shares.toml", &[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 1, 1)]);
+    // Eight connections a listener: each of the two peers may hold
+    // (8 - 2 * 2) / 2 = 2 of node 1's peer connections, one of them
+    // waiting.
+    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    text.push_str("\n[limits]\nconnections_max = 8\n");
+    std::fs::write(&cfg, text).expect("config");
+    for id in [1, 2, 3] {
+        cl.spawn(id, &cfg);
+    }
+    for id in [1, 2, 3] {
+        cl.wait_ready(id);
+    }
+    cl.wait_all_alive();
+    let c1 = cl.client(1);
+    let id = id_of(&c1.start(&json!({"workflow": "w"})));
+    // Five long-polls through each peer: ten, more than node 1's eight
+    // peer connections.
+    let (tx, rx) = std::sync::mpsc::channel();
+    for through in [2, 3] {
+        let c = cl.client(through);
+        for _ in 0..5 {
+            let (tx, id) = (tx.clone(), id.clone());
+            std::thread::spawn(move || {
+                let r = c.try_req(
+                    "GET",
+                    &format!("/api/executions/{id}/events?after=1&wait_ms=20000"),
+                    &[],
+                    None,
+                    Duration::from_secs(40),
+                );
+                let _ = tx.send((through, r));
+            });
+        }
+    }
+    // Four of each peer's five are refused at once, by the peer itself.
+    let mut refused = std::collections::BTreeMap::new();
+    for _ in 0..8 {
+        let (through, r) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a long-poll over its peer's share refused at once");
+        let r = r.expect("an answer");
+        let v = r.expect_error(503, "too_many_forwards");
+        assert_eq!(v["limit"], 1, "{v}");
+        assert_eq!(
+            r.header("x-forkless-node"),
+            Some(through.to_string().as_str())
+        );
+        *refused.entry(through).or_insert(0) += 1;
+    }
+    assert_eq!(refused, [(2, 4), (3, 4)].into(), "refused by node");
+    wait_until(
+        "one long-poll from each peer waiting",
+        Duration::from_secs(10),
+        || (c1.metric("forkless_long_polls_waiting") == 2.0).then_some(()),
+    );
+    // Short requests through both peers are still forwarded and served,
+    // node 1 refused no connection, and its peers take it for up.
+    for through in [2, 3] {
+        let c = cl.client(through);
+        let r = c.get(&format!("/api/executions/{id}/events"));
+        r.expect(200);
+        assert_eq!(r.header("x-forkless-node"), Some("1"), "{r:?}");
+        assert_eq!(c.metric(r#"forkless_peer_up{node="1"}"#), 1.0);
+    }
+    assert_eq!(c1.metric("forkless_connections_refused_total"), 0.0);
+    // An append wakes the two that wait.
+    c1.post(
+        &format!("/api/executions/{id}/events"),
+        &json!({"events": [{"type": "a"}]}),
+    )
+    .expect(200);
+    for _ in 0..2 {
+        let (_, r) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a waiting long-poll woken");
+        let r = r.expect("an answer");
+        r.expect(200);
+        assert_eq!(r.json()["events"][0]["seq"], 2);
+    }
+}

@@ -365,6 +365,11 @@ impl StaticDirectory {
         self.nodes_read().values().cloned().collect()
     }
 
+    /// How many nodes the directory lists, this one included.
+    pub fn node_count(&self) -> usize {
+        self.nodes_read().len()
+    }
+
     pub fn node(&self, id: NodeId) -> Option<NodeInfo> {
         self.nodes_read().get(&id).cloned()
     }

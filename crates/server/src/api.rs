@@ -1069,6 +1069,8 @@ async fn elsewhere(
                 hops,
                 timeout: app.cfg.peer.forward_timeout() + route.extra_wait,
                 shard,
+                peers: app.dir.node_count().saturating_sub(1),
+                waits: !route.extra_wait.is_zero(),
             };
             let r = app.forwarder.forward(&to, req).await;
             app.metrics

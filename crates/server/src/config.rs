@@ -45,7 +45,9 @@ pub struct Limits {
     /// apart so that clients cannot take the peers' connections); one over
     /// it is answered 503 `too_many_connections` and closed. Times the
     /// listeners, plus [`FD_RESERVE`], it must fit in the process's
-    /// open-file limit (checked at start).
+    /// open-file limit (checked at start). Taken to be every node's: a
+    /// node forwards to each peer on at most its share of that peer's
+    /// peer connections (`forward::share`).
     pub connections_max: usize,
     /// A kept-alive connection with no request begun for this long is
     /// closed, milliseconds.

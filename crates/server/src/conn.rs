@@ -117,8 +117,26 @@ where
                 }
             },
             Kind::Plain(parts) => {
+                let read = parts.method == http::Method::GET;
                 let req = Request::from_parts(*parts, Body::from(body));
-                let resp = match service.clone().oneshot(req).await {
+                let answer = service.clone().oneshot(req);
+                let answered = if read {
+                    // A read whose client hangs up is dropped at once, and
+                    // what it holds with it: a long-poll's slot here, or
+                    // the connection it was forwarded on (which its owner
+                    // sees close, and drops its own part). Writes run to
+                    // their end: their outcome is decided either way.
+                    tokio::select! {
+                        r = answer => r,
+                        () = hung_up(&mut c.tcp, &mut c.buf) => {
+                            c.app.metrics.reads_abandoned.inc();
+                            return;
+                        }
+                    }
+                } else {
+                    answer.await
+                };
+                let resp = match answered {
                     Ok(r) => r,
                     Err(never) => match never {},
                 };
@@ -135,6 +153,24 @@ where
         }
         shrink_answer_buffer(&mut out);
     }
+}
+
+/// Resolves once the client closes its side of the connection (or it
+/// fails) while a request is being answered. Bytes it sends meanwhile (a
+/// pipelined request) are kept in `buf` for after the answer, up to
+/// [`HEAD_BYTES_MAX`]; past that, it stops looking (the client's next
+/// bytes wait in the socket). A client that closes its side and waits for
+/// its answer (a half-close) is taken for gone, as hyper's server does by
+/// default.
+async fn hung_up(tcp: &mut TcpStream, buf: &mut BytesMut) {
+    while buf.len() < HEAD_BYTES_MAX {
+        buf.reserve(READ_CHUNK);
+        match tcp.read_buf(buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+    std::future::pending().await
 }
 
 /// The answer buffer's starting capacity.

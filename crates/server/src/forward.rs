@@ -24,10 +24,11 @@ use bytes::{Bytes, BytesMut};
 use forkless_routing::OwnerHint;
 use http::{HeaderName, HeaderValue, Method, StatusCode};
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Largest owner answer a forwarder relays (a full page of events plus room).
 pub(crate) const FORWARD_RESPONSE_BYTES_MAX: usize = 64 * 1024 * 1024;
@@ -37,8 +38,13 @@ const PROBE_RESPONSE_BYTES_MAX: usize = 1024 * 1024;
 const ANSWER_HEAD_BYTES_MAX: usize = 16 * 1024;
 /// Header lines an answer may have.
 const ANSWER_HEADERS_MAX: usize = 32;
-/// Idle connections kept per peer.
+/// Idle connections kept per peer (and never more than its share: see
+/// [`share`]).
 const IDLE_PER_PEER_MAX: usize = 256;
+/// Of a node's peer connections (`limits.connections_max`), how many
+/// each peer leaves for its probes: one in flight, and one it gave up on
+/// that the node has not seen closed yet.
+const PROBE_RESERVE: usize = 2;
 /// An idle connection older than this is closed rather than reused.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Room made in an answer's read buffer before each read.
@@ -47,11 +53,65 @@ const READ_CHUNK: usize = 4 * 1024;
 pub struct Forwarder {
     secret: HeaderValue,
     connect_timeout: Duration,
+    /// This node's `limits.connections_max`, taken to be every peer's:
+    /// what [`share`] divides.
+    connections_max: usize,
     /// [`IDLE_TIMEOUT`] (a field so that tests can age connections).
     idle_timeout: Duration,
     /// Idle keep-alive connections by peer address, oldest first (each
-    /// goes in at the back when it is put back, so the ages are in order).
-    idle: Mutex<HashMap<String, VecDeque<Idle>>>,
+    /// goes in at the back when it is put back, so the ages are in order):
+    /// forwards' and probes' apart, so that a probe neither takes nor
+    /// opens one of the connections the forwards' share counts.
+    idle: [Mutex<HashMap<String, VecDeque<Idle>>>; 2],
+    /// Each peer's share of connections, by peer address.
+    shares: Mutex<HashMap<String, Arc<PeerShare>>>,
+}
+
+/// Which of a forwarder's idle pools a connection belongs to.
+#[derive(Debug, Clone, Copy)]
+enum Pool {
+    Forwards = 0,
+    Probes = 1,
+}
+
+/// How many connections this node may hold to one peer's peer address,
+/// from that peer's `limits.connections_max` (taken to be this node's:
+/// a cluster's nodes run with the same limits) shared evenly among its
+/// `peers` peers, less [`PROBE_RESERVE`] each. Held this way, forwards
+/// through every other node at once (idle pooled connections counted)
+/// cannot fill a node's peer listener, and every peer's probe still gets
+/// in: a node whose clients send many long-polls through its peers is not
+/// taken for dead by them. Of the share, at most half may wait (a
+/// long-poll, a replica move: requests that hold their connection for up
+/// to `limits.wait_ms_max` or a move's catch-up), so that short requests
+/// always find connections. At least one of each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Share {
+    pub connections: usize,
+    pub waiting: usize,
+}
+
+pub(crate) fn share(connections_max: usize, peers: usize) -> Share {
+    let peers = peers.max(1);
+    let connections = (connections_max.saturating_sub(PROBE_RESERVE * peers) / peers).max(1);
+    Share {
+        connections,
+        waiting: (connections / 2).max(1),
+    }
+}
+
+/// What this node holds of one peer's share: a permit per connection in
+/// use, and one more per waiting request.
+struct PeerShare {
+    share: Share,
+    connections: Arc<Semaphore>,
+    waiting: Arc<Semaphore>,
+}
+
+/// A forward's hold on its peer's share, for the length of its exchange.
+struct Held {
+    _connection: OwnedSemaphorePermit,
+    _waiting: Option<OwnedSemaphorePermit>,
 }
 
 struct Idle {
@@ -66,6 +126,12 @@ pub struct ForwardRequest<'a> {
     pub hops: u8,
     pub timeout: Duration,
     pub shard: u32,
+    /// How many peers this node has (what its share of a peer's
+    /// connections is reckoned with: [`share`]).
+    pub peers: usize,
+    /// The request waits at its owner (a long-poll, a replica move):
+    /// counted against the share's `waiting` part.
+    pub waits: bool,
 }
 
 /// A peer's answer, read in full.
@@ -119,13 +185,82 @@ fn header_name(name: &str) -> Option<HeaderName> {
 }
 
 impl Forwarder {
-    pub fn new(connect_timeout: Duration, secret: &str) -> Forwarder {
+    pub fn new(connect_timeout: Duration, secret: &str, connections_max: usize) -> Forwarder {
         let secret = HeaderValue::from_str(secret).unwrap_or_else(|_| HeaderValue::from_static(""));
         Forwarder {
             secret,
             connect_timeout,
+            connections_max,
             idle_timeout: IDLE_TIMEOUT,
-            idle: Mutex::new(HashMap::new()),
+            idle: Default::default(),
+            shares: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// This node's share of the connections of the peer at `addr`, made
+    /// anew when the number of peers changed (a reload): forwards holding
+    /// the old one finish on it.
+    fn peer_share(&self, addr: &str, peers: usize) -> Arc<PeerShare> {
+        let want = share(self.connections_max, peers);
+        let mut shares = self.shares.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = shares.get(addr).filter(|s| s.share == want) {
+            return s.clone();
+        }
+        let s = Arc::new(PeerShare {
+            share: want,
+            connections: Arc::new(Semaphore::new(want.connections)),
+            waiting: Arc::new(Semaphore::new(want.waiting)),
+        });
+        shares.insert(addr.to_string(), s.clone());
+        s
+    }
+
+    /// A hold on this node's share of `owner`'s connections: a waiting
+    /// request over the share's `waiting` part is refused at once (503
+    /// `too_many_forwards`); any other waits until `deadline` for a
+    /// connection another forward is done with.
+    async fn hold(
+        &self,
+        owner: &OwnerHint,
+        req: &ForwardRequest<'_>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Held, ApiError> {
+        let s = self.peer_share(&owner.peer_addr, req.peers);
+        let waiting = if req.waits {
+            match s.waiting.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    return Err(ApiError::Overloaded {
+                        code: "too_many_forwards",
+                        message: format!(
+                            "this node forwards {} requests that wait (long-polls, replica moves) to node {} already, its share of that node's peer connections (half of limits.connections_max / {} peers); retry later, through another node, or read without wait_ms",
+                            s.share.waiting, owner.node, req.peers.max(1)
+                        ),
+                        limit: s.share.waiting,
+                    })
+                }
+            }
+        } else {
+            None
+        };
+        match tokio::time::timeout_at(deadline, s.connections.clone().acquire_owned()).await {
+            Ok(Ok(connection)) => Ok(Held {
+                _connection: connection,
+                _waiting: waiting,
+            }),
+            // (Never closed: a forwarder's semaphores live as long as it.)
+            Ok(Err(_)) | Err(_) => Err(ApiError::OwnerUnavailable {
+                shard: req.shard,
+                executed: Executed::No,
+                reason: format!(
+                    "node {}: this node's {} connections to it (its share of limits.connections_max / {} peers) were all in use for {} ms; nothing was sent",
+                    owner.node,
+                    s.share.connections,
+                    req.peers.max(1),
+                    req.timeout.as_millis()
+                ),
+                hint: Some(owner.clone()),
+            }),
         }
     }
 
@@ -156,9 +291,16 @@ impl Forwarder {
             &req.body,
         )
         .map_err(|e| fail(Executed::No, e))?;
-        let answer = tokio::time::timeout(
-            req.timeout,
-            self.exchange(&owner.peer_addr, &request, FORWARD_RESPONSE_BYTES_MAX),
+        let deadline = tokio::time::Instant::now() + req.timeout;
+        let _held = self.hold(owner, &req, deadline).await?;
+        let answer = tokio::time::timeout_at(
+            deadline,
+            self.exchange(
+                Pool::Forwards,
+                &owner.peer_addr,
+                &request,
+                FORWARD_RESPONSE_BYTES_MAX,
+            ),
         )
         .await;
         let answer = match answer {
@@ -238,7 +380,7 @@ impl Forwarder {
         )?;
         let r = tokio::time::timeout(
             timeout,
-            self.exchange(peer_addr, &request, PROBE_RESPONSE_BYTES_MAX),
+            self.exchange(Pool::Probes, peer_addr, &request, PROBE_RESPONSE_BYTES_MAX),
         )
         .await;
         match r {
@@ -253,8 +395,14 @@ impl Forwarder {
     /// connection to `addr` if there is one, else a new one. A connection
     /// goes back to the pool only after a complete answer with nothing
     /// after it; one dropped mid-exchange (the caller's timeout) is closed.
-    async fn exchange(&self, addr: &str, request: &[u8], limit: usize) -> Result<Answer, Failure> {
-        let sent_on_idle = match self.take_idle(addr) {
+    async fn exchange(
+        &self,
+        pool: Pool,
+        addr: &str,
+        request: &[u8],
+        limit: usize,
+    ) -> Result<Answer, Failure> {
+        let sent_on_idle = match self.take_idle(pool, addr) {
             // A failed write means the peer closed it while it was idle;
             // the request did not leave in full, so a new connection may
             // carry it.
@@ -271,7 +419,7 @@ impl Forwarder {
         };
         let (answer, reusable) = read_answer(&mut tcp, limit).await?;
         if reusable {
-            self.put_idle(addr, tcp);
+            self.put_idle(pool, addr, tcp);
         }
         Ok(answer)
     }
@@ -290,9 +438,15 @@ impl Forwarder {
         Ok(tcp)
     }
 
+    fn idle(&self, pool: Pool) -> MutexGuard<'_, HashMap<String, VecDeque<Idle>>> {
+        self.idle[pool as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The newest idle connection to `addr` that is still open and quiet.
-    fn take_idle(&self, addr: &str) -> Option<TcpStream> {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+    fn take_idle(&self, pool: Pool, addr: &str) -> Option<TcpStream> {
+        let mut idle = self.idle(pool);
         let conns = idle.get_mut(addr)?;
         while let Some(c) = conns.pop_back() {
             if c.since.elapsed() >= self.idle_timeout {
@@ -313,8 +467,8 @@ impl Forwarder {
         None
     }
 
-    fn put_idle(&self, addr: &str, tcp: TcpStream) {
-        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+    fn put_idle(&self, pool: Pool, addr: &str, tcp: TcpStream) {
+        let mut idle = self.idle(pool);
         let conns = match idle.get_mut(addr) {
             Some(c) => c,
             None => idle.entry(addr.to_string()).or_default(),
@@ -583,16 +737,16 @@ mod tests {
     async fn idle_connections_past_the_timeout_are_closed_and_the_pool_is_bounded() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let mut f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        let mut f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef", 1024);
         // Every connection is past a zero timeout as soon as it is idle.
         f.idle_timeout = Duration::ZERO;
         let old = TcpStream::connect(&addr).await.unwrap();
         let (mut old_peer, _) = listener.accept().await.unwrap();
-        f.put_idle(&addr, old);
+        f.put_idle(Pool::Forwards, &addr, old);
         let fresh = TcpStream::connect(&addr).await.unwrap();
         let _fresh_peer = listener.accept().await.unwrap();
-        f.put_idle(&addr, fresh);
-        assert_eq!(f.idle.lock().unwrap()[&addr].len(), 1);
+        f.put_idle(Pool::Forwards, &addr, fresh);
+        assert_eq!(f.idle(Pool::Forwards)[&addr].len(), 1);
         // The aged connection was closed: its peer reads the end.
         let mut b = [0u8; 1];
         let n = tokio::time::timeout(Duration::from_secs(5), old_peer.read(&mut b))
@@ -601,14 +755,14 @@ mod tests {
             .unwrap();
         assert_eq!(n, 0);
 
-        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef", 1024);
         let mut peers = Vec::new();
         for _ in 0..IDLE_PER_PEER_MAX + 1 {
             let c = TcpStream::connect(&addr).await.unwrap();
             peers.push(listener.accept().await.unwrap().0);
-            f.put_idle(&addr, c);
+            f.put_idle(Pool::Forwards, &addr, c);
         }
-        assert_eq!(f.idle.lock().unwrap()[&addr].len(), IDLE_PER_PEER_MAX);
+        assert_eq!(f.idle(Pool::Forwards)[&addr].len(), IDLE_PER_PEER_MAX);
         // The first one put back, the oldest, was the one let go.
         let n = tokio::time::timeout(Duration::from_secs(5), peers[0].read(&mut b))
             .await
@@ -623,24 +777,24 @@ mod tests {
     async fn idle_connections_closed_by_the_peer_are_not_reused() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap().to_string();
-        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef");
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef", 1024);
         let a = TcpStream::connect(&addr).await.unwrap();
         let (server_a, _) = listener.accept().await.unwrap();
         let b = TcpStream::connect(&addr).await.unwrap();
         let b_at = b.local_addr().unwrap();
         let (_server_b, _) = listener.accept().await.unwrap();
-        f.put_idle(&addr, b);
-        f.put_idle(&addr, a);
+        f.put_idle(Pool::Forwards, &addr, b);
+        f.put_idle(Pool::Forwards, &addr, a);
         drop(server_a);
         // Wait until the close has reached a (newest in the pool, so taken
         // first): then the pool must skip it and hand back b.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let got = f.take_idle(&addr).expect("a live connection");
+            let got = f
+                .take_idle(Pool::Forwards, &addr)
+                .expect("a live connection");
             let skipped_a = f
-                .idle
-                .lock()
-                .unwrap()
+                .idle(Pool::Forwards)
                 .get(&addr)
                 .is_none_or(VecDeque::is_empty);
             if skipped_a {
@@ -648,12 +802,147 @@ mod tests {
                 break;
             }
             // a was still taken as live: the FIN had not arrived yet.
-            f.put_idle(&addr, got);
+            f.put_idle(Pool::Forwards, &addr, got);
             assert!(
                 Instant::now() < deadline,
                 "the close never reached the pool"
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+    }
+    #[test]
+    fn a_peers_connections_are_shared_among_its_peers_less_their_probes() {
+        let s = |c, p| {
+            let s = share(c, p);
+            (s.connections, s.waiting)
+        };
+        assert_eq!(s(1024, 2), (510, 255));
+        assert_eq!(s(8, 2), (2, 1));
+        assert_eq!(s(4, 1), (2, 1));
+        // Never none, however many peers.
+        assert_eq!(s(16, 100), (1, 1));
+        assert_eq!(s(1024, 0), (1022, 511));
+    }
+
+    /// A fake owner at `listener`: answers each request as node 1, once
+    /// `go` lets it, counting the connections open at once.
+    async fn slow_owner(
+        listener: tokio::net::TcpListener,
+        go: Arc<Semaphore>,
+        open: Arc<std::sync::atomic::AtomicUsize>,
+        most: Arc<std::sync::atomic::AtomicUsize>,
+    ) {
+        use std::sync::atomic::Ordering::SeqCst;
+        loop {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let (go, open, most) = (go.clone(), open.clone(), most.clone());
+            most.fetch_max(open.fetch_add(1, SeqCst) + 1, SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let mut b = [0u8; 1024];
+                    let n = tcp.read(&mut b).await.unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&b[..n]);
+                    if buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        buf.clear();
+                        go.acquire().await.unwrap().forget();
+                        let a =
+                            b"HTTP/1.1 200 OK\r\nx-forkless-node: 1\r\ncontent-length: 2\r\n\r\n{}";
+                        if tcp.write_all(a).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                open.fetch_sub(1, SeqCst);
+            });
+        }
+    }
+
+    /// Forwards to one peer hold at most this node's share of its
+    /// connections: past it a short one waits for a connection another is
+    /// done with (and fails closed, not sent, if none is in its timeout),
+    /// and one that waits at its owner is refused at once past its part.
+    #[tokio::test]
+    async fn forwards_to_a_peer_hold_at_most_this_nodes_share_of_its_connections() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let go = Arc::new(Semaphore::new(0));
+        let (open, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        tokio::spawn(slow_owner(listener, go.clone(), open.clone(), most.clone()));
+        // Six connections, one peer: a share of four, two of them waiting.
+        let f = Arc::new(Forwarder::new(
+            Duration::from_secs(1),
+            "0123456789abcdef",
+            6,
+        ));
+        let owner = OwnerHint {
+            node: forkless_types::NodeId::new(1).unwrap(),
+            api_addr: addr.clone(),
+            peer_addr: addr.clone(),
+            epoch: forkless_types::Epoch(1),
+        };
+        let send = |waits: bool, timeout: Duration| {
+            let (f, owner) = (f.clone(), owner.clone());
+            tokio::spawn(async move {
+                let req = ForwardRequest {
+                    method: Method::GET,
+                    path_and_query: "/x",
+                    body: Bytes::new(),
+                    hops: 1,
+                    timeout,
+                    shard: 0,
+                    peers: 1,
+                    waits,
+                };
+                f.forward(&owner, req).await.map(|r| r.status())
+            })
+        };
+        let long = Duration::from_secs(30);
+        let waiting: Vec<_> = (0..2).map(|_| send(true, long)).collect();
+        // A third that waits is refused at once.
+        let refused = send(true, long).await.unwrap().unwrap_err();
+        assert!(
+            matches!(
+                refused,
+                ApiError::Overloaded {
+                    code: "too_many_forwards",
+                    limit: 2,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        // Six short ones: two get connections, four wait for one.
+        let short: Vec<_> = (0..6).map(|_| send(false, long)).collect();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while open.load(SeqCst) < 4 {
+            assert!(Instant::now() < deadline, "the share was not taken");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // One whose timeout ends before a connection frees fails closed,
+        // not sent.
+        let failed = send(false, Duration::from_millis(200))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert!(
+            matches!(
+                failed,
+                ApiError::OwnerUnavailable {
+                    executed: Executed::No,
+                    ..
+                }
+            ),
+            "{failed:?}"
+        );
+        go.add_permits(1000);
+        for h in waiting.into_iter().chain(short) {
+            assert_eq!(h.await.unwrap().unwrap(), StatusCode::OK);
+        }
+        assert_eq!(most.load(SeqCst), 4, "connections open at once");
     }
 }

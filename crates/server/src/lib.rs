@@ -313,7 +313,11 @@ impl App {
             .unwrap_or_default();
         let app = Arc::new(App {
             minter: IdMinter::new(cfg.node_id),
-            forwarder: forward::Forwarder::new(cfg.peer.forward_connect_timeout(), &secret),
+            forwarder: forward::Forwarder::new(
+                cfg.peer.forward_connect_timeout(),
+                &secret,
+                cfg.limits.connections_max,
+            ),
             metrics: metrics::Metrics::new(store.clone()),
             secret,
             node_header: axum::http::HeaderValue::from(cfg.node_id.get()),
@@ -438,6 +442,7 @@ async fn check_placement(
     let forwarder = Arc::new(forward::Forwarder::new(
         cfg.peer.forward_connect_timeout(),
         &cluster.secret,
+        cfg.limits.connections_max,
     ));
     let within = std::time::Duration::from_millis(cfg.peer.probe_timeout_ms.max(100));
     let mut asks = tokio::task::JoinSet::new();

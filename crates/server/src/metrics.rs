@@ -90,6 +90,8 @@ pub struct Metrics {
     pub long_polls_refused: Counter,
     /// Times a waiting long-poll was woken by a commit of its execution.
     pub long_poll_wakeups: Counter,
+    /// Reads dropped unanswered because their client hung up.
+    pub reads_abandoned: Counter,
     /// Reloads of the cluster file (`forkless cluster reload`, SIGHUP), by
     /// outcome: `taken` or `refused`.
     pub cluster_reloads: Family<OutcomeLabel, Counter>,
@@ -173,6 +175,12 @@ impl Metrics {
             "Times a waiting long-poll was woken by a commit of its own execution",
             long_poll_wakeups.clone(),
         );
+        let reads_abandoned = Counter::default();
+        registry.register(
+            "reads_abandoned",
+            "Reads (GET: long-polls, reads forwarded to their owner) dropped unanswered because their client closed the connection first; what they held is let go at once",
+            reads_abandoned.clone(),
+        );
         let cluster_reloads = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "cluster_reloads",
@@ -194,6 +202,7 @@ impl Metrics {
             long_polls_waiting,
             long_polls_refused,
             long_poll_wakeups,
+            reads_abandoned,
             registry,
             by_status: (0..STATUS_CODES).map(|_| OnceLock::new()).collect(),
             by_outcome: Default::default(),
