@@ -24,8 +24,10 @@
 //! to the group without waiting for the answer to the one before.
 //! What each side holds is bounded: calls in flight on a
 //! connection ([`IN_FLIGHT_MAX`]), a frame's bytes ([`FRAME_BYTES_MAX`]),
-//! connections a server takes ([`CONNECTIONS_MAX`]), and the time a peer
-//! may take to say hello ([`HELLO_WITHIN`]).
+//! connections a server holds that have not said hello
+//! ([`AWAITING_HELLO_MAX`]) and that one peer holds ([`PER_PEER_MAX`]),
+//! each making room by closing its oldest, and the time a peer may take
+//! to say hello ([`HELLO_WITHIN`]).
 //!
 //! A call that cannot be sent, or whose connection breaks before its
 //! answer, is `Unreachable`; one not answered within its time is a
@@ -40,7 +42,6 @@ use futures_util::future::BoxFuture;
 use futures_util::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
@@ -65,8 +66,21 @@ const _: () = assert!(
 /// is refused at once (`Unreachable`), and a server stops reading until
 /// one is answered.
 pub const IN_FLIGHT_MAX: usize = 1024;
-/// Connections a node's Raft listener holds open at once.
-pub const CONNECTIONS_MAX: usize = 256;
+/// Connections a node's Raft listener holds that have not said hello
+/// yet. One more closes the oldest of them: anyone who reaches the port
+/// can open connections and say nothing for [`HELLO_WITHIN`], and a
+/// peer's, which says hello at once, must still get in. (Before, 256
+/// connections of any kind were held and the next refused: 256 silent
+/// ones shut the peers out for 5 s at a time.)
+pub const AWAITING_HELLO_MAX: usize = 64;
+/// Connections a node's Raft listener holds from one peer (that said
+/// hello, was welcome). A node keeps one connection to each peer and
+/// makes another only once it gave that one up; a connection it gave up
+/// while the two were cut off may never be seen closed here (its close
+/// was lost), so a peer's connection past this closes its oldest. (Before,
+/// such connections stayed for good, counted against the listener's 256:
+/// enough partitions healed and the listener refused every peer.)
+pub const PER_PEER_MAX: usize = 2;
 /// How long a new connection may take to say hello.
 pub const HELLO_WITHIN: Duration = Duration::from_secs(5);
 /// How long a connect and its handshake may take.
@@ -660,7 +674,7 @@ pub async fn serve_node(
         opening: Mutex::default(),
     });
     let told = hooks.told;
-    let open = Arc::new(AtomicUsize::new(0));
+    let held = Arc::new(Held::default());
     let refusals = Arc::new(Refusals::default());
     let hello = Arc::new(hello);
     loop {
@@ -676,14 +690,9 @@ pub async fn serve_node(
                 continue;
             }
         };
-        if open.fetch_add(1, Ordering::AcqRel) >= CONNECTIONS_MAX {
-            open.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!(%from, limit = CONNECTIONS_MAX, "refused a Raft connection over the limit");
-            continue;
-        }
         let _ = tcp.set_nodelay(true);
-        let (open, refusals, hello, groups, joins, told, admit, stop) = (
-            open.clone(),
+        let slot = Held::arrived(&held);
+        let (refusals, hello, groups, joins, told, admit, stop) = (
             refusals.clone(),
             hello.clone(),
             groups.clone(),
@@ -693,8 +702,11 @@ pub async fn serve_node(
             stop.clone(),
         );
         tokio::spawn(async move {
-            match serve_connection(tcp, &hello, groups, joins, told, admit, stop).await {
+            match serve_connection(tcp, &slot, &hello, groups, joins, told, admit, stop).await {
                 Ok(()) => {}
+                Err(Closed::Unwelcomed(why)) => {
+                    tracing::debug!(%from, reason = %why, "closed a Raft connection that said no hello")
+                }
                 // Such a node tries again and again: said once a minute.
                 Err(Closed::NotAPeer { node, why }) if refusals.first_in_a_while(node) => {
                     tracing::warn!(%from, node, reason = %why, "refused the Raft calls of a node that is not a peer (said once a minute while it goes on)")
@@ -706,7 +718,103 @@ pub async fn serve_node(
                     tracing::info!(%from, reason = %why, "Raft connection from a peer closed")
                 }
             }
-            open.fetch_sub(1, Ordering::AcqRel);
+            drop(slot);
+        });
+    }
+}
+
+/// The connections a Raft listener holds, as [`AWAITING_HELLO_MAX`] and
+/// [`PER_PEER_MAX`] bound them: each with the signal that closes it.
+#[derive(Default)]
+struct Held {
+    state: Mutex<HeldState>,
+}
+
+#[derive(Default)]
+struct HeldState {
+    next: u64,
+    /// Connections that have not said hello, oldest first.
+    awaiting: VecDeque<(u64, Arc<tokio::sync::Notify>)>,
+    /// Each peer's connections, oldest first.
+    peers: HashMap<u64, VecDeque<(u64, Arc<tokio::sync::Notify>)>>,
+    /// When closing connections that said no hello was last logged.
+    awaiting_said: Option<Instant>,
+}
+
+/// One connection's place in [`Held`], given up when dropped.
+struct Slot {
+    held: Arc<Held>,
+    id: u64,
+    /// Signalled when the connection is to close to make room.
+    close: Arc<tokio::sync::Notify>,
+}
+
+impl Held {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeldState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new connection, awaiting its hello; the oldest awaiting one is
+    /// closed if there are [`AWAITING_HELLO_MAX`] already.
+    fn arrived(held: &Arc<Held>) -> Slot {
+        let close = Arc::new(tokio::sync::Notify::new());
+        let mut st = held.lock();
+        let id = st.next;
+        st.next += 1;
+        if st.awaiting.len() >= AWAITING_HELLO_MAX {
+            if let Some((_, oldest)) = st.awaiting.pop_front() {
+                oldest.notify_one();
+            }
+            let now = Instant::now();
+            if st
+                .awaiting_said
+                .is_none_or(|at| now.duration_since(at) >= REFUSAL_SAID_EVERY)
+            {
+                st.awaiting_said = Some(now);
+                tracing::warn!(
+                    limit = AWAITING_HELLO_MAX,
+                    "more Raft connections awaiting their hello than held: closing the oldest (said once a minute while it goes on)"
+                );
+            }
+        }
+        st.awaiting.push_back((id, close.clone()));
+        Slot {
+            held: held.clone(),
+            id,
+            close,
+        }
+    }
+}
+
+impl Slot {
+    /// The connection said hello as `peer` and is welcome: counted as
+    /// that peer's from now on, closing the peer's oldest if it holds
+    /// [`PER_PEER_MAX`] already. False if it was closed meanwhile (no
+    /// longer awaiting).
+    fn welcomed(&self, peer: u64) -> bool {
+        let mut st = self.held.lock();
+        let Some(at) = st.awaiting.iter().position(|(id, _)| *id == self.id) else {
+            return false;
+        };
+        st.awaiting.remove(at);
+        let theirs = st.peers.entry(peer).or_default();
+        while theirs.len() >= PER_PEER_MAX {
+            if let Some((_, oldest)) = theirs.pop_front() {
+                oldest.notify_one();
+            }
+        }
+        theirs.push_back((self.id, self.close.clone()));
+        true
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut st = self.held.lock();
+        st.awaiting.retain(|(id, _)| *id != self.id);
+        st.peers.retain(|_, conns| {
+            conns.retain(|(id, _)| *id != self.id);
+            !conns.is_empty()
         });
     }
 }
@@ -794,6 +902,8 @@ impl Joins {
 
 /// Why a peer's connection closed.
 enum Closed {
+    /// Closed before its hello, to make room ([`AWAITING_HELLO_MAX`]).
+    Unwelcomed(String),
     /// The peer (`node`) is not (or no longer) one of this node's cluster.
     NotAPeer {
         node: u64,
@@ -808,8 +918,10 @@ impl From<String> for Closed {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve_connection(
     tcp: TcpStream,
+    slot: &Slot,
     hello: &Handshake,
     groups: Groups,
     joins: Arc<Joins>,
@@ -818,7 +930,15 @@ async fn serve_connection(
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), Closed> {
     let mut framed = Framed::new(tcp, codec());
-    let said = match tokio::time::timeout(HELLO_WITHIN, framed.next()).await {
+    let said = tokio::select! {
+        said = tokio::time::timeout(HELLO_WITHIN, framed.next()) => said,
+        () = slot.close.notified() => {
+            return Err(Closed::Unwelcomed(format!(
+                "{AWAITING_HELLO_MAX} newer connections awaited their hello"
+            )))
+        }
+    };
+    let said = match said {
         Err(_) => return Err(format!("no hello within {} s", HELLO_WITHIN.as_secs()).into()),
         Ok(None) => return Err(Closed::Other("closed before hello".into())),
         Ok(Some(Err(e))) => return Err(format!("reading hello: {e}").into()),
@@ -856,7 +976,8 @@ async fn serve_connection(
                     .map(|why| Closed::NotAPeer { node: from, why })
             };
             if let Some(closed) = refused {
-                let (Closed::NotAPeer { why, .. } | Closed::Other(why)) = &closed;
+                let (Closed::NotAPeer { why, .. } | Closed::Other(why) | Closed::Unwelcomed(why)) =
+                    &closed;
                 if let Ok(f) = encode(&ToClient::Refused(why.clone())) {
                     let _ = framed.send(f).await;
                 }
@@ -869,6 +990,11 @@ async fn serve_connection(
         }
         other => return Err(format!("a call before hello: {other:?}").into()),
     };
+    if !slot.welcomed(peer) {
+        return Err(Closed::Unwelcomed(format!(
+            "node {peer}: {AWAITING_HELLO_MAX} newer connections awaited their hello"
+        )));
+    }
     framed
         .send(encode(&ToClient::Welcome)?)
         .await
@@ -898,6 +1024,12 @@ async fn serve_connection(
         let frame = tokio::select! {
             f = stream.next() => f,
             _ = stop.wait_for(|s| *s) => break Ok(()),
+            () = slot.close.notified() => {
+                break Err(format!(
+                    "node {peer}: its newer connections replaced this one ({PER_PEER_MAX} held a peer)"
+                )
+                .into())
+            }
         };
         let bytes = match frame {
             None => break Ok(()),
@@ -1181,6 +1313,7 @@ async fn next_answer(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[test]
     fn secrets_compare_whole() {
@@ -1253,7 +1386,6 @@ mod tests {
     /// name millions).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn at_most_a_few_replicas_are_opened_at_once_for_a_peer() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
         let (running, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let join: Join = {
             let (running, most) = (running.clone(), most.clone());
@@ -1327,6 +1459,89 @@ mod tests {
             .await
         {
             assert!(!why.contains("hello"), "a real peer refused: {why}");
+        }
+    }
+
+    /// Connections that say nothing do not shut a peer out: past
+    /// [`AWAITING_HELLO_MAX`] of them the oldest are closed, and a peer's
+    /// call is served at once. Before, 256 connections of any kind were
+    /// held and the peer's refused until the silent ones' hello time ran
+    /// out.
+    #[tokio::test]
+    async fn silent_connections_do_not_shut_a_peer_out() {
+        use tokio::io::AsyncReadExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, "right".into(), groups, stop));
+        let mut silent = Vec::new();
+        for _ in 0..270 {
+            silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let links = Links::new(1, "right".into(), [(2, addr.to_string())]);
+        match links
+            .call(2, 0, Rpc::Vote(openraft_vote()), Duration::from_secs(2))
+            .await
+        {
+            Ok(_) | Err(CallError::Remote(_)) => {}
+            Err(e) => panic!("the peer was not served: {e:?}"),
+        }
+        // All but the newest AWAITING_HELLO_MAX silent ones were closed.
+        let mut closed = 0;
+        for tcp in &mut silent {
+            let mut b = [0u8; 1];
+            if let Ok(Ok(0) | Err(_)) =
+                tokio::time::timeout(Duration::from_millis(20), tcp.read(&mut b)).await
+            {
+                closed += 1;
+            }
+        }
+        assert!(
+            closed >= 270 - AWAITING_HELLO_MAX,
+            "{closed} of 270 silent connections closed"
+        );
+    }
+
+    /// A peer's connections past [`PER_PEER_MAX`] close its oldest: one
+    /// it gave up while the two were cut off (its close lost) does not
+    /// stay for good. Before, every one stayed.
+    #[tokio::test]
+    async fn a_peers_oldest_connection_is_closed_past_its_bound() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        let welcomed = || async {
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let mut framed = Framed::new(tcp, codec());
+            let hello = ToServer::Hello {
+                version: PROTOCOL_VERSION,
+                from: 1,
+                secret: "s".into(),
+                placement: 0,
+            };
+            framed.send(encode(&hello).unwrap()).await.unwrap();
+            let answer = framed.next().await.unwrap().unwrap();
+            assert!(matches!(
+                decode::<ToClient>(&answer).unwrap(),
+                ToClient::Welcome
+            ));
+            framed
+        };
+        let mut conns = Vec::new();
+        for _ in 0..PER_PEER_MAX + 1 {
+            conns.push(welcomed().await);
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(5), conns[0].next()).await;
+        assert!(
+            matches!(ended, Ok(None | Some(Err(_)))),
+            "the peer's oldest connection is still open: {ended:?}"
+        );
+        for c in &mut conns[1..] {
+            let open = tokio::time::timeout(Duration::from_millis(200), c.next()).await;
+            assert!(open.is_err(), "a newer connection was closed: {open:?}");
         }
     }
 
