@@ -35,11 +35,15 @@ pub struct ServeArgs {
     /// connection is closed.
     #[arg(long, env = "FORKLESS_REQUEST_READ_TIMEOUT_MS")]
     request_read_timeout_ms: Option<u64>,
-    /// Most client connections open at once, API and peer listeners
-    /// together [default: 1024]; one more is answered 503 and closed. With
-    /// 256 descriptors kept for the store it must fit in the open-file
-    /// limit (raised to the hard limit at start), or the node refuses to
-    /// start.
+    /// Most connections open at once on each listener (the client API's,
+    /// and the peer address's, counted apart) [default: 1024]; one more is
+    /// answered 503 and closed. In a cluster, keep it the same on every
+    /// node (set it in the cluster file's [limits]): a node forwards to
+    /// each peer on at most its share of that peer's peer connections,
+    /// reckoned with its own value. With the forwards, the Raft
+    /// transport's connections and 256 descriptors kept for the store it
+    /// must fit in the open-file limit (raised to the hard limit at
+    /// start), or the node refuses to start.
     #[arg(long, env = "FORKLESS_CONNECTIONS_MAX")]
     connections_max: Option<usize>,
     /// A kept-alive connection idle this long is closed, ms [default: 60000].

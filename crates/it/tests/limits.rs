@@ -435,8 +435,9 @@ fn a_long_poll_whose_client_hangs_up_is_let_go_at_once() {
             || (c1.metric("forkless_long_polls_waiting") == 0.0).then_some(()),
         );
     }
-    assert_eq!(c1.metric("forkless_reads_abandoned_total"), 2.0);
-    assert_eq!(c2.metric("forkless_reads_abandoned_total"), 1.0);
+    // (At least: a probe or a harness request cut short counts too.)
+    assert!(c1.metric("forkless_reads_abandoned_total") >= 2.0);
+    assert!(c2.metric("forkless_reads_abandoned_total") >= 1.0);
 }
 
 /// Long-polls sent to a node through its peers leave room on its peer
@@ -480,10 +481,10 @@ fn long_polls_through_the_peers_leave_room_on_the_owners_peer_listener() {
             std::thread::spawn(move || {
                 let r = c.try_req(
                     "GET",
-                    &format!("/api/executions/{id}/events?after=1&wait_ms=20000"),
+                    &format!("/api/executions/{id}/events?after=1&wait_ms=30000"),
                     &[],
                     None,
-                    Duration::from_secs(40),
+                    Duration::from_secs(45),
                 );
                 let _ = tx.send((through, r));
             });
@@ -498,6 +499,7 @@ fn long_polls_through_the_peers_leave_room_on_the_owners_peer_listener() {
         let r = r.expect("an answer");
         let v = r.expect_error(503, "too_many_forwards");
         assert_eq!(v["limit"], 1, "{v}");
+        assert_eq!(v["executed"], false, "{v}");
         assert_eq!(
             r.header("x-forkless-node"),
             Some(through.to_string().as_str())

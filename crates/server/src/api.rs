@@ -1071,6 +1071,7 @@ async fn elsewhere(
                 shard,
                 peers: app.dir.node_count().saturating_sub(1),
                 waits: !route.extra_wait.is_zero(),
+                queue_within: app.cfg.peer.forward_timeout(),
             };
             let r = app.forwarder.forward(&to, req).await;
             app.metrics

@@ -568,6 +568,28 @@ impl ServerConfig {
         }
     }
 
+    /// The descriptors this node's connections may hold at once (what
+    /// [`check_fd_budget`] and [`cached_files_per_shard`] count).
+    pub fn connection_fds(&self) -> ConnectionFds {
+        let peers = self
+            .cluster
+            .as_ref()
+            .map_or(0, |c| c.nodes.len().saturating_sub(1));
+        let raft = match self.cluster.as_ref().and_then(|c| c.replication.as_ref()) {
+            Some(_) => {
+                forkless_raftnet::AWAITING_HELLO_MAX as u64
+                    + (forkless_raftnet::PER_PEER_MAX as u64 + 1) * peers as u64
+            }
+            None => 0,
+        };
+        ConnectionFds {
+            connections_max: self.limits.connections_max,
+            listeners: self.listeners(),
+            forwards: peers > 0,
+            raft,
+        }
+    }
+
     /// The embedded default: one node, one shard, `./forkless-data`,
     /// 127.0.0.1:7070.
     pub fn single_node_default() -> ServerConfig {
@@ -1059,39 +1081,74 @@ pub fn resolve(
     Ok(cfg)
 }
 
+/// The descriptors a node's connections may hold at once:
+/// `connections_max` on each of its `listeners` (the client API's, and the
+/// peer address's when it has its own), as many again for its forwards
+/// and probes to its peers when it has any (each peer's share,
+/// `forward::share`, keeps them within one `connections_max` in all), and
+/// its Raft transport's `raft` (the connections its listener holds before
+/// their hello and from each peer, and one to each peer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionFds {
+    pub connections_max: usize,
+    pub listeners: usize,
+    pub forwards: bool,
+    pub raft: u64,
+}
+
+impl ConnectionFds {
+    /// How many sets of `connections_max` there are.
+    fn sets(&self) -> u64 {
+        self.listeners.max(1) as u64 + u64::from(self.forwards)
+    }
+
+    fn total(&self) -> u64 {
+        (self.connections_max as u64)
+            .saturating_mul(self.sets())
+            .saturating_add(self.raft)
+    }
+
+    /// Says what they are, for an error.
+    fn describe(&self) -> String {
+        let (c, n) = (self.connections_max, self.listeners.max(1));
+        let mut s = format!("limits.connections_max {c} on each of {n} listeners");
+        if self.forwards {
+            s.push_str(&format!(", {c} for forwards and probes to the peers"));
+        }
+        if self.raft > 0 {
+            s.push_str(&format!(", {} for the Raft transport", self.raft));
+        }
+        s
+    }
+}
+
 /// Raises the soft open-file limit (RLIMIT_NOFILE) to the hard one and
-/// checks that `limits.connections_max` plus [`FD_RESERVE`] fit in it.
-/// Returns the limit now in force.
-/// `listeners` is how many listeners take connections (the client API's,
-/// and the peer address's when it has its own), each up to
-/// `limits.connections_max`.
-pub fn reserve_file_descriptors(limits: &Limits, listeners: usize) -> Result<u64, ConfigError> {
+/// checks that the connections' descriptors plus [`FD_RESERVE`] fit in
+/// it. Returns the limit now in force.
+pub fn reserve_file_descriptors(connections: ConnectionFds) -> Result<u64, ConfigError> {
     let limit = raise_nofile_limit().map_err(|e| {
         ConfigError::Invalid(format!(
             "cannot read the open-file limit (RLIMIT_NOFILE): {e}"
         ))
     })?;
-    check_fd_budget(limits.connections_max, listeners, limit)?;
+    check_fd_budget(connections, limit)?;
     Ok(limit)
 }
 
-/// Whether `connections_max` connections on each of `listeners` listeners
-/// plus [`FD_RESERVE`] fit in an open-file limit of `limit`.
-pub fn check_fd_budget(
-    connections_max: usize,
-    listeners: usize,
-    limit: u64,
-) -> Result<(), ConfigError> {
-    let listeners = listeners.max(1) as u64;
-    let need = (connections_max as u64)
-        .saturating_mul(listeners)
-        .saturating_add(FD_RESERVE);
+/// Whether the connections' descriptors plus [`FD_RESERVE`] fit in an
+/// open-file limit of `limit`.
+pub fn check_fd_budget(connections: ConnectionFds, limit: u64) -> Result<(), ConfigError> {
+    let need = connections.total().saturating_add(FD_RESERVE);
     if need > limit {
         return Err(ConfigError::Invalid(format!(
-            "limits.connections_max {connections_max} on each of {listeners} listeners plus {FD_RESERVE} file \
-             descriptors kept for the store is {need}, over the open-file limit (RLIMIT_NOFILE) of {limit}: \
-             lower limits.connections_max (--connections-max) to at most {} or raise the limit (ulimit -n)",
-            limit.saturating_sub(FD_RESERVE) / listeners
+            "{} plus {FD_RESERVE} file descriptors kept for the store is {need}, over the open-file \
+             limit (RLIMIT_NOFILE) of {limit}: lower limits.connections_max (--connections-max) to at \
+             most {} or raise the limit (ulimit -n)",
+            connections.describe(),
+            limit
+                .saturating_sub(FD_RESERVE)
+                .saturating_sub(connections.raft)
+                / connections.sets()
         )));
     }
     Ok(())
@@ -1108,8 +1165,8 @@ pub const CACHED_FILES_MIN: u64 = 16;
 pub const CACHED_FILES_MAX: u64 = 900;
 
 /// How many table files each shard's database keeps open in its cache
-/// of descriptors: the open-file `limit` less the connections
-/// (`connections_max` on each of `listeners`) and [`FD_RESERVE`], shared
+/// of descriptors: the open-file `limit` less the `connections`'
+/// descriptors and [`FD_RESERVE`], shared
 /// evenly among `shards`, less [`FDS_PER_SHARD`]; between
 /// [`CACHED_FILES_MIN`] and [`CACHED_FILES_MAX`]. fjall keeps up to 900 a
 /// database by default, whatever the limit: a node of many shards
@@ -1124,13 +1181,11 @@ pub const CACHED_FILES_MAX: u64 = 900;
 /// before must still start.
 pub fn cached_files_per_shard(
     limit: u64,
-    connections_max: usize,
-    listeners: usize,
+    fds: ConnectionFds,
     shards: usize,
 ) -> Result<usize, (usize, String)> {
-    let listeners = listeners.max(1) as u64;
     let shards = (shards.max(1)) as u64;
-    let connections = (connections_max as u64).saturating_mul(listeners);
+    let connections = fds.total();
     let left = limit.saturating_sub(connections).saturating_sub(FD_RESERVE);
     let per = (left / shards).saturating_sub(FDS_PER_SHARD);
     let as_usize = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
@@ -1141,11 +1196,12 @@ pub fn cached_files_per_shard(
         return Err((
             as_usize(CACHED_FILES_MIN),
             format!(
-                "the open-file limit (RLIMIT_NOFILE) of {limit} is too low for {shards} shards: limits.connections_max \
-                 {connections_max} on each of {listeners} listeners, {FD_RESERVE} descriptors kept for the store, and \
+                "the open-file limit (RLIMIT_NOFILE) of {limit} is too low for {shards} shards: {}, \
+                 {FD_RESERVE} descriptors kept for the store, and \
                  {} a shard ({FDS_PER_SHARD} of its own and {CACHED_FILES_MIN} table files) need {need}; a read-heavy \
                  load could run out of descriptors. Raise the limit (ulimit -n, LimitNOFILE) to {need} or more, or \
                  lower limits.connections_max",
+                fds.describe(),
                 FDS_PER_SHARD + CACHED_FILES_MIN
             ),
         ));
@@ -1692,41 +1748,89 @@ peer_addr = "127.0.0.1:7172"
         ] {
             check(&format!("[limits]\n{bad}\n"), None, Some(want));
         }
-        assert!(check_fd_budget(1024, 1, 1280).is_ok());
-        let e = check_fd_budget(1025, 1, 1280).unwrap_err().to_string();
+        assert!(check_fd_budget(fds(1024, 1), 1280).is_ok());
+        let e = check_fd_budget(fds(1025, 1), 1280).unwrap_err().to_string();
         assert!(e.contains("limits.connections_max 1025"), "{e}");
         assert!(e.contains("RLIMIT_NOFILE"), "{e}");
         assert!(e.contains("at most 1024"), "{e}");
-        assert!(check_fd_budget(usize::MAX, 1, u64::MAX - 1).is_err());
+        assert!(check_fd_budget(fds(usize::MAX, 1), u64::MAX - 1).is_err());
         // A peer listener of its own takes as many again.
-        assert!(check_fd_budget(512, 2, 1280).is_ok());
-        let e = check_fd_budget(1024, 2, 1280).unwrap_err().to_string();
+        assert!(check_fd_budget(fds(512, 2), 1280).is_ok());
+        let e = check_fd_budget(fds(1024, 2), 1280).unwrap_err().to_string();
         assert!(
             e.contains("each of 2 listeners") && e.contains("at most 512"),
             "{e}"
+        );
+        // So do the forwards to peers, and the Raft transport has its own.
+        let clustered = ConnectionFds {
+            forwards: true,
+            raft: 70,
+            ..fds(512, 2)
+        };
+        let e = check_fd_budget(clustered, 1280).unwrap_err().to_string();
+        assert!(
+            e.contains("512 for forwards and probes to the peers")
+                && e.contains("70 for the Raft transport")
+                && e.contains("at most 318"),
+            "{e}"
+        );
+        assert!(check_fd_budget(
+            ConnectionFds {
+                connections_max: 318,
+                ..clustered
+            },
+            1280
+        )
+        .is_ok());
+        // What a config gives: a replicated three-node cluster, its peer
+        // listeners apart.
+        let c = check(&replicated("replication_factor = 3"), Some(2), None).expect("valid");
+        assert_eq!(
+            c.connection_fds(),
+            ConnectionFds {
+                connections_max: 1024,
+                listeners: c.listeners(),
+                forwards: true,
+                raft: 64 + 2 * 3,
+            }
+        );
+        // A single node: its listener alone.
+        assert_eq!(
+            ServerConfig::single_node_default().connection_fds(),
+            fds(1024, 1)
         );
     }
 
     #[test]
     fn the_shards_table_files_share_what_the_connections_leave() {
         // One shard: fjall's own default, the most.
-        assert_eq!(cached_files_per_shard(20_000, 1024, 1, 1), Ok(900));
+        assert_eq!(cached_files_per_shard(20_000, fds(1024, 1), 1), Ok(900));
         // 128 shards: (20000 - 1024 - 256) / 128 = 146, less 4 of their own.
-        assert_eq!(cached_files_per_shard(20_000, 1024, 1, 128), Ok(142));
+        assert_eq!(cached_files_per_shard(20_000, fds(1024, 1), 128), Ok(142));
         // The peers' listener counts its connections too.
-        assert_eq!(cached_files_per_shard(20_000, 1024, 2, 128), Ok(134));
+        assert_eq!(cached_files_per_shard(20_000, fds(1024, 2), 128), Ok(134));
         // Exactly the minimum: 1280 + 64 x 20.
-        assert_eq!(cached_files_per_shard(2_560, 1024, 1, 64), Ok(16));
+        assert_eq!(cached_files_per_shard(2_560, fds(1024, 1), 64), Ok(16));
         // Too low: the minimum, and what would do.
-        let (files, why) = cached_files_per_shard(2_559, 1024, 1, 64).unwrap_err();
+        let (files, why) = cached_files_per_shard(2_559, fds(1024, 1), 64).unwrap_err();
         assert_eq!(files, 16);
         assert!(
             why.contains("too low for 64 shards") && why.contains("need 2560"),
             "{why}"
         );
         // No shard counted, or a limit below the connections: no panic.
-        assert_eq!(cached_files_per_shard(20_000, 1024, 1, 0), Ok(900));
-        assert!(cached_files_per_shard(100, 1024, 1, 1).is_err());
+        assert_eq!(cached_files_per_shard(20_000, fds(1024, 1), 0), Ok(900));
+        assert!(cached_files_per_shard(100, fds(1024, 1), 1).is_err());
+    }
+
+    /// `connections_max` on each of `listeners`, no peers.
+    fn fds(connections_max: usize, listeners: usize) -> ConnectionFds {
+        ConnectionFds {
+            connections_max,
+            listeners,
+            forwards: false,
+            raft: 0,
+        }
     }
 
     #[test]

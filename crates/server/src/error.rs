@@ -101,8 +101,9 @@ pub enum ApiError {
         learner_left: bool,
         message: String,
     },
-    /// Over a per-node bound on something clients hold (long-polls):
-    /// 503 with `Retry-After`, nothing done.
+    /// Over a per-node bound on something clients hold (long-polls,
+    /// forwards that wait): 503 with `Retry-After`, nothing done
+    /// (`executed: false`).
     Overloaded {
         code: &'static str,
         message: String,
@@ -202,7 +203,7 @@ impl ApiError {
                 json!({"error": code, "message": message, "idempotency_key": key})
             }
             ApiError::Overloaded { message, limit, .. } => {
-                json!({"error": code, "message": message, "limit": limit})
+                json!({"error": code, "message": message, "limit": limit, "executed": false})
             }
             ApiError::NotFound(m) | ApiError::Forbidden(m) | ApiError::Internal(m) => {
                 json!({"error": code, "message": m})

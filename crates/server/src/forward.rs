@@ -84,7 +84,9 @@ enum Pool {
 /// taken for dead by them. Of the share, at most half may wait (a
 /// long-poll, a replica move: requests that hold their connection for up
 /// to `limits.wait_ms_max` or a move's catch-up), so that short requests
-/// always find connections. At least one of each.
+/// always find connections: a share of one connection forwards none
+/// (`connections_max` under four times the peers; the node warns of it
+/// at start).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Share {
     pub connections: usize,
@@ -96,7 +98,7 @@ pub(crate) fn share(connections_max: usize, peers: usize) -> Share {
     let connections = (connections_max.saturating_sub(PROBE_RESERVE * peers) / peers).max(1);
     Share {
         connections,
-        waiting: (connections / 2).max(1),
+        waiting: connections / 2,
     }
 }
 
@@ -132,7 +134,21 @@ pub struct ForwardRequest<'a> {
     /// The request waits at its owner (a long-poll, a replica move):
     /// counted against the share's `waiting` part.
     pub waits: bool,
+    /// How long it may wait for a connection of the share, before its
+    /// `timeout` starts (then 503, not sent).
+    pub queue_within: Duration,
 }
+
+/// How long after a forwarded write's forwarder gave up on it (its
+/// timeout, a connection broken after the request left) its owner may
+/// still hold the connection: a write runs to its end there, whoever
+/// waits for it, and is bounded by the store's
+/// [`forkless_store::WRITE_WITHIN`]. The forward's place in its share is
+/// kept that long, so that forwards given up on cannot add up at the
+/// owner past the share. (A read is dropped by its owner once its
+/// connection closes: nothing is kept.)
+const WRITE_OUTLIVES_ITS_FORWARD: Duration =
+    Duration::from_secs(forkless_store::WRITE_WITHIN.as_secs() + 1);
 
 /// A peer's answer, read in full.
 struct Answer {
@@ -217,24 +233,29 @@ impl Forwarder {
 
     /// A hold on this node's share of `owner`'s connections: a waiting
     /// request over the share's `waiting` part is refused at once (503
-    /// `too_many_forwards`); any other waits until `deadline` for a
-    /// connection another forward is done with.
-    async fn hold(
-        &self,
-        owner: &OwnerHint,
-        req: &ForwardRequest<'_>,
-        deadline: tokio::time::Instant,
-    ) -> Result<Held, ApiError> {
+    /// `too_many_forwards`); any other waits up to `req.queue_within` for
+    /// a connection another forward is done with.
+    async fn hold(&self, owner: &OwnerHint, req: &ForwardRequest<'_>) -> Result<Held, ApiError> {
         let s = self.peer_share(&owner.peer_addr, req.peers);
         let waiting = if req.waits {
             match s.waiting.clone().try_acquire_owned() {
                 Ok(p) => Some(p),
+                Err(_) if s.share.waiting == 0 => {
+                    return Err(ApiError::Overloaded {
+                        code: "too_many_forwards",
+                        message: format!(
+                            "this node forwards no requests that wait (long-polls, replica moves) to node {}: its share of that node's peer connections ((limits.connections_max - 2 x {peers}) / {peers} peers) is one connection, kept for short requests; send it to node {} itself, or raise limits.connections_max to at least {}",
+                            owner.node, owner.node, 4 * req.peers.max(1), peers = req.peers.max(1)
+                        ),
+                        limit: 0,
+                    })
+                }
                 Err(_) => {
                     return Err(ApiError::Overloaded {
                         code: "too_many_forwards",
                         message: format!(
-                            "this node forwards {} requests that wait (long-polls, replica moves) to node {} already, its share of that node's peer connections (half of limits.connections_max / {} peers); retry later, through another node, or read without wait_ms",
-                            s.share.waiting, owner.node, req.peers.max(1)
+                            "this node forwards {} requests that wait (long-polls, replica moves) to node {} already: half its share of that node's peer connections ((limits.connections_max - 2 x {peers}) / {peers} peers, {} connections); retry later, through another node, or read without wait_ms",
+                            s.share.waiting, owner.node, s.share.connections, peers = req.peers.max(1)
                         ),
                         limit: s.share.waiting,
                     })
@@ -243,7 +264,8 @@ impl Forwarder {
         } else {
             None
         };
-        match tokio::time::timeout_at(deadline, s.connections.clone().acquire_owned()).await {
+        let queued = s.connections.clone().acquire_owned();
+        match tokio::time::timeout(req.queue_within, queued).await {
             Ok(Ok(connection)) => Ok(Held {
                 _connection: connection,
                 _waiting: waiting,
@@ -253,11 +275,11 @@ impl Forwarder {
                 shard: req.shard,
                 executed: Executed::No,
                 reason: format!(
-                    "node {}: this node's {} connections to it (its share of limits.connections_max / {} peers) were all in use for {} ms; nothing was sent",
+                    "node {}: this node's {} connections to it (its share of that node's peer connections: (limits.connections_max - 2 x {peers}) / {peers} peers) were all in use for {} ms; nothing was sent",
                     owner.node,
                     s.share.connections,
-                    req.peers.max(1),
-                    req.timeout.as_millis()
+                    req.queue_within.as_millis(),
+                    peers = req.peers.max(1),
                 ),
                 hint: Some(owner.clone()),
             }),
@@ -291,10 +313,9 @@ impl Forwarder {
             &req.body,
         )
         .map_err(|e| fail(Executed::No, e))?;
-        let deadline = tokio::time::Instant::now() + req.timeout;
-        let _held = self.hold(owner, &req, deadline).await?;
-        let answer = tokio::time::timeout_at(
-            deadline,
+        let held = self.hold(owner, &req).await?;
+        let answer = tokio::time::timeout(
+            req.timeout,
             self.exchange(
                 Pool::Forwards,
                 &owner.peer_addr,
@@ -303,6 +324,18 @@ impl Forwarder {
             ),
         )
         .await;
+        // A write given up on after it left (no answer in time, or its
+        // connection broke) runs on at its owner: its place in the share
+        // is kept as long as it may.
+        let left_unanswered = matches!(answer, Ok(Err(Failure::Unknown(_))) | Err(_));
+        if left_unanswered && req.method != Method::GET {
+            tokio::spawn(async move {
+                tokio::time::sleep(WRITE_OUTLIVES_ITS_FORWARD).await;
+                drop(held);
+            });
+        } else {
+            drop(held);
+        }
         let answer = match answer {
             Ok(Ok(a)) => a,
             Ok(Err(Failure::NotSent(e))) => {
@@ -819,8 +852,9 @@ mod tests {
         assert_eq!(s(1024, 2), (510, 255));
         assert_eq!(s(8, 2), (2, 1));
         assert_eq!(s(4, 1), (2, 1));
-        // Never none, however many peers.
-        assert_eq!(s(16, 100), (1, 1));
+        // Never no connection, however many peers; one is kept for short
+        // requests.
+        assert_eq!(s(16, 100), (1, 0));
         assert_eq!(s(1024, 0), (1022, 511));
     }
 
@@ -897,6 +931,7 @@ mod tests {
                     shard: 0,
                     peers: 1,
                     waits,
+                    queue_within: timeout,
                 };
                 f.forward(&owner, req).await.map(|r| r.status())
             })
@@ -944,5 +979,64 @@ mod tests {
             assert_eq!(h.await.unwrap().unwrap(), StatusCode::OK);
         }
         assert_eq!(most.load(SeqCst), 4, "connections open at once");
+    }
+    /// A write whose forward is given up on (no answer in its time) keeps
+    /// its place in the share for as long as its owner may still hold
+    /// it; a read given up on frees its place at once (its owner drops
+    /// it when the connection closes).
+    #[tokio::test]
+    async fn a_write_given_up_on_keeps_its_place_in_the_share_a_read_does_not() {
+        use std::sync::atomic::AtomicUsize;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        // The owner never answers.
+        let go = Arc::new(Semaphore::new(0));
+        let counts = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        tokio::spawn(slow_owner(listener, go, counts.0, counts.1));
+        // Three connections, one peer: a share of one.
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef", 3);
+        let owner = OwnerHint {
+            node: forkless_types::NodeId::new(1).unwrap(),
+            api_addr: addr.clone(),
+            peer_addr: addr.clone(),
+            epoch: forkless_types::Epoch(1),
+        };
+        let req = |method| ForwardRequest {
+            method,
+            path_and_query: "/x",
+            body: Bytes::new(),
+            hops: 1,
+            timeout: Duration::from_millis(100),
+            shard: 0,
+            peers: 1,
+            waits: false,
+            queue_within: Duration::from_millis(300),
+        };
+        let unknown = |r: Result<Response, ApiError>| {
+            matches!(
+                r,
+                Err(ApiError::OwnerUnavailable {
+                    executed: Executed::Unknown,
+                    ..
+                })
+            )
+        };
+        // A read times out; the next forward gets the connection's place
+        // at once (and times out in turn).
+        assert!(unknown(f.forward(&owner, req(Method::GET)).await));
+        assert!(unknown(f.forward(&owner, req(Method::POST)).await));
+        // The write's place is kept: the next waits its queue time out,
+        // not sent.
+        let r = f.forward(&owner, req(Method::GET)).await;
+        assert!(
+            matches!(
+                r,
+                Err(ApiError::OwnerUnavailable {
+                    executed: Executed::No,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
     }
 }

@@ -216,16 +216,11 @@ impl App {
         let held = shards_held(&cfg, replicated.as_ref(), &dir);
         let cache_per_shard = cfg.store.cache_bytes_per_shard_for(held);
         let log = replicated.as_ref().map(|r| r.log_for(held));
-        let files_per_shard = config::cached_files_per_shard(
-            fd_limit,
-            cfg.limits.connections_max,
-            cfg.listeners(),
-            held,
-        )
-        .unwrap_or_else(|(files, why)| {
-            tracing::warn!("{why}");
-            files
-        });
+        let files_per_shard = config::cached_files_per_shard(fd_limit, cfg.connection_fds(), held)
+            .unwrap_or_else(|(files, why)| {
+                tracing::warn!("{why}");
+                files
+            });
         tracing::info!(
             shards_held = held,
             table_files_per_shard = files_per_shard,
@@ -690,13 +685,29 @@ pub async fn run(
     // Before the store opens anything: the connections' descriptors plus
     // the store's reserve must fit, so that no connection can take the
     // descriptor a shard's log rotation needs.
-    let fd_limit = config::reserve_file_descriptors(&cfg.limits, cfg.listeners())?;
+    let fd_limit = config::reserve_file_descriptors(cfg.connection_fds())?;
     tracing::info!(
         open_file_limit = fd_limit,
         connections_max = cfg.limits.connections_max,
         reserved_for_store = config::FD_RESERVE,
         "file descriptors"
     );
+    let peers = cfg.connection_fds().forwards.then(|| {
+        cfg.cluster
+            .as_ref()
+            .map_or(0, |c| c.nodes.len().saturating_sub(1))
+    });
+    if let Some(peers) = peers {
+        let share = forward::share(cfg.limits.connections_max, peers);
+        if share.waiting == 0 {
+            tracing::warn!(
+                connections_max = cfg.limits.connections_max,
+                peers,
+                "limits.connections_max is under 4 connections a peer: this node forwards to each peer on one connection and forwards no long-poll or replica move (503 too_many_forwards); raise it to at least {}",
+                4 * peers
+            );
+        }
+    }
     let app = App::open(cfg, reload, fd_limit).await?;
     let bind = |addr: std::net::SocketAddr| async move {
         tokio::net::TcpListener::bind(addr)

@@ -140,6 +140,7 @@ pub use shard::{
 };
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;
+pub use writer::WRITE_WITHIN;
 
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardCount, ShardId};
 use std::collections::BTreeMap;

@@ -453,7 +453,7 @@ impl RaftWrite {
 /// How long a write waits for its group to commit and apply its entry;
 /// then its outcome is unknown (a leader cut off from its group never
 /// hears; `docs/replication.md`, "Writes whose outcome Raft cannot tell").
-const WRITE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
+pub const WRITE_WITHIN: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Where the log reports a group durable ([`Log::append`]'s callback),
 /// for the writer that waits for it: the segment log calls back before
