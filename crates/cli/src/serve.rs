@@ -62,6 +62,12 @@ pub struct ServeArgs {
     /// more is answered 503 too_many_long_polls with Retry-After.
     #[arg(long, env = "FORKLESS_LONG_POLLS_MAX")]
     long_polls_max: Option<usize>,
+    /// Most bytes of request bodies held at once on this node (being read
+    /// or not yet answered) [default: 268435456]; a request whose body
+    /// would go over it is answered 503 too_many_body_bytes with
+    /// Retry-After. At least --request-body-bytes-max.
+    #[arg(long, env = "FORKLESS_BODY_BYTES_IN_FLIGHT_MAX")]
+    body_bytes_in_flight_max: Option<usize>,
     /// How many nice steps below the request path the storage engine's
     /// flush and compaction threads run, 0 to 19 [default: 10]; 0 keeps
     /// them at the same priority. Linux only.
@@ -112,6 +118,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         write_timeout_ms: a.write_timeout_ms,
         read_page_bytes_max: a.read_page_bytes_max,
         long_polls_max: a.long_polls_max,
+        body_bytes_in_flight_max: a.body_bytes_in_flight_max,
     };
     let cfg = config::resolve(file, a.node, overrides.clone())?;
     // `forkless cluster reload` and SIGHUP read the same file again, with

@@ -537,3 +537,81 @@ fn long_polls_through_the_peers_leave_room_on_the_owners_peer_listener() {
         assert_eq!(r.json()["events"][0]["seq"], 2);
     }
 }
+
+/// The bytes of request bodies a node holds at once are bounded
+/// (`--body-bytes-in-flight-max`): a request whose body would go over it
+/// is answered 503 `too_many_body_bytes`, its body read and dropped, and
+/// its connection serves on; once the held body is answered, the same
+/// request is served. Before, every connection could hold a body of the
+/// largest size at once (1024 x 8 MiB by default).
+#[test]
+fn request_bodies_held_at_once_are_bounded() {
+    let _d = deadline("request_bodies_held_at_once_are_bounded", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    // One body of the largest size fits; two of 700 KB do not.
+    let n = Node::start_single(
+        &dir.path().join("data"),
+        &[
+            "--request-body-bytes-max",
+            "1048576",
+            "--body-bytes-in-flight-max",
+            "1048576",
+        ],
+    );
+    let c = n.client;
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    let body = |ty: &str| {
+        let frame = format!(r#"{{"events":[{{"type":"{ty}","payload":""}}]}}"#);
+        let pad = "y".repeat(700_000 - frame.len());
+        format!(r#"{{"events":[{{"type":"{ty}","payload":"{pad}"}}]}}"#)
+    };
+    let head = |len: usize| {
+        format!("POST /api/executions/{id}/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len}\r\n\r\n")
+    };
+    // The first body arrives slowly: half of it now.
+    let (first, second) = (body("first"), body("second"));
+    assert_eq!((first.len(), second.len()), (700_000, 700_000));
+    let mut slow = RawConn::open(c.addr);
+    slow.send(head(first.len()).as_bytes());
+    slow.send(&first.as_bytes()[..350_000]);
+    wait_until("the first body held", Duration::from_secs(10), || {
+        (c.metric("forkless_body_bytes_in_flight") > 0.0).then_some(())
+    });
+    // The second, whole, would go over: refused, nothing written, and its
+    // connection serves the next request.
+    let mut other = RawConn::open(c.addr);
+    other.send(head(second.len()).as_bytes());
+    other.send(second.as_bytes());
+    let r = other.read();
+    let v = r.expect_error(503, "too_many_body_bytes");
+    assert_eq!(
+        (v["limit"].as_u64(), v["executed"].as_bool()),
+        (Some(1_048_576), Some(false)),
+        "{v}"
+    );
+    assert_eq!(r.header("retry-after"), Some("1"));
+    other.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    other.read().expect(200);
+    // A streamed (chunked) body, which hyper serves, counts as the
+    // largest a body may be: refused too.
+    let mut chunked = RawConn::open(c.addr);
+    let small = r#"{"events":[{"type":"chunked"}]}"#;
+    chunked.send(
+        format!(
+            "POST /api/executions/{id}/events HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{small}\r\n0\r\n\r\n",
+            small.len()
+        )
+        .as_bytes(),
+    );
+    chunked.read().expect_error(503, "too_many_body_bytes");
+    assert_eq!(c.metric("forkless_body_bytes_refused_total"), 2.0);
+    // The first comes in full and is served; then the second is.
+    slow.send(&first.as_bytes()[350_000..]);
+    assert_eq!(slow.read().expect(200).json()["first_seq"], 2);
+    other.send(head(second.len()).as_bytes());
+    other.send(second.as_bytes());
+    assert_eq!(other.read().expect(200).json()["first_seq"], 3);
+    wait_until("no body held", Duration::from_secs(10), || {
+        (c.metric("forkless_body_bytes_in_flight") == 0.0).then_some(())
+    });
+}

@@ -62,6 +62,12 @@ pub struct Limits {
     /// Most long-polls waiting at once on this node; one over it is
     /// answered 503 `too_many_long_polls` with `Retry-After`.
     pub long_polls_max: usize,
+    /// Most bytes of request bodies this node holds at once (read, or
+    /// being read, and not yet answered): a request whose body would go
+    /// over it is answered 503 `too_many_body_bytes` with `Retry-After`,
+    /// its body read and dropped as it comes. At least
+    /// `request_body_bytes_max`.
+    pub body_bytes_in_flight_max: usize,
 }
 
 /// File descriptors kept free for the store (the node log's segments,
@@ -104,6 +110,7 @@ impl Default for Limits {
             write_timeout_ms: 30_000,
             read_page_bytes_max: 4 * 1024 * 1024,
             long_polls_max: 1024,
+            body_bytes_in_flight_max: 256 * 1024 * 1024,
         }
     }
 }
@@ -1053,6 +1060,12 @@ pub fn resolve(
             return Err(ConfigError::Invalid(format!("{field} must be positive")));
         }
     }
+    if cfg.limits.body_bytes_in_flight_max < cfg.limits.request_body_bytes_max {
+        return Err(ConfigError::Invalid(format!(
+            "limits.body_bytes_in_flight_max ({}) must be at least limits.request_body_bytes_max ({}): a body of the largest size must fit",
+            cfg.limits.body_bytes_in_flight_max, cfg.limits.request_body_bytes_max
+        )));
+    }
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
     }
@@ -1258,6 +1271,7 @@ pub struct Overrides {
     pub write_timeout_ms: Option<u64>,
     pub read_page_bytes_max: Option<usize>,
     pub long_polls_max: Option<usize>,
+    pub body_bytes_in_flight_max: Option<usize>,
 }
 
 impl Overrides {
@@ -1288,6 +1302,9 @@ impl Overrides {
         }
         if let Some(v) = self.long_polls_max {
             l.long_polls_max = v;
+        }
+        if let Some(v) = self.body_bytes_in_flight_max {
+            l.body_bytes_in_flight_max = v;
         }
     }
 }
@@ -1712,10 +1729,12 @@ peer_addr = "127.0.0.1:7172"
         let o = Overrides {
             connections_max: Some(20),
             long_polls_max: Some(3),
+            body_bytes_in_flight_max: Some(9 << 20),
             ..Default::default()
         };
         let c = resolve(Some(parse_file(text).unwrap()), None, o).unwrap();
         assert_eq!((c.limits.connections_max, c.limits.long_polls_max), (20, 3));
+        assert_eq!(c.limits.body_bytes_in_flight_max, 9 << 20);
         for (bad, want) in [
             (
                 "connections_max = 0",
@@ -1724,6 +1743,10 @@ peer_addr = "127.0.0.1:7172"
             (
                 "long_polls_max = 0",
                 "limits.long_polls_max must be positive",
+            ),
+            (
+                "body_bytes_in_flight_max = 1000",
+                "limits.body_bytes_in_flight_max (1000) must be at least limits.request_body_bytes_max (8388608)",
             ),
             (
                 "read_page_bytes_max = 0",

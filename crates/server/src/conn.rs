@@ -91,6 +91,21 @@ where
             }
         };
         let total = head.len + head.body_len;
+        // Held until the request's answer is made (not while it is
+        // written: a client slow to read holds no body).
+        let Some(body_held) = c.app.body_budget.take(&c.app, head.body_len) else {
+            // Over the node's budget: the body is read and dropped as it
+            // comes (nothing of it is held), and the request refused.
+            if !c.discard(total, deadline).await {
+                return;
+            }
+            out.clear();
+            let refused = api::stamp(&c.app, c.app.body_budget.refusal());
+            if write_response(refused, &mut out).await.is_err() || !c.write_out(&out).await {
+                return;
+            }
+            continue;
+        };
         while c.buf.len() < total {
             if !c.fill(total - c.buf.len(), deadline).await {
                 return;
@@ -145,6 +160,7 @@ where
                 }
             }
         }
+        drop(body_held);
         if !c.write_out(&out).await || *c.stop.borrow() {
             return;
         }
@@ -171,6 +187,73 @@ async fn hung_up(tcp: &mut TcpStream, buf: &mut BytesMut) {
         }
     }
     std::future::pending().await
+}
+
+/// The bytes of request bodies a node holds at once
+/// (`limits.body_bytes_in_flight_max`), counted in whole KiB.
+pub(crate) struct BodyBudget {
+    kib: Arc<tokio::sync::Semaphore>,
+    max_bytes: usize,
+}
+
+/// A body's place in the node's [`BodyBudget`], given back when dropped.
+pub(crate) struct BodyHeld {
+    _kib: Option<tokio::sync::OwnedSemaphorePermit>,
+    bytes: i64,
+    gauge: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl Drop for BodyHeld {
+    fn drop(&mut self) {
+        self.gauge.dec_by(self.bytes);
+    }
+}
+
+impl BodyBudget {
+    pub(crate) fn new(max_bytes: usize) -> BodyBudget {
+        BodyBudget {
+            kib: Arc::new(tokio::sync::Semaphore::new(max_bytes.div_ceil(1024))),
+            max_bytes,
+        }
+    }
+
+    /// A place for a body of `len` bytes, or `None` when the bodies held
+    /// would go over the budget.
+    pub(crate) fn take(&self, app: &App, len: usize) -> Option<BodyHeld> {
+        let kib = len.div_ceil(1024);
+        let permit = if kib == 0 {
+            None
+        } else {
+            let taken = u32::try_from(kib)
+                .ok()
+                .and_then(|n| self.kib.clone().try_acquire_many_owned(n).ok());
+            if taken.is_none() {
+                app.metrics.body_bytes_refused.inc();
+                return None;
+            }
+            taken
+        };
+        let bytes = i64::try_from(kib * 1024).unwrap_or(i64::MAX);
+        app.metrics.body_bytes_in_flight.inc_by(bytes);
+        Some(BodyHeld {
+            _kib: permit,
+            bytes,
+            gauge: app.metrics.body_bytes_in_flight.clone(),
+        })
+    }
+
+    /// The answer to a request refused for being over the budget.
+    pub(crate) fn refusal(&self) -> Response {
+        crate::error::ApiError::Overloaded {
+            code: "too_many_body_bytes",
+            message: format!(
+                "with this request's body, this node would hold more than {} bytes of request bodies, its limit (limits.body_bytes_in_flight_max); nothing was done, retry later",
+                self.max_bytes
+            ),
+            limit: self.max_bytes,
+        }
+        .into_response()
+    }
 }
 
 /// The answer buffer's starting capacity.
@@ -266,6 +349,24 @@ impl Conn {
         matches!(read, Ok(n) if n > 0)
     }
 
+    /// Reads and drops the next `n` bytes of the connection (a refused
+    /// request's), holding no more than a read's worth at a time; false
+    /// if the connection ends or `deadline` passes first (then 408 was
+    /// answered).
+    async fn discard(&mut self, mut n: usize, deadline: Option<Instant>) -> bool {
+        loop {
+            let here = n.min(self.buf.len());
+            self.buf.advance(here);
+            n -= here;
+            if n == 0 {
+                return true;
+            }
+            if !self.fill(n.min(READ_CHUNK), deadline).await {
+                return false;
+            }
+        }
+    }
+
     /// Answers 408 to a request that did not arrive in full in time; the
     /// caller then closes the connection (what was read of the request is
     /// dropped, nothing of it was acted on).
@@ -306,8 +407,36 @@ impl Conn {
             write_timeout,
             stalled: None,
         });
+        // Each request's body held against the node's budget, as on the
+        // fast path: its length, or the most a body may be when it is
+        // streamed (chunked).
+        let budgeted = {
+            let app = app.clone();
+            tower::service_fn(move |req: Request| {
+                let (app, service) = (app.clone(), service.clone());
+                async move {
+                    let limit = app.cfg.limits.request_body_bytes_max;
+                    let len = if req.headers().contains_key(header::TRANSFER_ENCODING) {
+                        limit
+                    } else {
+                        req.headers()
+                            .get(header::CONTENT_LENGTH)
+                            .and_then(|v| content_length(v.as_bytes()))
+                            // Over the limit: 413 from the service, nothing held.
+                            .filter(|n| *n <= limit)
+                            .unwrap_or(0)
+                    };
+                    let Some(held) = app.body_budget.take(&app, len) else {
+                        return Ok(api::stamp(&app, app.body_budget.refusal()));
+                    };
+                    let answer = service.oneshot(req).await;
+                    drop(held);
+                    answer
+                }
+            })
+        };
         let service = hyper_util::service::TowerToHyperService::new(
-            service.map_request(|r: http::Request<hyper::body::Incoming>| r.map(Body::new)),
+            budgeted.map_request(|r: http::Request<hyper::body::Incoming>| r.map(Body::new)),
         );
         // hyper bounds the time to read a request head the same way (it
         // closes without an answer); a body it streams (chunked) is bounded

@@ -72,6 +72,9 @@ pub struct App {
     pub connections: [AtomicUsize; 2],
     /// Long-polls waiting now (`limits.long_polls_max` bounds it).
     pub long_polls: AtomicUsize,
+    /// The bytes of request bodies this node may hold at once
+    /// (`limits.body_bytes_in_flight_max`).
+    pub(crate) body_budget: conn::BodyBudget,
     /// How this node's replicated shards reach their other replicas.
     pub replication: Option<forkless_store::Replication>,
     /// Each replicated shard's voters as its leader last said in answer
@@ -323,6 +326,7 @@ impl App {
             drainer: std::sync::OnceLock::new(),
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
+            body_budget: conn::BodyBudget::new(cfg.limits.body_bytes_in_flight_max),
             replication,
             replicas_heard: Default::default(),
             routes_changed: tokio::sync::watch::channel(0).0,

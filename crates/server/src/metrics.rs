@@ -92,6 +92,11 @@ pub struct Metrics {
     pub long_poll_wakeups: Counter,
     /// Reads dropped unanswered because their client hung up.
     pub reads_abandoned: Counter,
+    /// Bytes of request bodies held now (`limits.body_bytes_in_flight_max`
+    /// bounds it).
+    pub body_bytes_in_flight: Gauge,
+    /// Requests refused for being over `limits.body_bytes_in_flight_max`.
+    pub body_bytes_refused: Counter,
     /// Reloads of the cluster file (`forkless cluster reload`, SIGHUP), by
     /// outcome: `taken` or `refused`.
     pub cluster_reloads: Family<OutcomeLabel, Counter>,
@@ -175,6 +180,18 @@ impl Metrics {
             "Times a waiting long-poll was woken by a commit of its own execution",
             long_poll_wakeups.clone(),
         );
+        let body_bytes_in_flight = Gauge::default();
+        registry.register(
+            "body_bytes_in_flight",
+            "Bytes of request bodies this node holds now (being read, or not yet answered), as limits.body_bytes_in_flight_max counts them (whole KiB)",
+            body_bytes_in_flight.clone(),
+        );
+        let body_bytes_refused = Counter::default();
+        registry.register(
+            "body_bytes_refused",
+            "Requests refused (503 too_many_body_bytes) because their body would take the bytes of request bodies held past limits.body_bytes_in_flight_max",
+            body_bytes_refused.clone(),
+        );
         let reads_abandoned = Counter::default();
         registry.register(
             "reads_abandoned",
@@ -203,6 +220,8 @@ impl Metrics {
             long_polls_refused,
             long_poll_wakeups,
             reads_abandoned,
+            body_bytes_in_flight,
+            body_bytes_refused,
             registry,
             by_status: (0..STATUS_CODES).map(|_| OnceLock::new()).collect(),
             by_outcome: Default::default(),
