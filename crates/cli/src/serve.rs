@@ -83,7 +83,9 @@ pub struct ServeArgs {
     /// or false [default: false] (docs/replication.md, step 5).
     #[arg(long, env = "FORKLESS_STORE_RAFT", value_name = "BOOL")]
     store_raft: Option<bool>,
-    /// How long a forward may wait for the owner, ms [default: 2000].
+    /// How long a forward may wait for the owner's answer, ms [default:
+    /// 2000]; before it, up to half of it for a connection to the owner
+    /// when this node's share of them is in use.
     #[arg(long, env = "FORKLESS_FORWARD_TIMEOUT_MS")]
     forward_timeout_ms: Option<u64>,
     /// Threads serving HTTP [default: one per core]. Each shard's writer

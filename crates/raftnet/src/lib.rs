@@ -25,8 +25,9 @@
 //! What each side holds is bounded: calls in flight on a
 //! connection ([`IN_FLIGHT_MAX`]), a frame's bytes ([`FRAME_BYTES_MAX`]),
 //! connections a server holds that have not said hello
-//! ([`AWAITING_HELLO_MAX`]) and that one peer holds ([`PER_PEER_MAX`]),
-//! each making room by closing its oldest, and the time a peer may take
+//! ([`AWAITING_HELLO_MAX`]: past it, the oldest from the address that
+//! holds the most is closed) and that one peer holds ([`PER_PEER_MAX`]:
+//! past it, the peer's quietest is closed), and the time a peer may take
 //! to say hello ([`HELLO_WITHIN`]).
 //!
 //! A call that cannot be sent, or whose connection breaks before its
@@ -67,18 +68,23 @@ const _: () = assert!(
 /// one is answered.
 pub const IN_FLIGHT_MAX: usize = 1024;
 /// Connections a node's Raft listener holds that have not said hello
-/// yet. One more closes the oldest of them: anyone who reaches the port
-/// can open connections and say nothing for [`HELLO_WITHIN`], and a
-/// peer's, which says hello at once, must still get in. (Before, 256
-/// connections of any kind were held and the next refused: 256 silent
-/// ones shut the peers out for 5 s at a time.)
+/// yet. One more closes the oldest of those from the address that holds
+/// the most: anyone who reaches the port can open connections and say
+/// nothing for [`HELLO_WITHIN`], and a peer's, which says hello at once,
+/// must still get in. (Before, 256 connections of any kind were held and
+/// the next refused: 256 silent ones shut the peers out for 5 s at a
+/// time.) A flood of new connections from many addresses can still close
+/// a peer's before its hello is read, as for any TCP service: the Raft
+/// address belongs on the cluster's own network.
 pub const AWAITING_HELLO_MAX: usize = 64;
 /// Connections a node's Raft listener holds from one peer (that said
 /// hello, was welcome). A node keeps one connection to each peer and
 /// makes another only once it gave that one up; a connection it gave up
 /// while the two were cut off may never be seen closed here (its close
-/// was lost), so a peer's connection past this closes its oldest. (Before,
-/// such connections stayed for good, counted against the listener's 256:
+/// was lost), so a peer's connection past this closes the one of its
+/// others that read a frame longest ago (a live one reads the peer's
+/// heartbeats), at once, its calls in flight unanswered. (Before, such
+/// connections stayed for good, counted against the listener's 256:
 /// enough partitions healed and the listener refused every peer.)
 pub const PER_PEER_MAX: usize = 2;
 /// How long a new connection may take to say hello.
@@ -691,7 +697,7 @@ pub async fn serve_node(
             }
         };
         let _ = tcp.set_nodelay(true);
-        let slot = Held::arrived(&held);
+        let slot = Held::arrived(&held, from.ip());
         let (refusals, hello, groups, joins, told, admit, stop) = (
             refusals.clone(),
             hello.clone(),
@@ -728,18 +734,29 @@ pub async fn serve_node(
 #[derive(Default)]
 struct Held {
     state: Mutex<HeldState>,
+    /// What [`Slot::read`] counts from.
+    since: std::sync::OnceLock<Instant>,
 }
 
 #[derive(Default)]
 struct HeldState {
     next: u64,
-    /// Connections that have not said hello, oldest first.
-    awaiting: VecDeque<(u64, Arc<tokio::sync::Notify>)>,
-    /// Each peer's connections, oldest first.
-    peers: HashMap<u64, VecDeque<(u64, Arc<tokio::sync::Notify>)>>,
+    /// Connections that have not said hello, oldest first, with the
+    /// address each came from.
+    awaiting: VecDeque<(u64, std::net::IpAddr, Arc<tokio::sync::Notify>)>,
+    /// Each peer's connections.
+    peers: HashMap<u64, Vec<Welcomed>>,
     /// When closing connections that said no hello was last logged.
     awaiting_said: Option<Instant>,
 }
+
+/// A peer's connection: its id, when it last read a frame (ms from
+/// [`Held::since`]), and its close signal.
+type Welcomed = (
+    u64,
+    Arc<std::sync::atomic::AtomicU64>,
+    Arc<tokio::sync::Notify>,
+);
 
 /// One connection's place in [`Held`], given up when dropped.
 struct Slot {
@@ -747,6 +764,8 @@ struct Slot {
     id: u64,
     /// Signalled when the connection is to close to make room.
     close: Arc<tokio::sync::Notify>,
+    /// When it last read a frame, in ms from [`Held::since`].
+    last_read: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Held {
@@ -754,15 +773,33 @@ impl Held {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A new connection, awaiting its hello; the oldest awaiting one is
-    /// closed if there are [`AWAITING_HELLO_MAX`] already.
-    fn arrived(held: &Arc<Held>) -> Slot {
+    fn now_ms(&self) -> u64 {
+        let since = self.since.get_or_init(Instant::now);
+        u64::try_from(since.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// A new connection from `from`, awaiting its hello. With
+    /// [`AWAITING_HELLO_MAX`] awaiting already, the oldest of those from
+    /// the address that holds the most of them is closed: a flood from
+    /// one address closes its own, not a peer's that just came.
+    fn arrived(held: &Arc<Held>, from: std::net::IpAddr) -> Slot {
         let close = Arc::new(tokio::sync::Notify::new());
         let mut st = held.lock();
         let id = st.next;
         st.next += 1;
         if st.awaiting.len() >= AWAITING_HELLO_MAX {
-            if let Some((_, oldest)) = st.awaiting.pop_front() {
+            let mut counts: HashMap<std::net::IpAddr, usize> = HashMap::new();
+            for (_, ip, _) in &st.awaiting {
+                *counts.entry(*ip).or_default() += 1;
+            }
+            // (Ties: the address of the oldest connection, by the order
+            // below.)
+            let most = counts.values().copied().max().unwrap_or(0);
+            let at = st
+                .awaiting
+                .iter()
+                .position(|(_, ip, _)| counts.get(ip) == Some(&most));
+            if let Some((_, _, oldest)) = at.and_then(|at| st.awaiting.remove(at)) {
                 oldest.notify_one();
             }
             let now = Instant::now();
@@ -773,47 +810,62 @@ impl Held {
                 st.awaiting_said = Some(now);
                 tracing::warn!(
                     limit = AWAITING_HELLO_MAX,
-                    "more Raft connections awaiting their hello than held: closing the oldest (said once a minute while it goes on)"
+                    "more Raft connections awaiting their hello than held: closing the oldest from the address that holds the most (said once a minute while it goes on)"
                 );
             }
         }
-        st.awaiting.push_back((id, close.clone()));
+        st.awaiting.push_back((id, from, close.clone()));
         Slot {
             held: held.clone(),
             id,
             close,
+            last_read: Arc::new(std::sync::atomic::AtomicU64::new(held.now_ms())),
         }
     }
 }
 
 impl Slot {
     /// The connection said hello as `peer` and is welcome: counted as
-    /// that peer's from now on, closing the peer's oldest if it holds
-    /// [`PER_PEER_MAX`] already. False if it was closed meanwhile (no
-    /// longer awaiting).
+    /// that peer's from now on. If the peer holds [`PER_PEER_MAX`]
+    /// already, the one of them that read a frame longest ago is closed:
+    /// a live connection reads the peer's heartbeats, one whose close a
+    /// partition lost reads nothing. False if this one was closed
+    /// meanwhile (no longer awaiting).
     fn welcomed(&self, peer: u64) -> bool {
         let mut st = self.held.lock();
-        let Some(at) = st.awaiting.iter().position(|(id, _)| *id == self.id) else {
+        let Some(at) = st.awaiting.iter().position(|(id, _, _)| *id == self.id) else {
             return false;
         };
         st.awaiting.remove(at);
         let theirs = st.peers.entry(peer).or_default();
         while theirs.len() >= PER_PEER_MAX {
-            if let Some((_, oldest)) = theirs.pop_front() {
-                oldest.notify_one();
+            let quietest = theirs
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, (_, read, _))| read.load(std::sync::atomic::Ordering::Relaxed))
+                .map(|(i, _)| i);
+            if let Some(i) = quietest {
+                let (_, _, close) = theirs.swap_remove(i);
+                close.notify_one();
             }
         }
-        theirs.push_back((self.id, self.close.clone()));
+        theirs.push((self.id, self.last_read.clone(), self.close.clone()));
         true
+    }
+
+    /// The connection read a frame.
+    fn read(&self) {
+        self.last_read
+            .store(self.held.now_ms(), std::sync::atomic::Ordering::Relaxed);
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         let mut st = self.held.lock();
-        st.awaiting.retain(|(id, _)| *id != self.id);
+        st.awaiting.retain(|(id, _, _)| *id != self.id);
         st.peers.retain(|_, conns| {
-            conns.retain(|(id, _)| *id != self.id);
+            conns.retain(|(id, _, _)| *id != self.id);
             !conns.is_empty()
         });
     }
@@ -1025,10 +1077,14 @@ async fn serve_connection(
             f = stream.next() => f,
             _ = stop.wait_for(|s| *s) => break Ok(()),
             () = slot.close.notified() => {
-                break Err(format!(
+                // Closed at once, its calls in flight unanswered (the peer
+                // takes them for unreachable), rather than once the
+                // slowest is answered: the peer must see it close.
+                writer.abort();
+                return Err(format!(
                     "node {peer}: its newer connections replaced this one ({PER_PEER_MAX} held a peer)"
                 )
-                .into())
+                .into());
             }
         };
         let bytes = match frame {
@@ -1036,6 +1092,7 @@ async fn serve_connection(
             Some(Err(e)) => break Err(format!("node {peer}: reading: {e}").into()),
             Some(Ok(b)) => b,
         };
+        slot.read();
         let (id, group, rpc) = match decode::<ToServer>(&bytes) {
             Ok(ToServer::Call { id, group, rpc }) => (id, group, rpc),
             Ok(other) => break Err(format!("node {peer}: an unexpected message: {other:?}").into()),
@@ -1503,46 +1560,136 @@ mod tests {
         );
     }
 
-    /// A peer's connections past [`PER_PEER_MAX`] close its oldest: one
-    /// it gave up while the two were cut off (its close lost) does not
-    /// stay for good. Before, every one stayed.
+    /// A connection from `from` to `addr` that says hello as node 1 and
+    /// is welcome.
+    async fn welcomed_from(
+        from: std::net::IpAddr,
+        addr: std::net::SocketAddr,
+    ) -> Framed<TcpStream, LengthDelimitedCodec> {
+        let tcp = connect_from(from, addr).await;
+        let mut framed = Framed::new(tcp, codec());
+        let hello = ToServer::Hello {
+            version: PROTOCOL_VERSION,
+            from: 1,
+            secret: "s".into(),
+            placement: 0,
+        };
+        framed.send(encode(&hello).unwrap()).await.unwrap();
+        let answer = framed.next().await.unwrap().unwrap();
+        assert!(matches!(
+            decode::<ToClient>(&answer).unwrap(),
+            ToClient::Welcome
+        ));
+        framed
+    }
+
+    async fn connect_from(from: std::net::IpAddr, addr: std::net::SocketAddr) -> TcpStream {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+        socket.connect(addr).await.unwrap()
+    }
+
+    /// Whether `framed` is closed by the server within `within`.
+    async fn closed_within(
+        framed: &mut Framed<TcpStream, LengthDelimitedCodec>,
+        within: Duration,
+    ) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, framed.next()).await {
+                Err(_) => return false,
+                Ok(None | Some(Err(_))) => return true,
+                // An answer to a call it sent.
+                Ok(Some(Ok(_))) => {}
+            }
+        }
+    }
+
+    /// A peer's connections past [`PER_PEER_MAX`] close the one that read
+    /// a frame longest ago: one the peer gave up while the two were cut
+    /// off (its close lost) does not stay for good, and one the peer
+    /// still calls on is kept though it is the oldest. Before, every one
+    /// stayed.
     #[tokio::test]
-    async fn a_peers_oldest_connection_is_closed_past_its_bound() {
+    async fn a_peers_quietest_connection_is_closed_past_its_bound() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (_stop_tx, stop) = watch::channel(false);
         let groups: Groups = Arc::new(|_| None);
         tokio::spawn(serve(listener, "s".into(), groups, stop));
-        let welcomed = || async {
-            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-            let mut framed = Framed::new(tcp, codec());
-            let hello = ToServer::Hello {
-                version: PROTOCOL_VERSION,
-                from: 1,
-                secret: "s".into(),
-                placement: 0,
-            };
-            framed.send(encode(&hello).unwrap()).await.unwrap();
-            let answer = framed.next().await.unwrap().unwrap();
-            assert!(matches!(
-                decode::<ToClient>(&answer).unwrap(),
-                ToClient::Welcome
-            ));
-            framed
+        let here = std::net::IpAddr::from([127, 0, 0, 1]);
+        let mut live = welcomed_from(here, addr).await;
+        let mut quiet = welcomed_from(here, addr).await;
+        // The oldest calls on (and the clock moves past its welcome).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let call = ToServer::Call {
+            id: 1,
+            group: 0,
+            rpc: Rpc::Vote(openraft_vote()),
         };
-        let mut conns = Vec::new();
-        for _ in 0..PER_PEER_MAX + 1 {
-            conns.push(welcomed().await);
-        }
-        let ended = tokio::time::timeout(Duration::from_secs(5), conns[0].next()).await;
+        live.send(encode(&call).unwrap()).await.unwrap();
+        let answered = live.next().await.unwrap().unwrap();
+        assert!(matches!(
+            decode::<ToClient>(&answered).unwrap(),
+            ToClient::Answer { id: 1, .. }
+        ));
+        let mut newest = welcomed_from(here, addr).await;
         assert!(
-            matches!(ended, Ok(None | Some(Err(_)))),
-            "the peer's oldest connection is still open: {ended:?}"
+            closed_within(&mut quiet, Duration::from_secs(5)).await,
+            "the peer's quiet connection is still open"
         );
-        for c in &mut conns[1..] {
-            let open = tokio::time::timeout(Duration::from_millis(200), c.next()).await;
-            assert!(open.is_err(), "a newer connection was closed: {open:?}");
+        for (c, which) in [(&mut live, "the live one"), (&mut newest, "the newest")] {
+            assert!(
+                !closed_within(c, Duration::from_millis(200)).await,
+                "{which} was closed"
+            );
         }
+    }
+
+    /// Past [`AWAITING_HELLO_MAX`] connections awaiting their hello, the
+    /// one closed is the oldest from the address that holds the most:
+    /// a peer whose hello is slow is not closed by a flood from another
+    /// address, even though its connection is the oldest.
+    #[tokio::test]
+    async fn a_flood_from_one_address_closes_its_own_connections() {
+        use tokio::io::AsyncReadExt;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (_stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        // The peer connects first and says nothing yet.
+        let slow = connect_from(std::net::IpAddr::from([127, 0, 0, 1]), addr).await;
+        let flood_from = std::net::IpAddr::from([127, 0, 0, 2]);
+        let mut flood = Vec::new();
+        for _ in 0..AWAITING_HELLO_MAX + 36 {
+            flood.push(connect_from(flood_from, addr).await);
+        }
+        // The flood's oldest were closed, as it went on.
+        let mut closed = 0;
+        for tcp in &mut flood {
+            let mut b = [0u8; 1];
+            if let Ok(Ok(0) | Err(_)) =
+                tokio::time::timeout(Duration::from_millis(20), tcp.read(&mut b)).await
+            {
+                closed += 1;
+            }
+        }
+        assert!(closed >= 36, "{closed} of the flood's connections closed");
+        // The peer says hello now, and is welcome.
+        let mut framed = Framed::new(slow, codec());
+        let hello = ToServer::Hello {
+            version: PROTOCOL_VERSION,
+            from: 1,
+            secret: "s".into(),
+            placement: 0,
+        };
+        framed.send(encode(&hello).unwrap()).await.unwrap();
+        let answer = tokio::time::timeout(Duration::from_secs(5), framed.next()).await;
+        assert!(
+            matches!(&answer, Ok(Some(Ok(a))) if matches!(decode::<ToClient>(a), Ok(ToClient::Welcome))),
+            "the slow peer was not welcome: {answer:?}"
+        );
     }
 
     #[tokio::test]

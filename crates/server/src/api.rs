@@ -710,7 +710,9 @@ struct RequestParts<'a> {
 ///   refused at once, as before.
 ///
 /// Either way the first try and the wait take one forward timeout at
-/// most, and the second try another.
+/// most, and the second try another; each try may first wait up to half
+/// a forward timeout for a connection of this node's share of the
+/// owner's (`ForwardRequest::queue_within`).
 #[allow(clippy::too_many_arguments)]
 async fn route_again<T, F, Fut>(
     app: &Arc<App>,
@@ -1071,7 +1073,7 @@ async fn elsewhere(
                 shard,
                 peers: app.dir.node_count().saturating_sub(1),
                 waits: !route.extra_wait.is_zero(),
-                queue_within: app.cfg.peer.forward_timeout(),
+                queue_within: app.cfg.peer.forward_timeout() / 2,
             };
             let r = app.forwarder.forward(&to, req).await;
             app.metrics

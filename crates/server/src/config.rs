@@ -122,7 +122,9 @@ pub struct PeerTiming {
     /// Connecting to the owner longer than this fails the forward closed.
     pub forward_connect_timeout_ms: u64,
     /// The owner answering later than this fails the forward closed
-    /// (`executed: unknown`). Long-polls get their wait on top.
+    /// (`executed: unknown`). Long-polls get their wait on top. Before
+    /// it starts, a forward may wait up to half of it for a connection of
+    /// this node's share of the owner's (then 503, not sent).
     pub forward_timeout_ms: u64,
     /// How often each node probes every peer.
     pub probe_interval_ms: u64,
@@ -1152,6 +1154,14 @@ pub fn reserve_file_descriptors(connections: ConnectionFds) -> Result<u64, Confi
 /// open-file limit of `limit`.
 pub fn check_fd_budget(connections: ConnectionFds, limit: u64) -> Result<(), ConfigError> {
     let need = connections.total().saturating_add(FD_RESERVE);
+    let fixed = FD_RESERVE.saturating_add(connections.raft);
+    if need > limit && limit <= fixed {
+        return Err(ConfigError::Invalid(format!(
+            "the open-file limit (RLIMIT_NOFILE) of {limit} is too low: {} plus {FD_RESERVE} file descriptors \
+             kept for the store need {need}; raise the limit (ulimit -n, LimitNOFILE)",
+            connections.describe()
+        )));
+    }
     if need > limit {
         return Err(ConfigError::Invalid(format!(
             "{} plus {FD_RESERVE} file descriptors kept for the store is {need}, over the open-file \
@@ -1814,7 +1824,8 @@ peer_addr = "127.0.0.1:7172"
                 connections_max: 1024,
                 listeners: c.listeners(),
                 forwards: true,
-                raft: 64 + 2 * 3,
+                // Two peers: 2 connections from each, 1 to each.
+                raft: 64 + 2 * (2 + 1),
             }
         );
         // A single node: its listener alone.

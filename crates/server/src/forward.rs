@@ -329,8 +329,11 @@ impl Forwarder {
         // is kept as long as it may.
         let left_unanswered = matches!(answer, Ok(Err(Failure::Unknown(_))) | Err(_));
         if left_unanswered && req.method != Method::GET {
+            // (A move, which waits at its owner, is bounded there by its
+            // own time, which its timeout covers.)
+            let kept = WRITE_OUTLIVES_ITS_FORWARD.max(req.timeout);
             tokio::spawn(async move {
-                tokio::time::sleep(WRITE_OUTLIVES_ITS_FORWARD).await;
+                tokio::time::sleep(kept).await;
                 drop(held);
             });
         } else {

@@ -1167,7 +1167,7 @@ fn refuse_connection(app: &App, tcp: tokio::net::TcpStream, which: Listener) {
     app.metrics.connections_refused.inc();
     app.metrics.response(503);
     let body = format!(
-        "{{\"error\":\"too_many_connections\",\"message\":\"this node has {} {} connections open, its limit (limits.connections_max); retry later\",\"limit\":{}}}",
+        "{{\"error\":\"too_many_connections\",\"message\":\"this node has {} {} connections open, its limit (limits.connections_max); nothing was read of the request, retry later\",\"limit\":{},\"executed\":false}}",
         app.cfg.limits.connections_max,
         which.what(),
         app.cfg.limits.connections_max
