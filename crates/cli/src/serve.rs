@@ -62,10 +62,11 @@ pub struct ServeArgs {
     /// more is answered 503 too_many_long_polls with Retry-After.
     #[arg(long, env = "FORKLESS_LONG_POLLS_MAX")]
     long_polls_max: Option<usize>,
-    /// Most bytes of request bodies held at once on this node (being read
-    /// or not yet answered) [default: 268435456]; a request whose body
-    /// would go over it is answered 503 too_many_body_bytes with
-    /// Retry-After. At least --request-body-bytes-max.
+    /// Most bytes of request bodies the connections of each listener
+    /// hold at once (read so far, not yet answered; counted as they
+    /// arrive) [default: 268435456]; a request whose body would go over it
+    /// is answered 503 too_many_body_bytes with Retry-After. At least
+    /// --request-body-bytes-max.
     #[arg(long, env = "FORKLESS_BODY_BYTES_IN_FLIGHT_MAX")]
     body_bytes_in_flight_max: Option<usize>,
     /// How many nice steps below the request path the storage engine's

@@ -170,6 +170,9 @@ async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
             size: limit + 1,
             limit,
         }),
+        Ok(Err(e)) if caused_by::<crate::conn::OverBodyBudget>(&e) => Err(
+            crate::conn::body_budget_refusal(app.cfg.limits.body_bytes_in_flight_max),
+        ),
         Ok(Err(e)) => Err(ApiError::invalid(
             "body",
             format!("the request body could not be read: {e}"),
@@ -180,9 +183,14 @@ async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
 
 /// Whether reading a body failed because it is over the limit.
 fn over_limit(e: &axum::Error) -> bool {
+    caused_by::<http_body_util::LengthLimitError>(e)
+}
+
+/// Whether `e`, or an error it came of, is a `T`.
+fn caused_by<T: std::error::Error + 'static>(e: &axum::Error) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(c) = cause {
-        if c.is::<http_body_util::LengthLimitError>() {
+        if c.is::<T>() {
             return true;
         }
         cause = c.source();

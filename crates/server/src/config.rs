@@ -62,11 +62,11 @@ pub struct Limits {
     /// Most long-polls waiting at once on this node; one over it is
     /// answered 503 `too_many_long_polls` with `Retry-After`.
     pub long_polls_max: usize,
-    /// Most bytes of request bodies this node holds at once (read, or
-    /// being read, and not yet answered): a request whose body would go
-    /// over it is answered 503 `too_many_body_bytes` with `Retry-After`,
-    /// its body read and dropped as it comes. At least
-    /// `request_body_bytes_max`.
+    /// Most bytes of request bodies the connections of each listener hold
+    /// at once (read so far, and not yet answered), counted as they
+    /// arrive: a request whose body would go over it is answered 503
+    /// `too_many_body_bytes` with `Retry-After`, the rest of its body read
+    /// and dropped. At least `request_body_bytes_max`.
     pub body_bytes_in_flight_max: usize,
 }
 
@@ -1062,12 +1062,6 @@ pub fn resolve(
             return Err(ConfigError::Invalid(format!("{field} must be positive")));
         }
     }
-    if cfg.limits.body_bytes_in_flight_max < cfg.limits.request_body_bytes_max {
-        return Err(ConfigError::Invalid(format!(
-            "limits.body_bytes_in_flight_max ({}) must be at least limits.request_body_bytes_max ({}): a body of the largest size must fit",
-            cfg.limits.body_bytes_in_flight_max, cfg.limits.request_body_bytes_max
-        )));
-    }
     if cfg.limits.batch_events_max == 0 || cfg.limits.event_payload_bytes_max == 0 {
         return Err(ConfigError::Invalid("limits must be positive".into()));
     }
@@ -1092,6 +1086,12 @@ pub fn resolve(
         return Err(ConfigError::Invalid(
             "limits.event_payload_bytes_max cannot exceed limits.request_body_bytes_max".into(),
         ));
+    }
+    if cfg.limits.body_bytes_in_flight_max < body {
+        return Err(ConfigError::Invalid(format!(
+            "limits.body_bytes_in_flight_max ({}) must be at least limits.request_body_bytes_max ({body}): a body of the largest size must fit",
+            cfg.limits.body_bytes_in_flight_max
+        )));
     }
     Ok(cfg)
 }

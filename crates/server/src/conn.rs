@@ -26,7 +26,7 @@ use crate::App;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use forkless_types::ExecutionId;
 use http::header;
 use std::convert::Infallible;
@@ -48,6 +48,9 @@ pub const HEAD_BYTES_MAX: usize = 16 * 1024;
 const HEADERS_MAX: usize = 32;
 /// Room made in the read buffer before each read.
 const READ_CHUNK: usize = 8 * 1024;
+/// The most of a body read at once, each read covered by the body budget
+/// first.
+const BODY_STEP: usize = 64 * 1024;
 /// A read buffer grown past this (a large body) is let go once empty, and
 /// so is an answer buffer after an answer larger than this.
 const BUF_KEEP_MAX: usize = 64 * 1024;
@@ -59,8 +62,16 @@ pub(crate) const SHUTDOWN_WRITE_GRACE: Duration = Duration::from_secs(1);
 /// Serves `tcp` until the client closes it, an I/O error, or `stop` (an
 /// idle connection closes at once; a request in progress is answered
 /// first).
-pub(crate) async fn serve<S>(app: Arc<App>, tcp: TcpStream, service: S, stop: watch::Receiver<bool>)
-where
+/// `listener` is the index of the listener it came in on, whose budget
+/// of body bytes its requests' bodies are held against
+/// ([`App::body_budgets`]).
+pub(crate) async fn serve<S>(
+    app: Arc<App>,
+    tcp: TcpStream,
+    service: S,
+    stop: watch::Receiver<bool>,
+    listener: usize,
+) where
     S: Service<Request, Response = Response, Error = Infallible> + Clone + Send + 'static,
     S::Future: Send + 'static,
 {
@@ -69,6 +80,7 @@ where
         tcp,
         buf: BytesMut::with_capacity(READ_CHUNK),
         stop,
+        listener,
     };
     let mut out = Vec::with_capacity(OUT_INITIAL);
     let read_timeout = Duration::from_millis(c.app.cfg.limits.request_read_timeout_ms);
@@ -91,27 +103,35 @@ where
             }
         };
         let total = head.len + head.body_len;
-        // Held until the request's answer is made (not while it is
+        // The body's bytes are held against the listener's budget as they
+        // arrive, until the request's answer is made (not while it is
         // written: a client slow to read holds no body).
-        let Some(body_held) = c.app.body_budget.take(&c.app, head.body_len) else {
-            // Over the node's budget: the body is read and dropped as it
-            // comes (nothing of it is held), and the request refused.
-            if !c.discard(total, deadline).await {
-                return;
+        let body_held = c.budget().hold(&c.app);
+        match c.read_body(&body_held, total, head.len, deadline).await {
+            Some(true) => {}
+            Some(false) => {
+                // Over the budget: the rest of the body is read and
+                // dropped as it comes, and the request refused.
+                drop(body_held);
+                if !c.discard(total, deadline).await {
+                    return;
+                }
+                c.let_go_of_a_large_buffer();
+                out.clear();
+                let refused = api::stamp(&c.app, c.budget().refusal());
+                if write_response(refused, &mut out).await.is_err() || !c.write_out(&out).await {
+                    return;
+                }
+                continue;
             }
-            out.clear();
-            let refused = api::stamp(&c.app, c.app.body_budget.refusal());
-            if write_response(refused, &mut out).await.is_err() || !c.write_out(&out).await {
-                return;
-            }
-            continue;
-        };
-        while c.buf.len() < total {
-            if !c.fill(total - c.buf.len(), deadline).await {
-                return;
-            }
+            None => return,
         }
         let request = c.buf.split_to(total).freeze();
+        if total > BUF_KEEP_MAX {
+            // A large request's buffer is let go with the request, not
+            // kept by what follows it on the connection.
+            c.let_go_of_a_large_buffer();
+        }
         let body = request.slice(head.len..);
         out.clear();
         match head.kind {
@@ -160,6 +180,7 @@ where
                 }
             }
         }
+        drop(request);
         drop(body_held);
         if !c.write_out(&out).await || *c.stop.borrow() {
             return;
@@ -189,23 +210,62 @@ async fn hung_up(tcp: &mut TcpStream, buf: &mut BytesMut) {
     std::future::pending().await
 }
 
-/// The bytes of request bodies a node holds at once
-/// (`limits.body_bytes_in_flight_max`), counted in whole KiB.
+/// The bytes of request bodies a listener's connections hold at once
+/// (`limits.body_bytes_in_flight_max`), counted in whole KiB as they
+/// arrive.
 pub(crate) struct BodyBudget {
     kib: Arc<tokio::sync::Semaphore>,
     max_bytes: usize,
 }
 
-/// A body's place in the node's [`BodyBudget`], given back when dropped.
+/// What one request's body holds of a [`BodyBudget`], grown as its bytes
+/// come ([`BodyHeld::cover`]) and given back when dropped.
 pub(crate) struct BodyHeld {
-    _kib: Option<tokio::sync::OwnedSemaphorePermit>,
-    bytes: i64,
+    budget: Arc<tokio::sync::Semaphore>,
+    kib: std::sync::atomic::AtomicU32,
     gauge: prometheus_client::metrics::gauge::Gauge,
+    refused: prometheus_client::metrics::counter::Counter,
+}
+
+impl BodyHeld {
+    /// Grows the hold to cover `bytes` of the body; false when the
+    /// budget has no room for them (nothing more is held then).
+    pub(crate) fn cover(&self, bytes: usize) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let want = bytes.div_ceil(1024);
+        let have = self.kib.load(Relaxed) as usize;
+        if want <= have {
+            return true;
+        }
+        let Some(more) = u32::try_from(want - have)
+            .ok()
+            .filter(|_| want <= u32::MAX as usize)
+        else {
+            self.refused.inc();
+            return false;
+        };
+        match self.budget.try_acquire_many(more) {
+            Ok(permit) => {
+                permit.forget();
+                self.kib.fetch_add(more, Relaxed);
+                self.gauge.inc_by(i64::from(more) * 1024);
+                true
+            }
+            Err(_) => {
+                self.refused.inc();
+                false
+            }
+        }
+    }
 }
 
 impl Drop for BodyHeld {
     fn drop(&mut self) {
-        self.gauge.dec_by(self.bytes);
+        let kib = *self.kib.get_mut();
+        if kib > 0 {
+            self.budget.add_permits(kib as usize);
+            self.gauge.dec_by(i64::from(kib) * 1024);
+        }
     }
 }
 
@@ -217,42 +277,81 @@ impl BodyBudget {
         }
     }
 
-    /// A place for a body of `len` bytes, or `None` when the bodies held
-    /// would go over the budget.
-    pub(crate) fn take(&self, app: &App, len: usize) -> Option<BodyHeld> {
-        let kib = len.div_ceil(1024);
-        let permit = if kib == 0 {
-            None
-        } else {
-            let taken = u32::try_from(kib)
-                .ok()
-                .and_then(|n| self.kib.clone().try_acquire_many_owned(n).ok());
-            if taken.is_none() {
-                app.metrics.body_bytes_refused.inc();
-                return None;
-            }
-            taken
-        };
-        let bytes = i64::try_from(kib * 1024).unwrap_or(i64::MAX);
-        app.metrics.body_bytes_in_flight.inc_by(bytes);
-        Some(BodyHeld {
-            _kib: permit,
-            bytes,
+    /// An empty hold, for one request's body.
+    pub(crate) fn hold(&self, app: &App) -> BodyHeld {
+        BodyHeld {
+            budget: self.kib.clone(),
+            kib: std::sync::atomic::AtomicU32::new(0),
             gauge: app.metrics.body_bytes_in_flight.clone(),
-        })
+            refused: app.metrics.body_bytes_refused.clone(),
+        }
     }
 
     /// The answer to a request refused for being over the budget.
     pub(crate) fn refusal(&self) -> Response {
-        crate::error::ApiError::Overloaded {
-            code: "too_many_body_bytes",
-            message: format!(
-                "with this request's body, this node would hold more than {} bytes of request bodies, its limit (limits.body_bytes_in_flight_max); nothing was done, retry later",
-                self.max_bytes
-            ),
-            limit: self.max_bytes,
+        body_budget_refusal(self.max_bytes).into_response()
+    }
+}
+
+/// What a request whose body would go over `max_bytes` is answered.
+pub(crate) fn body_budget_refusal(max_bytes: usize) -> crate::error::ApiError {
+    crate::error::ApiError::Overloaded {
+        code: "too_many_body_bytes",
+        message: format!(
+            "with this request's body, the connections of the listener it came in on would hold more than {max_bytes} bytes of request bodies, its limit (limits.body_bytes_in_flight_max); nothing was done, retry later"
+        ),
+        limit: max_bytes,
+    }
+}
+
+/// A body hyper streams, its bytes held in the listener's budget as they
+/// come. Past the budget, reading it fails with [`OverBodyBudget`] (the
+/// request is answered 503 `too_many_body_bytes`: `api::read_body`).
+struct Counted {
+    inner: Body,
+    held: Arc<BodyHeld>,
+    seen: usize,
+}
+
+/// Reading a body took its listener's body bytes past their budget.
+#[derive(Debug)]
+pub(crate) struct OverBodyBudget;
+
+impl std::fmt::Display for OverBodyBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the request bodies held would go over limits.body_bytes_in_flight_max")
+    }
+}
+
+impl std::error::Error for OverBodyBudget {}
+
+impl http_body::Body for Counted {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        let frame = std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        if let Some(Ok(f)) = &frame {
+            if let Some(data) = f.data_ref() {
+                this.seen = this.seen.saturating_add(data.len());
+                if !this.held.cover(this.seen) {
+                    return Poll::Ready(Some(Err(axum::Error::new(OverBodyBudget))));
+                }
+            }
         }
-        .into_response()
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -272,6 +371,8 @@ struct Conn {
     tcp: TcpStream,
     buf: BytesMut,
     stop: watch::Receiver<bool>,
+    /// The listener it came in on (its index in [`App::body_budgets`]).
+    listener: usize,
 }
 
 /// Writes `out` whole, unless the client takes none of it for
@@ -349,6 +450,67 @@ impl Conn {
         matches!(read, Ok(n) if n > 0)
     }
 
+    fn budget(&self) -> &BodyBudget {
+        &self.app.body_budgets[self.listener]
+    }
+
+    /// Reads the request's body, to `total` bytes of `buf` (its head is
+    /// `head_len` of them), holding its bytes in `held` as they come:
+    /// each read is first covered by the budget. `Some(false)` when the
+    /// budget has no room for more of it; `None` when the connection ended
+    /// or the deadline passed (then 408 was answered).
+    async fn read_body(
+        &mut self,
+        held: &BodyHeld,
+        total: usize,
+        head_len: usize,
+        deadline: Option<Instant>,
+    ) -> Option<bool> {
+        if !held.cover(self.buf.len().min(total) - head_len) {
+            return Some(false);
+        }
+        if self.buf.len() < total {
+            // Room for the whole body at once (untouched, it takes no
+            // memory), so that it is read without copies.
+            self.buf.reserve(total - self.buf.len());
+        }
+        while self.buf.len() < total {
+            let step = (total - self.buf.len()).min(BODY_STEP);
+            if !held.cover(self.buf.len() + step - head_len) {
+                return Some(false);
+            }
+            let read = {
+                let mut limited = (&mut self.buf).limit(step);
+                match deadline {
+                    Some(d) => {
+                        tokio::time::timeout_at(d.into(), self.tcp.read_buf(&mut limited)).await
+                    }
+                    None => Ok(self.tcp.read_buf(&mut limited).await),
+                }
+            };
+            match read {
+                Ok(Ok(n)) if n > 0 => {}
+                Ok(_) => return None,
+                Err(_) => {
+                    self.request_timed_out().await;
+                    return None;
+                }
+            }
+        }
+        Some(true)
+    }
+
+    /// Moves what is left in a read buffer grown past [`BUF_KEEP_MAX`]
+    /// (by a large body) into a new one of the usual size, so that the
+    /// large one goes with the request that filled it.
+    fn let_go_of_a_large_buffer(&mut self) {
+        if self.buf.capacity() > BUF_KEEP_MAX {
+            let rest = self.buf.split();
+            self.buf = BytesMut::with_capacity(READ_CHUNK.max(rest.len()));
+            self.buf.extend_from_slice(&rest);
+        }
+    }
+
     /// Reads and drops the next `n` bytes of the connection (a refused
     /// request's), holding no more than a read's worth at a time; false
     /// if the connection ends or `deadline` passes first (then 408 was
@@ -400,35 +562,36 @@ impl Conn {
             buf,
             mut stop,
             app,
+            listener,
         } = self;
+        // (A large buffer is not kept for the connection's life for the
+        // few bytes hyper has yet to read of it.)
+        let unread = if buf.capacity() > BUF_KEEP_MAX {
+            Bytes::copy_from_slice(&buf)
+        } else {
+            buf.freeze()
+        };
         let io = hyper_util::rt::TokioIo::new(Rewind {
-            unread: buf.freeze(),
+            unread,
             tcp,
             write_timeout,
             stalled: None,
         });
-        // Each request's body held against the node's budget, as on the
-        // fast path: its length, or the most a body may be when it is
-        // streamed (chunked).
+        // Each request's body held against the listener's budget as it
+        // comes, as on the fast path, until its answer is made.
         let budgeted = {
             let app = app.clone();
             tower::service_fn(move |req: Request| {
                 let (app, service) = (app.clone(), service.clone());
                 async move {
-                    let limit = app.cfg.limits.request_body_bytes_max;
-                    let len = if req.headers().contains_key(header::TRANSFER_ENCODING) {
-                        limit
-                    } else {
-                        req.headers()
-                            .get(header::CONTENT_LENGTH)
-                            .and_then(|v| content_length(v.as_bytes()))
-                            // Over the limit: 413 from the service, nothing held.
-                            .filter(|n| *n <= limit)
-                            .unwrap_or(0)
-                    };
-                    let Some(held) = app.body_budget.take(&app, len) else {
-                        return Ok(api::stamp(&app, app.body_budget.refusal()));
-                    };
+                    let held = Arc::new(app.body_budgets[listener].hold(&app));
+                    let req = req.map(|body| {
+                        Body::new(Counted {
+                            inner: body,
+                            held: held.clone(),
+                            seen: 0,
+                        })
+                    });
                     let answer = service.oneshot(req).await;
                     drop(held);
                     answer

@@ -72,9 +72,11 @@ pub struct App {
     pub connections: [AtomicUsize; 2],
     /// Long-polls waiting now (`limits.long_polls_max` bounds it).
     pub long_polls: AtomicUsize,
-    /// The bytes of request bodies this node may hold at once
-    /// (`limits.body_bytes_in_flight_max`).
-    pub(crate) body_budget: conn::BodyBudget,
+    /// The bytes of request bodies each listener's connections may hold
+    /// at once (`limits.body_bytes_in_flight_max`), by listener as
+    /// [`App::connections`]: clients filling theirs cannot refuse the
+    /// peers' forwarded writes.
+    pub(crate) body_budgets: [conn::BodyBudget; 2],
     /// How this node's replicated shards reach their other replicas.
     pub replication: Option<forkless_store::Replication>,
     /// Each replicated shard's voters as its leader last said in answer
@@ -326,7 +328,8 @@ impl App {
             drainer: std::sync::OnceLock::new(),
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
-            body_budget: conn::BodyBudget::new(cfg.limits.body_bytes_in_flight_max),
+            body_budgets: [(); 2]
+                .map(|()| conn::BodyBudget::new(cfg.limits.body_bytes_in_flight_max)),
             replication,
             replicas_heard: Default::default(),
             routes_changed: tokio::sync::watch::channel(0).0,
@@ -1096,7 +1099,7 @@ async fn accept_loop<S>(
                 let open = open_tx.clone();
                 let (app, service, stop) = (app.clone(), service.clone(), stop.clone());
                 tokio::spawn(async move {
-                    conn::serve(app, tcp, service, stop).await;
+                    conn::serve(app, tcp, service, stop, which as usize).await;
                     drop(slot);
                     drop(open);
                 });
