@@ -116,7 +116,9 @@ pub(crate) async fn serve<S>(
                 if !c.discard(total, deadline).await {
                     return;
                 }
-                c.let_go_of_a_large_buffer();
+                if total > BUF_KEEP_MAX {
+                    c.fresh_buffer();
+                }
                 out.clear();
                 let refused = api::stamp(&c.app, c.budget().refusal());
                 if write_response(refused, &mut out).await.is_err() || !c.write_out(&out).await {
@@ -129,8 +131,9 @@ pub(crate) async fn serve<S>(
         let request = c.buf.split_to(total).freeze();
         if total > BUF_KEEP_MAX {
             // A large request's buffer is let go with the request, not
-            // kept by what follows it on the connection.
-            c.let_go_of_a_large_buffer();
+            // kept (and taken back whole at the next read) by what
+            // follows it on the connection.
+            c.fresh_buffer();
         }
         let body = request.slice(head.len..);
         out.clear();
@@ -500,15 +503,15 @@ impl Conn {
         Some(true)
     }
 
-    /// Moves what is left in a read buffer grown past [`BUF_KEEP_MAX`]
-    /// (by a large body) into a new one of the usual size, so that the
-    /// large one goes with the request that filled it.
-    fn let_go_of_a_large_buffer(&mut self) {
-        if self.buf.capacity() > BUF_KEEP_MAX {
-            let rest = self.buf.split();
-            self.buf = BytesMut::with_capacity(READ_CHUNK.max(rest.len()));
-            self.buf.extend_from_slice(&rest);
-        }
+    /// Moves what is left in the read buffer (bytes after a large
+    /// request) into a new one of the usual size, so that the allocation
+    /// the large request grew goes with it. (What `split_to` leaves shares
+    /// that allocation, and a later `reserve` takes all of it back once
+    /// the request is dropped, whatever its `capacity()` says now.)
+    fn fresh_buffer(&mut self) {
+        let rest = self.buf.split();
+        self.buf = BytesMut::with_capacity(READ_CHUNK.max(rest.len()));
+        self.buf.extend_from_slice(&rest);
     }
 
     /// Reads and drops the next `n` bytes of the connection (a refused
