@@ -162,6 +162,18 @@ fn an_idle_kept_alive_connection_is_closed_after_the_idle_timeout() {
     );
 }
 
+/// Starts nodes `ids` of `cl` on `cfg`, and waits until each is ready and
+/// every node takes every other for up.
+fn start(cl: &mut Cluster, cfg: &std::path::Path, ids: &[u16]) {
+    for &id in ids {
+        cl.spawn(id, cfg);
+    }
+    for &id in ids {
+        cl.wait_ready(id);
+    }
+    cl.wait_all_alive();
+}
+
 /// `n` connections to the node, each served once. The node counts a
 /// closed connection gone only once its task ends, which may be just after
 /// the client saw the close, so a lingering one can make the last of the
@@ -347,13 +359,7 @@ fn clients_at_the_connection_limit_do_not_shut_out_the_peers() {
     let mut text = std::fs::read_to_string(&cfg).expect("config");
     text.push_str("\n[limits]\nconnections_max = 4\n");
     std::fs::write(&cfg, text).expect("config");
-    for id in [1, 2] {
-        cl.spawn(id, &cfg);
-    }
-    for id in [1, 2] {
-        cl.wait_ready(id);
-    }
-    cl.wait_all_alive();
+    start(&mut cl, &cfg, &[1, 2]);
     let (c1, c2) = (cl.client(1), cl.client(2));
     // Hold node 1's whole client budget.
     let held = hold_connections(&c1, 4);
@@ -405,13 +411,7 @@ fn a_long_poll_whose_client_hangs_up_is_let_go_at_once() {
     );
     let mut cl = Cluster::prepare(2, 2, PeerTiming::relaxed());
     let cfg = cl.write_config("hang-up.toml", &[(0, 1, 1), (1, 2, 1)]);
-    for id in [1, 2] {
-        cl.spawn(id, &cfg);
-    }
-    for id in [1, 2] {
-        cl.wait_ready(id);
-    }
-    cl.wait_all_alive();
+    start(&mut cl, &cfg, &[1, 2]);
     let (c1, c2) = (cl.client(1), cl.client(2));
     // Placed on node 1's own shard.
     let id = id_of(&c1.start(&json!({"workflow": "w"})));
@@ -462,13 +462,7 @@ fn long_polls_through_the_peers_leave_room_on_the_owners_peer_listener() {
     let mut text = std::fs::read_to_string(&cfg).expect("config");
     text.push_str("\n[limits]\nconnections_max = 8\n");
     std::fs::write(&cfg, text).expect("config");
-    for id in [1, 2, 3] {
-        cl.spawn(id, &cfg);
-    }
-    for id in [1, 2, 3] {
-        cl.wait_ready(id);
-    }
-    cl.wait_all_alive();
+    start(&mut cl, &cfg, &[1, 2, 3]);
     let c1 = cl.client(1);
     let id = id_of(&c1.start(&json!({"workflow": "w"})));
     // Five long-polls through each peer: ten, more than node 1's eight

@@ -1485,11 +1485,7 @@ mod tests {
     #[tokio::test]
     async fn a_hello_larger_than_any_is_refused_at_once() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (_stop_tx, stop) = watch::channel(false);
-        let groups: Groups = Arc::new(|_| None);
-        tokio::spawn(serve(listener, "right".into(), groups, stop));
+        let (addr, _stop) = serving("right").await;
         let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
         // A length-delimited frame's header: 16 MiB to come.
         tcp.write_all(&(16u32 << 20).to_be_bytes()).await.unwrap();
@@ -1527,11 +1523,7 @@ mod tests {
     #[tokio::test]
     async fn silent_connections_do_not_shut_a_peer_out() {
         use tokio::io::AsyncReadExt;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (_stop_tx, stop) = watch::channel(false);
-        let groups: Groups = Arc::new(|_| None);
-        tokio::spawn(serve(listener, "right".into(), groups, stop));
+        let (addr, _stop) = serving("right").await;
         let mut silent = Vec::new();
         for _ in 0..270 {
             silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
@@ -1560,6 +1552,28 @@ mod tests {
         );
     }
 
+    /// A server of no groups for peers that know `secret`, on a port of
+    /// its own; it stops when the sender returned is dropped.
+    async fn serving(secret: &str) -> (std::net::SocketAddr, watch::Sender<bool>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop_tx, stop) = watch::channel(false);
+        let groups: Groups = Arc::new(|_| None);
+        tokio::spawn(serve(listener, secret.into(), groups, stop));
+        (addr, stop_tx)
+    }
+
+    /// The hello of node 1 that knows secret "s".
+    fn hello_frame() -> Bytes {
+        encode(&ToServer::Hello {
+            version: PROTOCOL_VERSION,
+            from: 1,
+            secret: "s".into(),
+            placement: 0,
+        })
+        .unwrap()
+    }
+
     /// A connection from `from` to `addr` that says hello as node 1 and
     /// is welcome.
     async fn welcomed_from(
@@ -1568,13 +1582,7 @@ mod tests {
     ) -> Framed<TcpStream, LengthDelimitedCodec> {
         let tcp = connect_from(from, addr).await;
         let mut framed = Framed::new(tcp, codec());
-        let hello = ToServer::Hello {
-            version: PROTOCOL_VERSION,
-            from: 1,
-            secret: "s".into(),
-            placement: 0,
-        };
-        framed.send(encode(&hello).unwrap()).await.unwrap();
+        framed.send(hello_frame()).await.unwrap();
         let answer = framed.next().await.unwrap().unwrap();
         assert!(matches!(
             decode::<ToClient>(&answer).unwrap(),
@@ -1612,11 +1620,7 @@ mod tests {
     /// stayed.
     #[tokio::test]
     async fn a_peers_quietest_connection_is_closed_past_its_bound() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (_stop_tx, stop) = watch::channel(false);
-        let groups: Groups = Arc::new(|_| None);
-        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        let (addr, _stop) = serving("s").await;
         let here = std::net::IpAddr::from([127, 0, 0, 1]);
         let mut live = welcomed_from(here, addr).await;
         let mut quiet = welcomed_from(here, addr).await;
@@ -1653,11 +1657,7 @@ mod tests {
     #[tokio::test]
     async fn a_flood_from_one_address_closes_its_own_connections() {
         use tokio::io::AsyncReadExt;
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (_stop_tx, stop) = watch::channel(false);
-        let groups: Groups = Arc::new(|_| None);
-        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        let (addr, _stop) = serving("s").await;
         // The peer connects first and says nothing yet.
         let slow = connect_from(std::net::IpAddr::from([127, 0, 0, 1]), addr).await;
         let flood_from = std::net::IpAddr::from([127, 0, 0, 2]);
@@ -1678,13 +1678,7 @@ mod tests {
         assert!(closed >= 36, "{closed} of the flood's connections closed");
         // The peer says hello now, and is welcome.
         let mut framed = Framed::new(slow, codec());
-        let hello = ToServer::Hello {
-            version: PROTOCOL_VERSION,
-            from: 1,
-            secret: "s".into(),
-            placement: 0,
-        };
-        framed.send(encode(&hello).unwrap()).await.unwrap();
+        framed.send(hello_frame()).await.unwrap();
         let answer = tokio::time::timeout(Duration::from_secs(5), framed.next()).await;
         assert!(
             matches!(&answer, Ok(Some(Ok(a))) if matches!(decode::<ToClient>(a), Ok(ToClient::Welcome))),
@@ -1694,11 +1688,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_wrong_secret_is_refused_at_hello() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let (_stop_tx, stop) = watch::channel(false);
-        let groups: Groups = Arc::new(|_| None);
-        tokio::spawn(serve(listener, "right".into(), groups, stop));
+        let (addr, _stop) = serving("right").await;
+        let addr = addr.to_string();
         let links = Links::new(1, "wrong".into(), [(2, addr)]);
         match links
             .call(2, 0, Rpc::Vote(openraft_vote()), Duration::from_secs(2))
@@ -1857,11 +1848,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_call_for_a_shard_the_peer_does_not_hold_is_its_error() {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let (_stop_tx, stop) = watch::channel(false);
-        let groups: Groups = Arc::new(|_| None);
-        tokio::spawn(serve(listener, "s".into(), groups, stop));
+        let (addr, _stop) = serving("s").await;
+        let addr = addr.to_string();
         let links = Links::new(1, "s".into(), [(2, addr)]);
         match links
             .call(2, 7, Rpc::Vote(openraft_vote()), Duration::from_secs(2))
