@@ -551,6 +551,10 @@ fn request_bodies_held_at_once_are_bounded() {
             "1048576",
             "--body-bytes-in-flight-max",
             "1048576",
+            // The slow body below must not run out of time on a slow
+            // machine.
+            "--request-read-timeout-ms",
+            "300000",
         ],
     );
     let c = n.client;

@@ -110,14 +110,16 @@ pub(crate) async fn serve<S>(
         match c.read_body(&body_held, total, head.len, deadline).await {
             Some(true) => {}
             Some(false) => {
-                // Over the budget: the rest of the body is read and
-                // dropped as it comes, and the request refused.
+                // Over the budget: what came of the request is dropped
+                // with the buffer room made for its body, the rest of it
+                // is read and dropped as it comes (a read at a time), and
+                // the request refused.
                 drop(body_held);
-                if !c.discard(total, deadline).await {
+                let here = c.buf.len().min(total);
+                c.buf.advance(here);
+                c.fresh_buffer();
+                if !c.discard(total - here, deadline).await {
                     return;
-                }
-                if total > BUF_KEEP_MAX {
-                    c.fresh_buffer();
                 }
                 out.clear();
                 let refused = api::stamp(&c.app, c.budget().refusal());
@@ -482,22 +484,8 @@ impl Conn {
             if !held.cover(self.buf.len() + step - head_len) {
                 return Some(false);
             }
-            let read = {
-                let mut limited = (&mut self.buf).limit(step);
-                match deadline {
-                    Some(d) => {
-                        tokio::time::timeout_at(d.into(), self.tcp.read_buf(&mut limited)).await
-                    }
-                    None => Ok(self.tcp.read_buf(&mut limited).await),
-                }
-            };
-            match read {
-                Ok(Ok(n)) if n > 0 => {}
-                Ok(_) => return None,
-                Err(_) => {
-                    self.request_timed_out().await;
-                    return None;
-                }
+            if !self.read_at_most(step, deadline).await {
+                return None;
             }
         }
         Some(true)
@@ -526,8 +514,32 @@ impl Conn {
             if n == 0 {
                 return true;
             }
-            if !self.fill(n.min(READ_CHUNK), deadline).await {
+            // At most what is left of it, a chunk at a time: the bytes
+            // after it are the next request's, read as it is.
+            self.buf.reserve(READ_CHUNK);
+            if !self.read_at_most(n.min(READ_CHUNK), deadline).await {
                 return false;
+            }
+        }
+    }
+
+    /// One read of at most `n` (> 0) bytes into `buf`, which has room for
+    /// them; false when the connection ended, or the deadline passed
+    /// first (then 408 was answered).
+    async fn read_at_most(&mut self, n: usize, deadline: Option<Instant>) -> bool {
+        let read = {
+            let mut limited = (&mut self.buf).limit(n);
+            match deadline {
+                Some(d) => tokio::time::timeout_at(d.into(), self.tcp.read_buf(&mut limited)).await,
+                None => Ok(self.tcp.read_buf(&mut limited).await),
+            }
+        };
+        match read {
+            Ok(Ok(got)) => got > 0,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                self.request_timed_out().await;
+                false
             }
         }
     }

@@ -74,8 +74,8 @@ pub struct App {
     pub long_polls: AtomicUsize,
     /// The bytes of request bodies each listener's connections may hold
     /// at once (`limits.body_bytes_in_flight_max`), by listener as
-    /// [`App::connections`]: clients filling theirs cannot refuse the
-    /// peers' forwarded writes.
+    /// [`App::connections`]: with a peer address of its own, clients
+    /// filling theirs cannot refuse the peers' forwarded writes.
     pub(crate) body_budgets: [conn::BodyBudget; 2],
     /// How this node's replicated shards reach their other replicas.
     pub replication: Option<forkless_store::Replication>,
