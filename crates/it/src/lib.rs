@@ -1966,6 +1966,11 @@ impl Cluster {
         self.wait_ready(id);
     }
 
+    /// Node `id`'s log so far.
+    pub fn node_log(&self, id: u16) -> String {
+        std::fs::read_to_string(&self.node(id).log).unwrap_or_default()
+    }
+
     /// The logs of every node, for a failure message.
     pub fn logs(&self) -> String {
         let mut out: String = self

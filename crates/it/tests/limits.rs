@@ -623,3 +623,55 @@ fn request_bodies_held_at_once_are_bounded() {
         (c.metric("forkless_body_bytes_in_flight") == 0.0).then_some(())
     });
 }
+
+/// A node whose peer runs with another `limits.connections_max` says so
+/// (each forwards to a peer within a share reckoned with its own value),
+/// and so does the peer.
+#[test]
+fn a_peer_with_another_connection_limit_is_named() {
+    let _d = deadline(
+        "a_peer_with_another_connection_limit_is_named",
+        TEST_DEADLINE,
+    );
+    let mut cl = Cluster::prepare(2, 2, PeerTiming::relaxed());
+    let cfg = cl.write_config("limits-1.toml", &[(0, 1, 1), (1, 2, 1)]);
+    let other = cl.write_config("limits-2.toml", &[(0, 1, 1), (1, 2, 1)]);
+    let mut text = std::fs::read_to_string(&other).expect("config");
+    text.push_str("\n[limits]\nconnections_max = 512\n");
+    std::fs::write(&other, text).expect("config");
+    cl.spawn(1, &cfg);
+    cl.spawn(2, &other);
+    for id in [1, 2] {
+        cl.wait_ready(id);
+    }
+    for (id, said) in [(1, "theirs=512 ours=1024"), (2, "theirs=1024 ours=512")] {
+        wait_until(
+            &format!("node {id} naming its peer's limit"),
+            Duration::from_secs(10),
+            || {
+                let log = plain(&cl.node_log(id));
+                (log.contains("peer runs with another limits.connections_max")
+                    && log.contains(said))
+                .then_some(())
+            },
+        );
+    }
+}
+
+/// `log` without its terminal colour sequences (`ESC [ ... m`).
+fn plain(log: &str) -> String {
+    let mut out = String::with_capacity(log.len());
+    let mut chars = log.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}

@@ -103,6 +103,10 @@ pub struct App {
     /// the placement this node's groups were made with (a replicated
     /// cluster's): a peer placed otherwise is not learned from.
     pub same_placement: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
+    /// Whether each peer answered its last probe with this node's
+    /// `limits.connections_max` (what each node's share of a peer's
+    /// connections is reckoned with: `forward::share`).
+    pub same_connections_max: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
     /// Held for a whole reload (reading the file, planning, applying), so
     /// that two reloads (a SIGHUP and a request) cannot apply out of the
     /// order they read the file in.
@@ -339,6 +343,7 @@ impl App {
             same_nodes: Default::default(),
             drained_peers: Default::default(),
             same_placement: Default::default(),
+            same_connections_max: Default::default(),
             reloading: Default::default(),
             move_targets: Default::default(),
             dir,

@@ -62,6 +62,8 @@ pub async fn status(State(app): State<Arc<App>>, headers: HeaderMap) -> Response
         "placement": placement_fingerprint(&app),
         // Takes no leadership (drained by an operator, or stopping).
         "draining": app.drainer.get().is_some_and(|d| d.draining()),
+        // What its peers' shares of its connections assume it runs with.
+        "connections_max": app.cfg.limits.connections_max,
     }))
     .into_response()
 }
@@ -122,6 +124,10 @@ struct PeerStatus {
     /// from an older build's answer).
     #[serde(default)]
     draining: Option<bool>,
+    /// The peer's `limits.connections_max` (absent from an older build's
+    /// answer).
+    #[serde(default)]
+    connections_max: Option<usize>,
 }
 
 /// Records whether peer `node` runs with the same node ids as this node
@@ -136,6 +142,25 @@ fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
             tracing::warn!(
                 peer = %node, theirs = ?theirs, ours = ?mine,
                 "peer runs with another node list than this node: a cluster file edited and not reloaded everywhere? (`forkless cluster reload`)"
+            );
+        }
+    }
+}
+
+/// Records whether peer `node` runs with this node's
+/// `limits.connections_max` (`theirs`), logging when that changes. Each
+/// node forwards to a peer within a share of that peer's connections
+/// reckoned with its own value (`forward::share`): a peer that runs with
+/// a lower one can have its peer listener filled by its peers' forwards.
+fn compare_connections_max(app: &App, node: NodeId, theirs: usize) {
+    let mine = app.cfg.limits.connections_max;
+    if record_sameness(&app.same_connections_max, node, theirs == mine) {
+        if theirs == mine {
+            tracing::info!(peer = %node, "peer runs with the same limits.connections_max as this node again");
+        } else {
+            tracing::warn!(
+                peer = %node, theirs, ours = mine,
+                "peer runs with another limits.connections_max than this node: each node forwards to a peer within a share of that peer's connections reckoned with its own value, so set the same one on every node (the cluster file's [limits])"
             );
         }
     }
@@ -182,7 +207,12 @@ pub(crate) fn forget_peer(app: &App, node: NodeId) {
     app.metrics
         .peer_up
         .remove(&crate::metrics::NodeLabel { node: node.get() });
-    for seen in [&app.same_nodes, &app.same_placement, &app.drained_peers] {
+    for seen in [
+        &app.same_nodes,
+        &app.same_placement,
+        &app.drained_peers,
+        &app.same_connections_max,
+    ] {
         seen.lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&node.get());
@@ -260,6 +290,9 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                         }
                         theirs = st.nodes;
                         record_drained(&app, node, st.draining);
+                        if let Some(max) = st.connections_max {
+                            compare_connections_max(&app, node, max);
+                        }
                         true
                     }
                     _ => false,
