@@ -1522,7 +1522,6 @@ mod tests {
     /// out.
     #[tokio::test]
     async fn silent_connections_do_not_shut_a_peer_out() {
-        use tokio::io::AsyncReadExt;
         let (addr, _stop) = serving("right").await;
         let mut silent = Vec::new();
         for _ in 0..270 {
@@ -1537,15 +1536,7 @@ mod tests {
             Err(e) => panic!("the peer was not served: {e:?}"),
         }
         // All but the newest AWAITING_HELLO_MAX silent ones were closed.
-        let mut closed = 0;
-        for tcp in &mut silent {
-            let mut b = [0u8; 1];
-            if let Ok(Ok(0) | Err(_)) =
-                tokio::time::timeout(Duration::from_millis(20), tcp.read(&mut b)).await
-            {
-                closed += 1;
-            }
-        }
+        let closed = closed_of(&mut silent).await;
         assert!(
             closed >= 270 - AWAITING_HELLO_MAX,
             "{closed} of 270 silent connections closed"
@@ -1595,6 +1586,21 @@ mod tests {
         let socket = tokio::net::TcpSocket::new_v4().unwrap();
         socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
         socket.connect(addr).await.unwrap()
+    }
+
+    /// How many of `conns` the server has closed (each read for 20 ms).
+    async fn closed_of(conns: &mut [TcpStream]) -> usize {
+        use tokio::io::AsyncReadExt;
+        let mut closed = 0;
+        for tcp in conns {
+            let mut b = [0u8; 1];
+            if let Ok(Ok(0) | Err(_)) =
+                tokio::time::timeout(Duration::from_millis(20), tcp.read(&mut b)).await
+            {
+                closed += 1;
+            }
+        }
+        closed
     }
 
     /// Whether `framed` is closed by the server within `within`.
@@ -1656,7 +1662,6 @@ mod tests {
     /// address, even though its connection is the oldest.
     #[tokio::test]
     async fn a_flood_from_one_address_closes_its_own_connections() {
-        use tokio::io::AsyncReadExt;
         let (addr, _stop) = serving("s").await;
         // The peer connects first and says nothing yet.
         let slow = connect_from(std::net::IpAddr::from([127, 0, 0, 1]), addr).await;
@@ -1666,15 +1671,7 @@ mod tests {
             flood.push(connect_from(flood_from, addr).await);
         }
         // The flood's oldest were closed, as it went on.
-        let mut closed = 0;
-        for tcp in &mut flood {
-            let mut b = [0u8; 1];
-            if let Ok(Ok(0) | Err(_)) =
-                tokio::time::timeout(Duration::from_millis(20), tcp.read(&mut b)).await
-            {
-                closed += 1;
-            }
-        }
+        let closed = closed_of(&mut flood).await;
         assert!(closed >= 36, "{closed} of the flood's connections closed");
         // The peer says hello now, and is welcome.
         let mut framed = Framed::new(slow, codec());
