@@ -69,6 +69,14 @@ pub struct ServeArgs {
     /// --request-body-bytes-max.
     #[arg(long, env = "FORKLESS_BODY_BYTES_IN_FLIGHT_MAX")]
     body_bytes_in_flight_max: Option<usize>,
+    /// Most bytes of answers to reads the connections of each listener
+    /// hold at once, made and not yet written [default: 268435456]; a page
+    /// of events is cut short to fit what is left, and a read whose answer
+    /// does not fit is answered 503 too_many_answer_bytes with
+    /// Retry-After. At least --read-page-bytes-max plus
+    /// --event-payload-bytes-max.
+    #[arg(long, env = "FORKLESS_ANSWER_BYTES_IN_FLIGHT_MAX")]
+    answer_bytes_in_flight_max: Option<usize>,
     /// How many nice steps below the request path the storage engine's
     /// flush and compaction threads run, 0 to 19 [default: 10]; 0 keeps
     /// them at the same priority. Linux only.
@@ -122,6 +130,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         read_page_bytes_max: a.read_page_bytes_max,
         long_polls_max: a.long_polls_max,
         body_bytes_in_flight_max: a.body_bytes_in_flight_max,
+        answer_bytes_in_flight_max: a.answer_bytes_in_flight_max,
     };
     let cfg = config::resolve(file, a.node, overrides.clone())?;
     // `forkless cluster reload` and SIGHUP read the same file again, with

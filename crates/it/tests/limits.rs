@@ -624,6 +624,143 @@ fn request_bodies_held_at_once_are_bounded() {
     });
 }
 
+/// The answers to reads held at once (made, and not yet written to their
+/// clients) are bounded per listener: clients that ask for pages and do
+/// not read them hold no more than `--answer-bytes-in-flight-max`; a page
+/// is cut short to fit what is left, a read whose answer does not fit is
+/// refused (503, `executed: false`), small answers (health, metrics) are
+/// served however full the budget is, and every byte is given back once
+/// the stuck clients go.
+#[test]
+fn answers_held_at_once_are_bounded() {
+    let _d = deadline("answers_held_at_once_are_bounded", TEST_DEADLINE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    const BUDGET: f64 = 4.0 * 1024.0 * 1024.0;
+    let n = Node::start_single(
+        &dir.path().join("data"),
+        &[
+            "--read-page-bytes-max",
+            "1048576",
+            "--answer-bytes-in-flight-max",
+            "4194304",
+            // The stuck clients below must not be dropped for not
+            // reading while the test runs.
+            "--write-timeout-ms",
+            "300000",
+        ],
+    );
+    let c = n.client;
+    // Twelve events of 300 KB: a full page is the start event and four of
+    // them (it stops after the one that reaches 1 MiB).
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    let event = json!({"type": "mid", "payload": "y".repeat(300_000)});
+    for _ in 0..3 {
+        c.post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [event, event, event, event]}),
+        )
+        .expect(200);
+    }
+    let page = |c: &Client| c.get(&format!("/api/executions/{id}/events?limit=1000"));
+    let full = page(&c).expect(200).json();
+    assert_eq!(
+        full["events"].as_array().map(Vec::len),
+        Some(5),
+        "a full page"
+    );
+    let held = |c: &Client| c.metric("forkless_answer_bytes_in_flight");
+    let refusals = |c: &Client| c.metric("forkless_answer_bytes_refused_total");
+    assert_eq!(held(&c), 0.0);
+    // Two clients that ask for pages and read none: each ends up with one
+    // page held, its write blocked once the socket buffers are full.
+    let mut stuck = vec![stuck_reader(&c, &id, 40)];
+    wait_until("one page held", Duration::from_secs(30), || {
+        (held(&c) >= 1_200_000.0).then_some(())
+    });
+    stuck.push(stuck_reader(&c, &id, 40));
+    wait_until("two pages held", Duration::from_secs(30), || {
+        (held(&c) >= 2_400_000.0).then_some(())
+    });
+    // About 1.7 MiB left: a page is cut short to fit (less one payload's
+    // room), and says where to go on.
+    let short = page(&c).expect(200).json();
+    let events = short["events"].as_array().map_or(0, Vec::len);
+    assert!(
+        (1..5).contains(&events),
+        "{events} events in a page read with 1.7 MiB of answers left"
+    );
+    assert_eq!(short["next_after"], short["events"][events - 1]["seq"]);
+    // Clients stuck on single events of 300 KB fill the rest, until a
+    // read of one such event does not fit: refused, nothing held for it.
+    let one = format!("/api/executions/{id}/events?after=1&limit=1");
+    let refused = wait_until("a read refused", Duration::from_secs(60), || {
+        let r = c.get(&one);
+        if r.status == 503 {
+            return Some(r);
+        }
+        r.expect(200);
+        let (before, refused_so_far) = (held(&c), refusals(&c));
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect(c.addr).expect("connect");
+        let get = format!("GET {one} HTTP/1.1\r\nHost: x\r\n\r\n");
+        s.write_all(get.repeat(100).as_bytes()).expect("send");
+        stuck.push(s);
+        // Its answers go until one blocks, held, or they are refused.
+        wait_until(
+            "its answer held or refused",
+            Duration::from_secs(30),
+            || (held(&c) >= before + 290_000.0 || refusals(&c) > refused_so_far).then_some(()),
+        );
+        assert!(held(&c) <= BUDGET, "{} bytes held after {before}", held(&c));
+        None
+    });
+    let v = refused.expect_error(503, "too_many_answer_bytes");
+    assert_eq!(
+        (v["limit"].as_u64(), v["executed"].as_bool()),
+        (Some(4_194_304), Some(false)),
+        "{v}"
+    );
+    assert_eq!(refused.header("retry-after"), Some("1"));
+    assert!(refusals(&c) >= 1.0);
+    assert!(held(&c) <= BUDGET && held(&c) > BUDGET - 310_000.0);
+    // So is one that hyper serves (its head names another connection
+    // option).
+    let mut other = RawConn::open(c.addr);
+    other.send(format!("GET {one} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
+    other.read().expect_error(503, "too_many_answer_bytes");
+    // Small answers are served however full: the execution, a page of
+    // its small start event, the health check.
+    c.get(&format!("/api/executions/{id}")).expect(200);
+    let small = c
+        .get(&format!("/api/executions/{id}/events?limit=1"))
+        .expect(200)
+        .json();
+    assert_eq!(small["events"][0]["seq"], 1);
+    c.get("/healthz").expect(200);
+    // The stuck clients go: every byte is given back, and pages are whole.
+    drop(stuck);
+    wait_until("no answer held", Duration::from_secs(30), || {
+        (held(&c) == 0.0).then_some(())
+    });
+    assert_eq!(page(&c).expect(200).json()["events"], full["events"]);
+    // A client hyper serves holds its answer as long, and gives it back.
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(c.addr).expect("connect");
+    let get = format!(
+        "GET /api/executions/{id}/events?limit=1000 HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, te\r\n\r\n"
+    );
+    s.write_all(get.repeat(40).as_bytes()).expect("send");
+    wait_until(
+        "a page held on hyper's path",
+        Duration::from_secs(30),
+        || (held(&c) >= 1_200_000.0).then_some(()),
+    );
+    drop(s);
+    wait_until("no answer held", Duration::from_secs(30), || {
+        (held(&c) == 0.0).then_some(())
+    });
+}
+
 /// A node whose peer runs with another `limits.connections_max` says so
 /// (each forwards to a peer within a share reckoned with its own value),
 /// and so does the peer.

@@ -170,8 +170,8 @@ async fn read_body(app: &App, body: Body) -> Result<Bytes, ApiError> {
             size: limit + 1,
             limit,
         }),
-        Ok(Err(e)) if caused_by::<crate::conn::OverBodyBudget>(&e) => Err(
-            crate::conn::body_budget_refusal(app.cfg.limits.body_bytes_in_flight_max),
+        Ok(Err(e)) if caused_by::<crate::budget::OverBodyBudget>(&e) => Err(
+            crate::budget::body_budget_refusal(app.cfg.limits.body_bytes_in_flight_max),
         ),
         Ok(Err(e)) => Err(ApiError::invalid(
             "body",
@@ -1820,7 +1820,10 @@ async fn read_events(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
+    listener: Option<axum::Extension<crate::budget::ListenerIndex>>,
 ) -> Result<Response, ApiError> {
+    // (A request made in-process, by tests, counts as a client's.)
+    let listener = listener.map_or(0, |l| l.0 .0);
     let hops = hops_taken(&app, &headers)?;
     let id = path_execution_id(id)?;
     let p = read_params(&app, &q)?;
@@ -1842,7 +1845,7 @@ async fn read_events(
         route,
         move |_epoch, st| async move {
             let deadline = tokio::time::Instant::now() + p.wait;
-            let budget = app2.cfg.limits.read_page_bytes_max;
+            let answers = &app2.answer_budgets[listener];
             // Interest in this execution's commits only (not the shard's),
             // taken before the first read so no commit is missed; counted
             // against the node's long-poll bound once the poll waits.
@@ -1863,6 +1866,16 @@ async fn read_events(
                 if let Some(w) = woken.as_mut().as_pin_mut() {
                     w.enable();
                 }
+                // A page is cut short to what the listener's answers have
+                // room for, less one payload (a page stops after the event
+                // that reaches its budget), and says where to go on; its
+                // answer is held against them until written (`conn`), and
+                // refused if it does not fit even so.
+                let budget = app2.cfg.limits.read_page_bytes_max.min(
+                    answers
+                        .room()
+                        .saturating_sub(app2.cfg.limits.event_payload_bytes_max),
+                );
                 let (meta, events) = st
                     .read_events_within(id, p.after, p.limit, budget)
                     .map_err(|e| ApiError::Internal(e.to_string()))?

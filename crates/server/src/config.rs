@@ -68,6 +68,13 @@ pub struct Limits {
     /// `too_many_body_bytes` with `Retry-After`, the rest of its body read
     /// and dropped. At least `request_body_bytes_max`.
     pub body_bytes_in_flight_max: usize,
+    /// Most bytes of answers to reads (`GET`) the connections of each
+    /// listener hold at once, from the moment an answer is made until it
+    /// is written to its client. A page of events is cut short to fit what
+    /// is left (it says where to continue); a read whose answer does not
+    /// fit is answered 503 `too_many_answer_bytes` with `Retry-After`. At
+    /// least `read_page_bytes_max` plus `event_payload_bytes_max`.
+    pub answer_bytes_in_flight_max: usize,
 }
 
 /// File descriptors kept free for the store (the node log's segments,
@@ -111,6 +118,7 @@ impl Default for Limits {
             read_page_bytes_max: 4 * 1024 * 1024,
             long_polls_max: 1024,
             body_bytes_in_flight_max: 256 * 1024 * 1024,
+            answer_bytes_in_flight_max: 256 * 1024 * 1024,
         }
     }
 }
@@ -1093,6 +1101,13 @@ pub fn resolve(
             cfg.limits.body_bytes_in_flight_max
         )));
     }
+    if cfg.limits.answer_bytes_in_flight_max < page.saturating_add(payload) {
+        return Err(ConfigError::Invalid(format!(
+            "limits.answer_bytes_in_flight_max ({}) must be at least limits.read_page_bytes_max plus limits.event_payload_bytes_max ({}): a page of the largest size must fit",
+            cfg.limits.answer_bytes_in_flight_max,
+            page.saturating_add(payload)
+        )));
+    }
     Ok(cfg)
 }
 
@@ -1282,6 +1297,7 @@ pub struct Overrides {
     pub read_page_bytes_max: Option<usize>,
     pub long_polls_max: Option<usize>,
     pub body_bytes_in_flight_max: Option<usize>,
+    pub answer_bytes_in_flight_max: Option<usize>,
 }
 
 impl Overrides {
@@ -1315,6 +1331,9 @@ impl Overrides {
         }
         if let Some(v) = self.body_bytes_in_flight_max {
             l.body_bytes_in_flight_max = v;
+        }
+        if let Some(v) = self.answer_bytes_in_flight_max {
+            l.answer_bytes_in_flight_max = v;
         }
     }
 }
@@ -1740,11 +1759,13 @@ peer_addr = "127.0.0.1:7172"
             connections_max: Some(20),
             long_polls_max: Some(3),
             body_bytes_in_flight_max: Some(9 << 20),
+            answer_bytes_in_flight_max: Some(10 << 20),
             ..Default::default()
         };
         let c = resolve(Some(parse_file(text).unwrap()), None, o).unwrap();
         assert_eq!((c.limits.connections_max, c.limits.long_polls_max), (20, 3));
         assert_eq!(c.limits.body_bytes_in_flight_max, 9 << 20);
+        assert_eq!(c.limits.answer_bytes_in_flight_max, 10 << 20);
         for (bad, want) in [
             (
                 "connections_max = 0",
@@ -1757,6 +1778,10 @@ peer_addr = "127.0.0.1:7172"
             (
                 "body_bytes_in_flight_max = 1000",
                 "limits.body_bytes_in_flight_max (1000) must be at least limits.request_body_bytes_max (8388608)",
+            ),
+            (
+                "answer_bytes_in_flight_max = 5242879",
+                "limits.answer_bytes_in_flight_max (5242879) must be at least limits.read_page_bytes_max plus limits.event_payload_bytes_max (5242880)",
             ),
             (
                 "read_page_bytes_max = 0",

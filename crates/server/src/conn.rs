@@ -21,6 +21,9 @@
 //! requests are still answered in order.
 
 use crate::api::{self, Hot, RouteHeaders};
+use crate::budget::{
+    answer_budget_refusal, body_budget_refusal, ByteBudget, Held, ListenerIndex, OverBodyBudget,
+};
 use crate::headers::{self, content_length};
 use crate::App;
 use axum::body::Body;
@@ -106,7 +109,7 @@ pub(crate) async fn serve<S>(
         // The body's bytes are held against the listener's budget as they
         // arrive, until the request's answer is made (not while it is
         // written: a client slow to read holds no body).
-        let body_held = c.budget().hold(&c.app);
+        let body_held = c.budget().hold();
         match c.read_body(&body_held, total, head.len, deadline).await {
             Some(true) => {}
             Some(false) => {
@@ -122,8 +125,13 @@ pub(crate) async fn serve<S>(
                     return;
                 }
                 out.clear();
-                let refused = api::stamp(&c.app, c.budget().refusal());
-                if write_response(refused, &mut out).await.is_err() || !c.write_out(&out).await {
+                let refused = api::stamp(
+                    &c.app,
+                    body_budget_refusal(c.budget().max_bytes()).into_response(),
+                );
+                if write_response(refused, &mut out, None).await.is_err()
+                    || !c.write_out(&out).await
+                {
                     return;
                 }
                 continue;
@@ -139,6 +147,7 @@ pub(crate) async fn serve<S>(
         }
         let body = request.slice(head.len..);
         out.clear();
+        let mut answer_held = None;
         match head.kind {
             Kind::HotAppend { id, hops, path } => match api::hot_append(
                 &c.app,
@@ -151,14 +160,15 @@ pub(crate) async fn serve<S>(
             {
                 Hot::Appended { body, route } => write_appended(&c.app, &mut out, &body, &route),
                 Hot::Other(resp) => {
-                    if write_response(resp, &mut out).await.is_err() {
+                    if write_response(resp, &mut out, None).await.is_err() {
                         return;
                     }
                 }
             },
             Kind::Plain(parts) => {
                 let read = parts.method == http::Method::GET;
-                let req = Request::from_parts(*parts, Body::from(body));
+                let mut req = Request::from_parts(*parts, Body::from(body));
+                req.extensions_mut().insert(ListenerIndex(c.listener));
                 let answer = service.clone().oneshot(req);
                 let answered = if read {
                     // A read whose client hangs up is dropped at once, and
@@ -180,14 +190,27 @@ pub(crate) async fn serve<S>(
                     Ok(r) => r,
                     Err(never) => match never {},
                 };
-                if write_response(resp, &mut out).await.is_err() {
-                    return;
+                // A read's answer is held against the listener's budget
+                // from here until it is written.
+                let held = read.then(|| c.app.answer_budgets[c.listener].hold());
+                match write_response(resp, &mut out, held.as_ref()).await {
+                    Ok(true) => answer_held = held,
+                    Ok(false) => {
+                        out.clear();
+                        let refused = api::stamp(&c.app, c.answer_refusal());
+                        if write_response(refused, &mut out, None).await.is_err() {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
                 }
             }
         }
         drop(request);
         drop(body_held);
-        if !c.write_out(&out).await || *c.stop.borrow() {
+        let written = c.write_out(&out).await;
+        drop(answer_held);
+        if !written || *c.stop.borrow() {
             return;
         }
         if c.buf.is_empty() && c.buf.capacity() > BUF_KEEP_MAX {
@@ -215,98 +238,77 @@ async fn hung_up(tcp: &mut TcpStream, buf: &mut BytesMut) {
     std::future::pending().await
 }
 
-/// The bytes of request bodies a listener's connections hold at once
-/// (`limits.body_bytes_in_flight_max`), counted in whole KiB as they
-/// arrive.
-pub(crate) struct BodyBudget {
-    kib: Arc<tokio::sync::Semaphore>,
-    max_bytes: usize,
+/// A read's answer on hyper's path: its bytes given to hyper a step at a
+/// time, and held against the listener's budget until hyper has taken the
+/// last of them (hyper takes the next step only once it has written most
+/// of the one before).
+struct HeldAnswer {
+    rest: Bytes,
+    _held: Held,
 }
 
-/// What one request's body holds of a [`BodyBudget`], grown as its bytes
-/// come ([`BodyHeld::cover`]) and given back when dropped.
-pub(crate) struct BodyHeld {
-    budget: Arc<tokio::sync::Semaphore>,
-    kib: std::sync::atomic::AtomicU32,
-    gauge: prometheus_client::metrics::gauge::Gauge,
-    refused: prometheus_client::metrics::counter::Counter,
-}
+/// A read's answer this small is not held against the listener's budget:
+/// like the read buffer, it is part of what a connection costs
+/// (`connections_max` bounds it), and so health checks, probes and the
+/// metrics are answered however full the budget is.
+pub(crate) const ANSWER_UNCOUNTED_MAX: usize = BUF_KEEP_MAX;
 
-impl BodyHeld {
-    /// Grows the hold to cover `bytes` of the body; false when the
-    /// budget has no room for them (nothing more is held then).
-    pub(crate) fn cover(&self, bytes: usize) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        let want = bytes.div_ceil(1024);
-        let have = self.kib.load(Relaxed) as usize;
-        if want <= have {
-            return true;
+/// The most of an answer on hyper's path handed over at once.
+const ANSWER_STEP: usize = 64 * 1024;
+
+impl http_body::Body for HeldAnswer {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        if this.rest.is_empty() {
+            return Poll::Ready(None);
         }
-        let Some(more) = u32::try_from(want - have)
-            .ok()
-            .filter(|_| want <= u32::MAX as usize)
-        else {
-            self.refused.inc();
-            return false;
-        };
-        match self.budget.try_acquire_many(more) {
-            Ok(permit) => {
-                permit.forget();
-                self.kib.fetch_add(more, Relaxed);
-                self.gauge.inc_by(i64::from(more) * 1024);
-                true
-            }
-            Err(_) => {
-                self.refused.inc();
-                false
-            }
-        }
+        let step = this.rest.split_to(this.rest.len().min(ANSWER_STEP));
+        Poll::Ready(Some(Ok(http_body::Frame::data(step))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.rest.len() as u64)
     }
 }
 
-impl Drop for BodyHeld {
-    fn drop(&mut self) {
-        let kib = *self.kib.get_mut();
-        if kib > 0 {
-            self.budget.add_permits(kib as usize);
-            self.gauge.dec_by(i64::from(kib) * 1024);
+/// A read's answer on hyper's path, held against `budget` until written;
+/// or the refusal when the budget has no room for it.
+async fn hold_answer(app: &App, budget: &ByteBudget, resp: Response) -> Response {
+    let (parts, body) = resp.into_parts();
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(b) => b,
+        Err(e) => {
+            return crate::error::ApiError::Internal(format!("making the answer: {e}"))
+                .into_response()
         }
+    };
+    if bytes.len() <= ANSWER_UNCOUNTED_MAX {
+        return Response::from_parts(parts, Body::from(bytes));
     }
-}
-
-impl BodyBudget {
-    pub(crate) fn new(max_bytes: usize) -> BodyBudget {
-        BodyBudget {
-            kib: Arc::new(tokio::sync::Semaphore::new(max_bytes.div_ceil(1024))),
-            max_bytes,
-        }
+    let held = budget.hold();
+    if !held.cover(bytes.len()) {
+        return api::stamp(
+            app,
+            answer_budget_refusal(budget.max_bytes()).into_response(),
+        );
     }
-
-    /// An empty hold, for one request's body.
-    pub(crate) fn hold(&self, app: &App) -> BodyHeld {
-        BodyHeld {
-            budget: self.kib.clone(),
-            kib: std::sync::atomic::AtomicU32::new(0),
-            gauge: app.metrics.body_bytes_in_flight.clone(),
-            refused: app.metrics.body_bytes_refused.clone(),
-        }
-    }
-
-    /// The answer to a request refused for being over the budget.
-    pub(crate) fn refusal(&self) -> Response {
-        body_budget_refusal(self.max_bytes).into_response()
-    }
-}
-
-/// What a request whose body would go over `max_bytes` is answered.
-pub(crate) fn body_budget_refusal(max_bytes: usize) -> crate::error::ApiError {
-    crate::error::ApiError::Overloaded {
-        code: "too_many_body_bytes",
-        message: format!(
-            "with this request's body, the connections of the listener it came in on would hold more than {max_bytes} bytes of request bodies, its limit (limits.body_bytes_in_flight_max); nothing was done, retry later"
-        ),
-        limit: max_bytes,
-    }
+    Response::from_parts(
+        parts,
+        Body::new(HeldAnswer {
+            rest: bytes,
+            _held: held,
+        }),
+    )
 }
 
 /// A body hyper streams, its bytes held in the listener's budget as they
@@ -314,21 +316,9 @@ pub(crate) fn body_budget_refusal(max_bytes: usize) -> crate::error::ApiError {
 /// request is answered 503 `too_many_body_bytes`: `api::read_body`).
 struct Counted {
     inner: Body,
-    held: Arc<BodyHeld>,
+    held: Arc<Held>,
     seen: usize,
 }
-
-/// Reading a body took its listener's body bytes past their budget.
-#[derive(Debug)]
-pub(crate) struct OverBodyBudget;
-
-impl std::fmt::Display for OverBodyBudget {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the request bodies held would go over limits.body_bytes_in_flight_max")
-    }
-}
-
-impl std::error::Error for OverBodyBudget {}
 
 impl http_body::Body for Counted {
     type Data = Bytes;
@@ -455,8 +445,14 @@ impl Conn {
         matches!(read, Ok(n) if n > 0)
     }
 
-    fn budget(&self) -> &BodyBudget {
+    fn budget(&self) -> &ByteBudget {
         &self.app.body_budgets[self.listener]
+    }
+
+    /// The answer to a read whose answer would take the listener's
+    /// answers past their budget.
+    fn answer_refusal(&self) -> Response {
+        answer_budget_refusal(self.app.answer_budgets[self.listener].max_bytes()).into_response()
     }
 
     /// Reads the request's body, to `total` bytes of `buf` (its head is
@@ -466,7 +462,7 @@ impl Conn {
     /// or the deadline passed (then 408 was answered).
     async fn read_body(
         &mut self,
-        held: &BodyHeld,
+        held: &Held,
         total: usize,
         head_len: usize,
         deadline: Option<Instant>,
@@ -555,7 +551,7 @@ impl Conn {
         );
         let resp = crate::error::ApiError::RequestTimeout(ms).into_response();
         let mut out = Vec::with_capacity(256);
-        if write_response(crate::api::stamp(&self.app, resp), &mut out)
+        if write_response(crate::api::stamp(&self.app, resp), &mut out, None)
             .await
             .is_ok()
         {
@@ -599,17 +595,24 @@ impl Conn {
             tower::service_fn(move |req: Request| {
                 let (app, service) = (app.clone(), service.clone());
                 async move {
-                    let held = Arc::new(app.body_budgets[listener].hold(&app));
-                    let req = req.map(|body| {
+                    let held = Arc::new(app.body_budgets[listener].hold());
+                    let read = req.method() == http::Method::GET;
+                    let mut req = req.map(|body| {
                         Body::new(Counted {
                             inner: body,
                             held: held.clone(),
                             seen: 0,
                         })
                     });
+                    req.extensions_mut().insert(ListenerIndex(listener));
                     let answer = service.oneshot(req).await;
                     drop(held);
-                    answer
+                    match answer {
+                        Ok(resp) if read => {
+                            Ok(hold_answer(&app, &app.answer_budgets[listener], resp).await)
+                        }
+                        other => other,
+                    }
                 }
             })
         };
@@ -810,9 +813,19 @@ fn write_appended(app: &App, out: &mut Vec<u8>, body: &[u8], route: &RouteHeader
 
 /// Any answer of the service, its body collected (every answer of this API
 /// is a complete body, long-polls included: they answer once).
-async fn write_response(resp: Response, out: &mut Vec<u8>) -> Result<(), axum::Error> {
+/// With `held`, the answer's body is first covered by it (a read's answer,
+/// held against its listener's budget until written): false, and nothing
+/// written, when the budget has no room for it.
+async fn write_response(
+    resp: Response,
+    out: &mut Vec<u8>,
+    held: Option<&Held>,
+) -> Result<bool, axum::Error> {
     let (parts, body) = resp.into_parts();
     let body = axum::body::to_bytes(body, usize::MAX).await?;
+    if body.len() > ANSWER_UNCOUNTED_MAX && held.is_some_and(|h| !h.cover(body.len())) {
+        return Ok(false);
+    }
     let status = parts.status;
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
@@ -841,7 +854,7 @@ async fn write_response(resp: Response, out: &mut Vec<u8>) -> Result<(), axum::E
     if !bodiless {
         out.extend_from_slice(&body);
     }
-    Ok(())
+    Ok(true)
 }
 
 fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
@@ -1070,7 +1083,7 @@ mod tests {
             .body(Body::from("{\"error\":\"x\"}"))
             .expect("response");
         let mut out = Vec::new();
-        write_response(resp, &mut out).await.expect("write");
+        write_response(resp, &mut out, None).await.expect("write");
         let text = String::from_utf8(out).expect("utf8");
         assert!(text.starts_with("HTTP/1.1 409 Conflict\r\n"), "{text}");
         assert!(

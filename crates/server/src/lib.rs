@@ -7,6 +7,7 @@
 //! the local store, a forward, `421 not_owner` or `503 owner_unavailable`.
 
 pub mod api;
+mod budget;
 pub mod config;
 mod conn;
 pub mod error;
@@ -76,7 +77,12 @@ pub struct App {
     /// at once (`limits.body_bytes_in_flight_max`), by listener as
     /// [`App::connections`]: with a peer address of its own, clients
     /// filling theirs cannot refuse the peers' forwarded writes.
-    pub(crate) body_budgets: [conn::BodyBudget; 2],
+    pub(crate) body_budgets: [budget::ByteBudget; 2],
+    /// The bytes of answers to reads each listener's connections hold at
+    /// once, from the moment an answer is made until it is written
+    /// (`limits.answer_bytes_in_flight_max`), by listener as
+    /// [`App::body_budgets`].
+    pub(crate) answer_budgets: [budget::ByteBudget; 2],
     /// How this node's replicated shards reach their other replicas.
     pub replication: Option<forkless_store::Replication>,
     /// Each replicated shard's voters as its leader last said in answer
@@ -315,6 +321,23 @@ impl App {
             .as_ref()
             .map(|c| c.secret.clone())
             .unwrap_or_default();
+        let metrics = metrics::Metrics::new(store.clone());
+        let budgets =
+            |max: usize,
+             gauge: &prometheus_client::metrics::gauge::Gauge,
+             refused: &prometheus_client::metrics::counter::Counter| {
+                [(); 2].map(|()| budget::ByteBudget::new(max, gauge.clone(), refused.clone()))
+            };
+        let body_budgets = budgets(
+            cfg.limits.body_bytes_in_flight_max,
+            &metrics.body_bytes_in_flight,
+            &metrics.body_bytes_refused,
+        );
+        let answer_budgets = budgets(
+            cfg.limits.answer_bytes_in_flight_max,
+            &metrics.answer_bytes_in_flight,
+            &metrics.answer_bytes_refused,
+        );
         let app = Arc::new(App {
             minter: IdMinter::new(cfg.node_id),
             forwarder: forward::Forwarder::new(
@@ -322,7 +345,7 @@ impl App {
                 &secret,
                 cfg.limits.connections_max,
             ),
-            metrics: metrics::Metrics::new(store.clone()),
+            metrics,
             secret,
             node_header: axum::http::HeaderValue::from(cfg.node_id.get()),
             in_progress,
@@ -332,8 +355,8 @@ impl App {
             drainer: std::sync::OnceLock::new(),
             connections: Default::default(),
             long_polls: AtomicUsize::new(0),
-            body_budgets: [(); 2]
-                .map(|()| conn::BodyBudget::new(cfg.limits.body_bytes_in_flight_max)),
+            body_budgets,
+            answer_budgets,
             replication,
             replicas_heard: Default::default(),
             routes_changed: tokio::sync::watch::channel(0).0,

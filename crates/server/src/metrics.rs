@@ -97,6 +97,11 @@ pub struct Metrics {
     pub body_bytes_in_flight: Gauge,
     /// Requests refused for being over `limits.body_bytes_in_flight_max`.
     pub body_bytes_refused: Counter,
+    /// Bytes of answers to reads held now, made and not yet written
+    /// (`limits.answer_bytes_in_flight_max` bounds it).
+    pub answer_bytes_in_flight: Gauge,
+    /// Reads refused for being over `limits.answer_bytes_in_flight_max`.
+    pub answer_bytes_refused: Counter,
     /// Reloads of the cluster file (`forkless cluster reload`, SIGHUP), by
     /// outcome: `taken` or `refused`.
     pub cluster_reloads: Family<OutcomeLabel, Counter>,
@@ -192,6 +197,18 @@ impl Metrics {
             "Requests refused (503 too_many_body_bytes) because their body would take the bytes of request bodies held past limits.body_bytes_in_flight_max",
             body_bytes_refused.clone(),
         );
+        let answer_bytes_in_flight = Gauge::default();
+        registry.register(
+            "answer_bytes_in_flight",
+            "Bytes of answers to reads this node holds now (made, and not yet written to their client), as limits.answer_bytes_in_flight_max counts them (whole KiB)",
+            answer_bytes_in_flight.clone(),
+        );
+        let answer_bytes_refused = Counter::default();
+        registry.register(
+            "answer_bytes_refused",
+            "Reads refused (503 too_many_answer_bytes) because their answer would take the bytes of answers held past limits.answer_bytes_in_flight_max",
+            answer_bytes_refused.clone(),
+        );
         let reads_abandoned = Counter::default();
         registry.register(
             "reads_abandoned",
@@ -222,6 +239,8 @@ impl Metrics {
             reads_abandoned,
             body_bytes_in_flight,
             body_bytes_refused,
+            answer_bytes_in_flight,
+            answer_bytes_refused,
             registry,
             by_status: (0..STATUS_CODES).map(|_| OnceLock::new()).collect(),
             by_outcome: Default::default(),
