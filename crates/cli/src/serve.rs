@@ -40,7 +40,8 @@ pub struct ServeArgs {
     /// answered 503 and closed. In a cluster, keep it the same on every
     /// node (set it in the cluster file's [limits]): a node forwards to
     /// each peer on at most its share of that peer's peer connections,
-    /// reckoned with its own value. With the forwards, the Raft
+    /// reckoned with the lower of its own value and the peer's. With the
+    /// forwards, the Raft
     /// transport's connections and 256 descriptors kept for the store it
     /// must fit in the open-file limit (raised to the hard limit at
     /// start), or the node refuses to start.

@@ -454,15 +454,56 @@ fn long_polls_through_the_peers_leave_room_on_the_owners_peer_listener() {
         "long_polls_through_the_peers_leave_room_on_the_owners_peer_listener",
         TEST_DEADLINE,
     );
+    long_polls_through_the_peers(true);
+}
+
+/// As above with the peers on the default `limits.connections_max`
+/// (1024) and the owner on 8: each peer reckons its share with the lower
+/// of its own and the one the owner's status says. Before, with its own:
+/// 510 connections, and the owner's peer listener filled.
+#[test]
+fn a_peer_with_a_lower_connection_limit_gets_a_share_of_it() {
+    let _d = deadline(
+        "a_peer_with_a_lower_connection_limit_gets_a_share_of_it",
+        TEST_DEADLINE,
+    );
+    long_polls_through_the_peers(false);
+}
+
+/// Five long-polls through each of nodes 2 and 3 to node 1, which runs
+/// with `connections_max = 8` (and so do its peers, when `all_limited`).
+fn long_polls_through_the_peers(all_limited: bool) {
     let mut cl = Cluster::prepare(3, 4, PeerTiming::relaxed());
-    let cfg = cl.write_config("shares.toml", &[(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 1, 1)]);
+    let placed = [(0, 1, 1), (1, 2, 1), (2, 3, 1), (3, 1, 1)];
+    let cfg = cl.write_config("shares.toml", &placed);
+    let limited = cl.write_config("shares-limited.toml", &placed);
     // Eight connections a listener: each of the two peers may hold
     // (8 - 2 * 2) / 2 = 2 of node 1's peer connections, one of them
     // waiting.
-    let mut text = std::fs::read_to_string(&cfg).expect("config");
+    let mut text = std::fs::read_to_string(&limited).expect("config");
     text.push_str("\n[limits]\nconnections_max = 8\n");
-    std::fs::write(&cfg, text).expect("config");
-    start(&mut cl, &cfg, &[1, 2, 3]);
+    std::fs::write(&limited, text).expect("config");
+    cl.spawn(1, &limited);
+    for id in [2, 3] {
+        cl.spawn(id, if all_limited { &limited } else { &cfg });
+    }
+    for id in [1, 2, 3] {
+        cl.wait_ready(id);
+    }
+    cl.wait_all_alive();
+    if !all_limited {
+        // Each peer has heard node 1's limit from its status.
+        for id in [2, 3] {
+            wait_until(
+                &format!("node {id} hearing node 1's limit"),
+                Duration::from_secs(10),
+                || {
+                    let log = plain(&cl.node_log(id));
+                    log.contains("peer=1 theirs=8 ours=1024").then_some(())
+                },
+            );
+        }
+    }
     let c1 = cl.client(1);
     let id = id_of(&c1.start(&json!({"workflow": "w"})));
     // Five long-polls through each peer: ten, more than node 1's eight
@@ -762,8 +803,8 @@ fn answers_held_at_once_are_bounded() {
 }
 
 /// A node whose peer runs with another `limits.connections_max` says so
-/// (each forwards to a peer within a share reckoned with its own value),
-/// and so does the peer.
+/// (the two forward to each other within shares reckoned with the lower
+/// value), and so does the peer.
 #[test]
 fn a_peer_with_another_connection_limit_is_named() {
     let _d = deadline(

@@ -53,9 +53,12 @@ const READ_CHUNK: usize = 4 * 1024;
 pub struct Forwarder {
     secret: HeaderValue,
     connect_timeout: Duration,
-    /// This node's `limits.connections_max`, taken to be every peer's:
-    /// what [`share`] divides.
+    /// This node's `limits.connections_max`: what [`share`] divides,
+    /// or the peer's when that is lower ([`Forwarder::peer_says`]).
     connections_max: usize,
+    /// Each peer's `limits.connections_max` as its last status said, by
+    /// peer address.
+    peer_limits: Mutex<HashMap<String, usize>>,
     /// [`IDLE_TIMEOUT`] (a field so that tests can age connections).
     idle_timeout: Duration,
     /// Idle keep-alive connections by peer address, oldest first (each
@@ -75,9 +78,10 @@ enum Pool {
 }
 
 /// How many connections this node may hold to one peer's peer address,
-/// from that peer's `limits.connections_max` (taken to be this node's:
-/// a cluster's nodes run with the same limits) shared evenly among its
-/// `peers` peers, less [`PROBE_RESERVE`] each. Held this way, forwards
+/// from that peer's `limits.connections_max` (the lower of its own, as
+/// its status says, and this node's: [`Forwarder::peer_says`]) shared
+/// evenly among its `peers` peers (its peers taken to be as many as this
+/// node's), less [`PROBE_RESERVE`] each. Held this way, forwards
 /// through every other node at once (idle pooled connections counted)
 /// cannot fill a node's peer listener, and every peer's probe still gets
 /// in: a node whose clients send many long-polls through its peers is not
@@ -210,14 +214,41 @@ impl Forwarder {
             idle_timeout: IDLE_TIMEOUT,
             idle: Default::default(),
             shares: Mutex::new(HashMap::new()),
+            peer_limits: Mutex::new(HashMap::new()),
         }
     }
 
+    /// Records the `limits.connections_max` the peer at `addr` runs with
+    /// (its status says it): its share is reckoned with the lower of that
+    /// and this node's own from the next forward on.
+    pub(crate) fn peer_says(&self, addr: &str, connections_max: usize) {
+        let mut limits = self.peer_limits.lock().unwrap_or_else(|p| p.into_inner());
+        match limits.get_mut(addr) {
+            Some(said) => *said = connections_max,
+            None => {
+                limits.insert(addr.to_string(), connections_max);
+            }
+        }
+    }
+
+    /// What this node's share of the peer at `addr` is reckoned with: the
+    /// lower of its own `limits.connections_max` and the one the peer
+    /// last said (its own until it said one). The peer's, because the
+    /// share is of its listener; never more than this node's, because this
+    /// node's descriptors for forwards are counted with its own.
+    fn limit_for(&self, addr: &str) -> usize {
+        let limits = self.peer_limits.lock().unwrap_or_else(|p| p.into_inner());
+        limits.get(addr).map_or(self.connections_max, |&theirs| {
+            theirs.min(self.connections_max)
+        })
+    }
+
     /// This node's share of the connections of the peer at `addr`, made
-    /// anew when the number of peers changed (a reload): forwards holding
-    /// the old one finish on it.
+    /// anew when it changes (a reload changed the number of peers, or the
+    /// peer said another `limits.connections_max`): forwards holding the
+    /// old one finish on it.
     fn peer_share(&self, addr: &str, peers: usize) -> Arc<PeerShare> {
-        let want = share(self.connections_max, peers);
+        let want = share(self.limit_for(addr), peers);
         let mut shares = self.shares.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(s) = shares.get(addr).filter(|s| s.share == want) {
             return s.clone();
@@ -244,7 +275,7 @@ impl Forwarder {
                     return Err(ApiError::Overloaded {
                         code: "too_many_forwards",
                         message: format!(
-                            "this node forwards no requests that wait (long-polls, replica moves) to node {}: its share of that node's peer connections ((limits.connections_max - 2 x {peers}) / {peers} peers) is one connection, kept for short requests; send it to node {} itself, or raise limits.connections_max to at least {}",
+                            "this node forwards no requests that wait (long-polls, replica moves) to node {}: its share of that node's peer connections ((limits.connections_max, the lower of the two nodes', - 2 x {peers}) / {peers} peers) is one connection, kept for short requests; send it to node {} itself, or raise limits.connections_max on both to at least {}",
                             owner.node, owner.node, 4 * req.peers.max(1), peers = req.peers.max(1)
                         ),
                         limit: 0,
@@ -254,7 +285,7 @@ impl Forwarder {
                     return Err(ApiError::Overloaded {
                         code: "too_many_forwards",
                         message: format!(
-                            "this node forwards {} requests that wait (long-polls, replica moves) to node {} already: half its share of that node's peer connections ((limits.connections_max - 2 x {peers}) / {peers} peers, {} connections); retry later, through another node, or read without wait_ms",
+                            "this node forwards {} requests that wait (long-polls, replica moves) to node {} already: half its share of that node's peer connections ((limits.connections_max, the lower of the two nodes', - 2 x {peers}) / {peers} peers, {} connections); retry later, through another node, or read without wait_ms",
                             s.share.waiting, owner.node, s.share.connections, peers = req.peers.max(1)
                         ),
                         limit: s.share.waiting,
@@ -275,7 +306,7 @@ impl Forwarder {
                 shard: req.shard,
                 executed: Executed::No,
                 reason: format!(
-                    "node {}: this node's {} connections to it (its share of that node's peer connections: (limits.connections_max - 2 x {peers}) / {peers} peers) were all in use for {} ms; nothing was sent",
+                    "node {}: this node's {} connections to it (its share of that node's peer connections: (limits.connections_max, the lower of the two nodes', - 2 x {peers}) / {peers} peers) were all in use for {} ms; nothing was sent",
                     owner.node,
                     s.share.connections,
                     req.queue_within.as_millis(),
@@ -859,6 +890,21 @@ mod tests {
         // requests.
         assert_eq!(s(16, 100), (1, 0));
         assert_eq!(s(1024, 0), (1022, 511));
+    }
+
+    #[test]
+    fn a_share_is_reckoned_with_the_lower_of_the_two_nodes_limits() {
+        let f = Forwarder::new(Duration::from_secs(1), "0123456789abcdef", 1024);
+        let (a, b) = ("127.0.0.1:1", "127.0.0.1:2");
+        let of = |addr| f.peer_share(addr, 2).share;
+        assert_eq!(of(a), share(1024, 2), "its own until the peer says");
+        f.peer_says(a, 8);
+        assert_eq!(of(a), share(8, 2), "the peer's, lower");
+        assert_eq!(of(b), share(1024, 2), "another peer's is its own");
+        f.peer_says(b, 4096);
+        assert_eq!(of(b), share(1024, 2), "never more than its own");
+        f.peer_says(a, 1024);
+        assert_eq!(of(a), share(1024, 2), "made anew when the peer's changes");
     }
 
     /// A fake owner at `listener`: answers each request as node 1, once

@@ -150,8 +150,10 @@ fn compare_node_lists(app: &App, node: NodeId, theirs: &[u16], mine: &[u16]) {
 /// Records whether peer `node` runs with this node's
 /// `limits.connections_max` (`theirs`), logging when that changes. Each
 /// node forwards to a peer within a share of that peer's connections
-/// reckoned with its own value (`forward::share`): a peer that runs with
-/// a lower one can have its peer listener filled by its peers' forwards.
+/// reckoned with the lower of the two values (`forward::share`), so a
+/// node with the higher one forwards less to its peers than they could
+/// take, and the numbers its operator reads (the shares, the descriptor
+/// check) are not the ones in force.
 fn compare_connections_max(app: &App, node: NodeId, theirs: usize) {
     let mine = app.cfg.limits.connections_max;
     if record_sameness(&app.same_connections_max, node, theirs == mine) {
@@ -160,7 +162,7 @@ fn compare_connections_max(app: &App, node: NodeId, theirs: usize) {
         } else {
             tracing::warn!(
                 peer = %node, theirs, ours = mine,
-                "peer runs with another limits.connections_max than this node: each node forwards to a peer within a share of that peer's connections reckoned with its own value, so set the same one on every node (the cluster file's [limits])"
+                "peer runs with another limits.connections_max than this node: the two forward to each other within shares reckoned with the lower value; set the same one on every node (the cluster file's [limits])"
             );
         }
     }
@@ -264,17 +266,16 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
             let app = app.clone();
             let (id, addr) = (p.id, p.peer_addr.clone());
             probes.spawn(async move {
-                (
-                    id,
-                    app.forwarder
-                        .probe(&addr, "/internal/v1/status", timeout)
-                        .await,
-                )
+                let r = app
+                    .forwarder
+                    .probe(&addr, "/internal/v1/status", timeout)
+                    .await;
+                (id, addr, r)
             });
         }
         let mine = node_ids(&app);
         let placed = placement_fingerprint(&app);
-        while let Some(Ok((node, r))) = probes.join_next().await {
+        while let Some(Ok((node, addr, r))) = probes.join_next().await {
             let mut theirs = None;
             let alive = match r {
                 Ok(body) => match serde_json::from_slice::<PeerStatus>(&body) {
@@ -292,6 +293,7 @@ pub async fn probe_loop(app: Arc<App>, mut stop: tokio::sync::watch::Receiver<bo
                         record_drained(&app, node, st.draining);
                         if let Some(max) = st.connections_max {
                             compare_connections_max(&app, node, max);
+                            app.forwarder.peer_says(&addr, max);
                         }
                         true
                     }
