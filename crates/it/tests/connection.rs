@@ -193,6 +193,22 @@ fn shapes_left_to_hyper_are_answered_on_the_same_connection() {
     assert_eq!(first_seq(&conn.read()), 6);
     assert!(conn.closed_by_node(), "still open after Connection: close");
 
+    // A head past the fast path's 16 KiB is hyper's: served while it fits
+    // hyper's buffer (64 KiB, give or take its last read; the buffer also
+    // bounds how far hyper reads a body ahead of the body budget's count),
+    // 431 well past it (hyper's default buffer, about 400 KiB, took it).
+    for (pad, status) in [(20_000, 200), (200_000, 431)] {
+        let mut conn = RawConn::open(c.addr);
+        conn.send(
+            format!(
+                "GET /healthz HTTP/1.1\r\nHost: t\r\nX-Pad: {}\r\n\r\n",
+                "p".repeat(pad)
+            )
+            .as_bytes(),
+        );
+        conn.read().expect(status);
+    }
+
     // Malformed heads are refused with 400 and write nothing.
     for bad in [
         format!(

@@ -45,8 +45,13 @@ use tokio::sync::watch;
 use tower::{Service, ServiceExt};
 
 /// A request head longer than this goes to hyper (which has its own, larger
-/// limit and answers 431 past it).
+/// limit, [`HYPER_BUF_MAX`], and answers 431 past it).
 pub const HEAD_BYTES_MAX: usize = 16 * 1024;
+/// The most hyper buffers of a connection it serves: a request head must
+/// fit in it (431 past it), and it is as far as hyper reads a body ahead of
+/// the body budget's count (`Counted`), as the connection loop reads at
+/// most [`BODY_STEP`] ahead. hyper's default is about 400 KiB.
+const HYPER_BUF_MAX: usize = 64 * 1024;
 /// A request with more header lines than this goes to hyper.
 const HEADERS_MAX: usize = 32;
 /// Room made in the read buffer before each read.
@@ -624,6 +629,7 @@ impl Conn {
         // where the service reads it (`api::read_body`, 408).
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(hyper_util::rt::TokioTimer::new())
+            .max_buf_size(HYPER_BUF_MAX)
             .header_read_timeout(Duration::from_millis(self_timeout_ms))
             .serve_connection(io, service);
         tokio::pin!(conn);
