@@ -113,6 +113,9 @@ pub struct App {
     /// `limits.connections_max` (what each node's share of a peer's
     /// connections is reckoned with: `forward::share`).
     pub same_connections_max: std::sync::Mutex<std::collections::HashMap<u16, bool>>,
+    /// The open-file limit in force (raised at start): a reload's nodes
+    /// must fit it as the start's did (`reload::check_fds`).
+    pub fd_limit: u64,
     /// Held for a whole reload (reading the file, planning, applying), so
     /// that two reloads (a SIGHUP and a request) cannot apply out of the
     /// order they read the file in.
@@ -357,6 +360,7 @@ impl App {
             long_polls: AtomicUsize::new(0),
             body_budgets,
             answer_budgets,
+            fd_limit,
             replication,
             replicas_heard: Default::default(),
             routes_changed: tokio::sync::watch::channel(0).0,
@@ -694,6 +698,22 @@ async fn follow_leader(
     }
 }
 
+/// Warns when a cluster of `nodes` nodes leaves each node a share of one
+/// connection of each peer's (`limits.connections_max` under four a
+/// peer): it then forwards no long-poll or replica move (at start, and at
+/// a reload that adds nodes).
+pub(crate) fn warn_if_share_of_one(connections_max: usize, nodes: usize) {
+    let peers = nodes.saturating_sub(1);
+    if peers > 0 && forward::share(connections_max, peers).waiting == 0 {
+        tracing::warn!(
+            connections_max,
+            peers,
+            "limits.connections_max is under 4 connections a peer: this node forwards to each peer on one connection and forwards no long-poll or replica move (503 too_many_forwards); raise it to at least {}",
+            4 * peers
+        );
+    }
+}
+
 /// Runs the node until it is asked to stop: the client listener, the
 /// peer listener (if distinct) and the peer prober. `stops` is called once
 /// the node serves (a request to stop before then is the caller's to
@@ -727,21 +747,8 @@ pub async fn run(
         reserved_for_store = config::FD_RESERVE,
         "file descriptors"
     );
-    let peers = cfg.connection_fds().forwards.then(|| {
-        cfg.cluster
-            .as_ref()
-            .map_or(0, |c| c.nodes.len().saturating_sub(1))
-    });
-    if let Some(peers) = peers {
-        let share = forward::share(cfg.limits.connections_max, peers);
-        if share.waiting == 0 {
-            tracing::warn!(
-                connections_max = cfg.limits.connections_max,
-                peers,
-                "limits.connections_max is under 4 connections a peer: this node forwards to each peer on one connection and forwards no long-poll or replica move (503 too_many_forwards); raise it to at least {}",
-                4 * peers
-            );
-        }
+    if let Some(c) = &cfg.cluster {
+        warn_if_share_of_one(cfg.limits.connections_max, c.nodes.len());
     }
     let app = App::open(cfg, reload, fd_limit).await?;
     let bind = |addr: std::net::SocketAddr| async move {

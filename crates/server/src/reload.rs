@@ -74,6 +74,28 @@ fn refuse<T>(field: impl Into<String>, reason: impl Into<String>) -> Result<T, R
     })
 }
 
+/// Whether this node's connections fit its open-file limit `fd_limit`
+/// with the nodes of `cluster` (each peer adds Raft connections), as the
+/// start checked them with the nodes it started with
+/// (`config::check_fd_budget`): refused, naming `nodes`, when not.
+pub fn check_fds(
+    running: &ServerConfig,
+    cluster: &ClusterConfig,
+    fd_limit: u64,
+) -> Result<(), Refused> {
+    let mut next = running.clone();
+    next.cluster = Some(cluster.clone());
+    crate::config::check_fd_budget(next.connection_fds(), fd_limit).or_else(|e| {
+        refuse(
+            "nodes",
+            format!(
+                "with {} nodes, this node's connections would not fit its open-file limit: {e}",
+                cluster.nodes.len()
+            ),
+        )
+    })
+}
+
 /// What reloading `file` (the config the file resolves to now) does to a
 /// node running `running` with the cluster `now` (the file it started
 /// on, plus any nodes earlier reloads added and less those they
@@ -510,6 +532,8 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
     let plan = plan(&app.cfg, &now, &file, &|id| {
         still_member(app, id).or_else(|| app.move_targets.moving_to(id))
     })?;
+    check_fds(&app.cfg, &plan.cluster, app.fd_limit)?;
+    crate::warn_if_share_of_one(app.cfg.limits.connections_max, plan.cluster.nodes.len());
     for &id in &plan.removed {
         app.dir.remove_node(id);
         crate::peer::forget_peer(app, id);
@@ -633,6 +657,23 @@ mod tests {
         )
         .unwrap();
         assert!(again.added.is_empty());
+    }
+
+    #[test]
+    fn a_reload_whose_nodes_would_not_fit_the_open_file_limit_is_refused() {
+        let running = cfg(&file(THREE, ""));
+        let p = planned(&file(THREE, ""), &file(FOUR, PINS)).unwrap();
+        // Three nodes: 1024 on each of two listeners, 1024 for forwards,
+        // and the Raft transport's 64 + 3 x 2 peers; 256 for the store.
+        let three = 3 * 1024 + 64 + 3 * 2 + 256;
+        let now = running.cluster.clone().unwrap();
+        assert!(check_fds(&running, &now, three).is_ok());
+        // A fourth node is three more Raft connections.
+        let e = check_fds(&running, &p.cluster, three).unwrap_err();
+        assert_eq!(e.field, "nodes");
+        assert!(e.reason.contains("with 4 nodes"), "{}", e.reason);
+        assert!(e.reason.contains(&format!("{}", three + 3)), "{}", e.reason);
+        assert!(check_fds(&running, &p.cluster, three + 3).is_ok());
     }
 
     #[test]
