@@ -70,12 +70,14 @@ pub struct ServeArgs {
     /// --request-body-bytes-max.
     #[arg(long, env = "FORKLESS_BODY_BYTES_IN_FLIGHT_MAX")]
     body_bytes_in_flight_max: Option<usize>,
-    /// Most bytes of answers to reads the connections of each listener
-    /// hold at once, made and not yet written [default: 268435456]; a page
-    /// of events is cut short to fit what is left, and a read whose answer
-    /// does not fit is answered 503 too_many_answer_bytes with
-    /// Retry-After. At least --read-page-bytes-max plus
-    /// --event-payload-bytes-max.
+    /// Most bytes of pages of events (and of keys' executions) the
+    /// connections of each listener hold at once, made and not yet
+    /// written [default: 268435456]; a page is cut short to fit what is
+    /// left, and a read whose answer does not fit is answered 503
+    /// too_many_answer_bytes with Retry-After. At least what the largest
+    /// page takes: --read-page-bytes-max, plus --event-payload-bytes-max,
+    /// plus 1200 bytes for each of limits.read_events_max (1000) events,
+    /// plus 256.
     #[arg(long, env = "FORKLESS_ANSWER_BYTES_IN_FLIGHT_MAX")]
     answer_bytes_in_flight_max: Option<usize>,
     /// How many nice steps below the request path the storage engine's

@@ -215,11 +215,7 @@ fn big_execution(c: &Client) -> String {
 /// reads the answers: the node's writes block once the socket buffers are
 /// full. Returns the connection (dropping it closes it).
 fn stuck_reader(c: &Client, id: &str, n: usize) -> std::net::TcpStream {
-    use std::io::Write;
-    let mut s = std::net::TcpStream::connect(c.addr).expect("connect");
-    let one = format!("GET /api/executions/{id}/events?limit=1000 HTTP/1.1\r\nHost: x\r\n\r\n");
-    s.write_all(one.repeat(n).as_bytes()).expect("send");
-    s
+    stuck_on(c, &format!("/api/executions/{id}/events?limit=1000"), "", n)
 }
 
 /// A client that does not read its answers is disconnected after
@@ -669,14 +665,17 @@ fn request_bodies_held_at_once_are_bounded() {
 /// clients) are bounded per listener: clients that ask for pages and do
 /// not read them hold no more than `--answer-bytes-in-flight-max`; a page
 /// is cut short to fit what is left, a read whose answer does not fit is
-/// refused (503, `executed: false`), small answers (health, metrics) are
-/// served however full the budget is, and every byte is given back once
-/// the stuck clients go.
+/// refused (503, `executed: false`), small answers (an execution, health,
+/// metrics) are served however full the budget is, an answer on hyper's
+/// path is held until written as on the connection loop, and every byte
+/// is given back once the stuck clients go.
 #[test]
 fn answers_held_at_once_are_bounded() {
     let _d = deadline("answers_held_at_once_are_bounded", TEST_DEADLINE);
     let dir = tempfile::tempdir().expect("tempdir");
     const BUDGET: f64 = 4.0 * 1024.0 * 1024.0;
+    // What one answer of a single 300 KB event holds (whole KiB).
+    const ONE: f64 = 294.0 * 1024.0;
     let n = Node::start_single(
         &dir.path().join("data"),
         &[
@@ -702,8 +701,9 @@ fn answers_held_at_once_are_bounded() {
         )
         .expect(200);
     }
-    let page = |c: &Client| c.get(&format!("/api/executions/{id}/events?limit=1000"));
-    let full = page(&c).expect(200).json();
+    let pages = format!("/api/executions/{id}/events?limit=10");
+    let one = format!("/api/executions/{id}/events?after=1&limit=1");
+    let full = c.get(&pages).expect(200).json();
     assert_eq!(
         full["events"].as_array().map(Vec::len),
         Some(5),
@@ -711,66 +711,80 @@ fn answers_held_at_once_are_bounded() {
     );
     let held = |c: &Client| c.metric("forkless_answer_bytes_in_flight");
     let refusals = |c: &Client| c.metric("forkless_answer_bytes_refused_total");
-    assert_eq!(held(&c), 0.0);
+    // (The server lets an answer go just after its last byte is written.)
+    let held_at_most = |c: &Client, most: f64| {
+        wait_until(
+            &format!("at most {most} bytes held"),
+            Duration::from_secs(10),
+            || {
+                let h = held(c);
+                (h <= most).then_some(h)
+            },
+        )
+    };
+    held_at_most(&c, 0.0);
     // Two clients that ask for pages and read none: each ends up with one
     // page held, its write blocked once the socket buffers are full.
-    let mut stuck = vec![stuck_reader(&c, &id, 40)];
+    let mut stuck = vec![stuck_on(&c, &pages, "", 40)];
     wait_until("one page held", Duration::from_secs(30), || {
         (held(&c) >= 1_200_000.0).then_some(())
     });
-    stuck.push(stuck_reader(&c, &id, 40));
+    stuck.push(stuck_on(&c, &pages, "", 40));
     wait_until("two pages held", Duration::from_secs(30), || {
         (held(&c) >= 2_400_000.0).then_some(())
     });
+    let pages_held = held_at_most(&c, 2_500_000.0);
     // About 1.7 MiB left: a page is cut short to fit (less one payload's
-    // room), and says where to go on.
-    let short = page(&c).expect(200).json();
+    // room and its events' frames), and says where to go on.
+    let short = c.get(&pages).expect(200).json();
     let events = short["events"].as_array().map_or(0, Vec::len);
     assert!(
         (1..5).contains(&events),
         "{events} events in a page read with 1.7 MiB of answers left"
     );
     assert_eq!(short["next_after"], short["events"][events - 1]["seq"]);
-    // Clients stuck on single events of 300 KB fill the rest, until a
-    // read of one such event does not fit: refused, nothing held for it.
-    let one = format!("/api/executions/{id}/events?after=1&limit=1");
-    let refused = wait_until("a read refused", Duration::from_secs(60), || {
-        let r = c.get(&one);
-        if r.status == 503 {
-            return Some(r);
-        }
-        r.expect(200);
-        let (before, refused_so_far) = (held(&c), refusals(&c));
-        use std::io::Write;
-        let mut s = std::net::TcpStream::connect(c.addr).expect("connect");
-        let get = format!("GET {one} HTTP/1.1\r\nHost: x\r\n\r\n");
-        s.write_all(get.repeat(100).as_bytes()).expect("send");
-        stuck.push(s);
-        // Its answers go until one blocks, held, or they are refused.
-        wait_until(
+    // Clients stuck on single events of 300 KB fill the rest, until one's
+    // answers do not fit and are refused.
+    for k in 1.. {
+        assert!(k <= 10, "4 MiB held by two pages and 10 events of 300 KB");
+        let refused_so_far = refusals(&c);
+        stuck.push(stuck_on(&c, &one, "", 100));
+        let refused = wait_until(
             "its answer held or refused",
             Duration::from_secs(30),
-            || (held(&c) >= before + 290_000.0 || refusals(&c) > refused_so_far).then_some(()),
+            || {
+                if refusals(&c) > refused_so_far {
+                    Some(true)
+                } else {
+                    (held(&c) >= pages_held + k as f64 * ONE).then_some(false)
+                }
+            },
         );
-        assert!(held(&c) <= BUDGET, "{} bytes held after {before}", held(&c));
-        None
-    });
-    let v = refused.expect_error(503, "too_many_answer_bytes");
+        assert!(held(&c) <= BUDGET, "{} bytes held", held(&c));
+        if refused {
+            break;
+        }
+    }
+    // What the stuck clients hold now leaves no room for one more such
+    // answer: a read of it is refused, nothing held for it.
+    let h = held(&c);
+    assert!(h <= BUDGET && h > BUDGET - ONE, "{h} bytes held");
+    let r = c.get(&one);
+    let v = r.expect_error(503, "too_many_answer_bytes");
     assert_eq!(
         (v["limit"].as_u64(), v["executed"].as_bool()),
         (Some(4_194_304), Some(false)),
         "{v}"
     );
-    assert_eq!(refused.header("retry-after"), Some("1"));
-    assert!(refusals(&c) >= 1.0);
-    assert!(held(&c) <= BUDGET && held(&c) > BUDGET - 310_000.0);
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert!(r.header("x-forkless-shard").is_some(), "{:?}", r.headers);
     // So is one that hyper serves (its head names another connection
     // option).
     let mut other = RawConn::open(c.addr);
     other.send(format!("GET {one} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
     other.read().expect_error(503, "too_many_answer_bytes");
     // Small answers are served however full: the execution, a page of
-    // its small start event, the health check.
+    // its small start event, the health check, the metrics.
     c.get(&format!("/api/executions/{id}")).expect(200);
     let small = c
         .get(&format!("/api/executions/{id}/events?limit=1"))
@@ -780,26 +794,33 @@ fn answers_held_at_once_are_bounded() {
     c.get("/healthz").expect(200);
     // The stuck clients go: every byte is given back, and pages are whole.
     drop(stuck);
-    wait_until("no answer held", Duration::from_secs(30), || {
-        (held(&c) == 0.0).then_some(())
-    });
-    assert_eq!(page(&c).expect(200).json()["events"], full["events"]);
-    // A client hyper serves holds its answer as long, and gives it back.
+    held_at_most(&c, 0.0);
+    assert_eq!(c.get(&pages).expect(200).json()["events"], full["events"]);
+    // On hyper's path, an answer is held until written too: not let go
+    // once hyper has queued it (300 KB fits hyper's queue).
+    let s = stuck_on(&c, &one, "Connection: keep-alive, te\r\n", 100);
+    wait_until(
+        "an answer held on hyper's path",
+        Duration::from_secs(30),
+        || (held(&c) >= ONE).then_some(()),
+    );
+    for _ in 0..5 {
+        assert!(held(&c) >= ONE, "the answer let go before it was written");
+    }
+    drop(s);
+    held_at_most(&c, 0.0);
+}
+
+/// Sends `n` pipelined GETs of `path` (with `headers`, each line ending
+/// in CRLF) on a new connection and never reads the answers: the node's
+/// writes block once the socket buffers are full. Returns the connection
+/// (dropping it closes it).
+fn stuck_on(c: &Client, path: &str, headers: &str, n: usize) -> std::net::TcpStream {
     use std::io::Write;
     let mut s = std::net::TcpStream::connect(c.addr).expect("connect");
-    let get = format!(
-        "GET /api/executions/{id}/events?limit=1000 HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, te\r\n\r\n"
-    );
-    s.write_all(get.repeat(40).as_bytes()).expect("send");
-    wait_until(
-        "a page held on hyper's path",
-        Duration::from_secs(30),
-        || (held(&c) >= 1_200_000.0).then_some(()),
-    );
-    drop(s);
-    wait_until("no answer held", Duration::from_secs(30), || {
-        (held(&c) == 0.0).then_some(())
-    });
+    let one = format!("GET {path} HTTP/1.1\r\nHost: x\r\n{headers}\r\n");
+    s.write_all(one.repeat(n).as_bytes()).expect("send");
+    s
 }
 
 /// A node whose peer runs with another `limits.connections_max` says so

@@ -1837,7 +1837,7 @@ async fn read_events(
         ));
     }
     let app2 = app.clone();
-    Ok(dispatch(
+    let answer = dispatch(
         &app,
         method,
         &uri,
@@ -1868,14 +1868,17 @@ async fn read_events(
                 }
                 // A page is cut short to what the listener's answers have
                 // room for, less one payload (a page stops after the event
-                // that reaches its budget), and says where to go on; its
-                // answer is held against them until written (`conn`), and
-                // refused if it does not fit even so.
-                let budget = app2.cfg.limits.read_page_bytes_max.min(
-                    answers
-                        .room()
-                        .saturating_sub(app2.cfg.limits.event_payload_bytes_max),
-                );
+                // that reaches its budget) and its events' frames, and says
+                // where to go on; its answer is held against them until
+                // written (`budget::hold_answer`), and refused if it does
+                // not fit even so (another read took the room first).
+                let budget =
+                    app2.cfg
+                        .limits
+                        .read_page_bytes_max
+                        .min(answers.room().saturating_sub(
+                            crate::config::page_overhead_bytes_max(&app2.cfg.limits, p.limit),
+                        ));
                 let (meta, events) = st
                     .read_events_within(id, p.after, p.limit, budget)
                     .map_err(|e| ApiError::Internal(e.to_string()))?
@@ -1935,7 +1938,10 @@ async fn read_events(
             }
         },
     )
-    .await)
+    .await;
+    // Held from here until written, the owner's answer relayed by this
+    // node too.
+    Ok(crate::budget::hold_answer(&app.answer_budgets[listener], answer).await)
 }
 
 /// One waiting long-poll counted in [`App::long_polls`] until dropped.
@@ -1981,7 +1987,9 @@ async fn by_key(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
+    listener: Option<axum::Extension<crate::budget::ListenerIndex>>,
 ) -> Result<Response, ApiError> {
+    let listener = listener.map_or(0, |l| l.0 .0);
     let hops = hops_taken(&app, &headers)?;
     let key = path_param(key, "routing_key")?;
     check_name("routing_key", &key, ROUTING_KEY_BYTES_MAX)?;
@@ -1995,7 +2003,7 @@ async fn by_key(
         stale_ok: stale_read(&q)?,
     };
     let app2 = app.clone();
-    Ok(
+    let answer =
         dispatch(&app, method, &uri, Bytes::new(), route, move |epoch, st| async move {
             let ids = st.executions_for_key(&key, 1000).map_err(|e| ApiError::Internal(e.to_string()))?;
             let mut out = Vec::new();
@@ -2018,8 +2026,8 @@ async fn by_key(
                 &json!({"routing_key": key, "partition": p.get(), "shard": p.shard(n).get(), "executions": out}),
             ))
         })
-        .await,
-    )
+        .await;
+    Ok(crate::budget::hold_answer(&app.answer_budgets[listener], answer).await)
 }
 
 // ---------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 //! gives them all back when the hold is dropped. A hold that cannot grow
 //! leaves what it had: the caller refuses the request (503, nothing done).
 
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
 use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
@@ -145,6 +147,60 @@ impl std::fmt::Display for OverBodyBudget {
 
 impl std::error::Error for OverBodyBudget {}
 
+/// A read's answer this small is not held against its listener's budget:
+/// like the read buffer, it is part of what a connection costs
+/// (`limits.connections_max` bounds it).
+pub(crate) const ANSWER_UNCOUNTED_MAX: usize = 64 * 1024;
+
+/// An answer's bytes with what they hold of their listener's budget: the
+/// hold goes with the last of them (once written: `conn` keeps a large
+/// answer's body until its last byte is written, and hands it to hyper
+/// in steps that hyper copies).
+struct HeldBytes {
+    bytes: bytes::Bytes,
+    _held: Held,
+}
+
+impl AsRef<[u8]> for HeldBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// The answer to a read clients can make large (a page of events, the
+/// executions of a key), held against its listener's `budget` from here
+/// until it is written; or, when the budget has no room for it, 503
+/// `too_many_answer_bytes` with the answer's route headers. Answers of at
+/// most [`ANSWER_UNCOUNTED_MAX`] are not held. Only these reads are held:
+/// what else a node answers (its status to a peer's probe, its metrics,
+/// the cluster's map) is sized by the cluster, not by the client, and is
+/// never refused for the budget.
+pub(crate) async fn hold_answer(budget: &ByteBudget, resp: Response) -> Response {
+    let (parts, body) = resp.into_parts();
+    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
+        Ok(b) => b,
+        Err(e) => {
+            return crate::error::ApiError::Internal(format!("making the answer: {e}"))
+                .into_response()
+        }
+    };
+    if bytes.len() <= ANSWER_UNCOUNTED_MAX {
+        return Response::from_parts(parts, Body::from(bytes));
+    }
+    let held = budget.hold();
+    if !held.cover(bytes.len()) {
+        let mut refused = answer_budget_refusal(budget.max_bytes()).into_response();
+        for (name, value) in &parts.headers {
+            if name.as_str().starts_with("x-forkless-") {
+                refused.headers_mut().insert(name.clone(), value.clone());
+            }
+        }
+        return refused;
+    }
+    let bytes = bytes::Bytes::from_owner(HeldBytes { bytes, _held: held });
+    Response::from_parts(parts, Body::from(bytes))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +227,41 @@ mod tests {
         drop(two);
         assert_eq!(b.room(), 10 * 1024);
         assert_eq!(b.gauge.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_large_answer_is_held_until_its_last_copy_goes_and_refused_past_the_budget() {
+        let b = budget(200 * 1024);
+        let answer = |len: usize| {
+            let mut r = Response::new(Body::from(vec![b'x'; len]));
+            r.headers_mut()
+                .insert("x-forkless-shard", http::HeaderValue::from_static("3"));
+            r
+        };
+        // Small: not held.
+        let small = hold_answer(&b, answer(ANSWER_UNCOUNTED_MAX)).await;
+        assert_eq!(b.room(), 200 * 1024);
+        drop(small);
+        let large = hold_answer(&b, answer(150 * 1024)).await;
+        assert_eq!(b.room(), 50 * 1024);
+        let refused = hold_answer(&b, answer(100 * 1024)).await;
+        assert_eq!(refused.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(refused.headers()["x-forkless-shard"], "3");
+        let body = axum::body::to_bytes(refused.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&body).contains("too_many_answer_bytes"),
+            "{body:?}"
+        );
+        // The hold goes with the last copy of the answer's bytes.
+        let bytes = axum::body::to_bytes(large.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let tail = bytes.slice(100..200);
+        drop(bytes);
+        assert_eq!(b.room(), 50 * 1024, "a slice of it still holds");
+        drop(tail);
+        assert_eq!(b.room(), 200 * 1024);
     }
 }

@@ -68,12 +68,13 @@ pub struct Limits {
     /// `too_many_body_bytes` with `Retry-After`, the rest of its body read
     /// and dropped. At least `request_body_bytes_max`.
     pub body_bytes_in_flight_max: usize,
-    /// Most bytes of answers to reads (`GET`) the connections of each
-    /// listener hold at once, from the moment an answer is made until it
-    /// is written to its client. A page of events is cut short to fit what
-    /// is left (it says where to continue); a read whose answer does not
-    /// fit is answered 503 `too_many_answer_bytes` with `Retry-After`. At
-    /// least `read_page_bytes_max` plus `event_payload_bytes_max`.
+    /// Most bytes of the answers clients can make large (pages of events,
+    /// a key's executions) the connections of each listener hold at once,
+    /// from the moment an answer is made until it is written to its
+    /// client. A page of events is cut short to fit what is left (it says
+    /// where to continue); a read whose answer does not fit is answered
+    /// 503 `too_many_answer_bytes` with `Retry-After`. At least what the
+    /// largest page takes ([`page_overhead_bytes_max`]).
     pub answer_bytes_in_flight_max: usize,
 }
 
@@ -102,6 +103,26 @@ pub const REQUEST_BODY_BYTES_CAP: usize = forkless_store::APPEND_BYTES_MAX;
 /// and a page read through another node is relayed whole (at most 64
 /// MiB with its encoding), so half of that.
 pub const READ_PAGE_BYTES_CAP: usize = crate::forward::FORWARD_RESPONSE_BYTES_MAX / 2;
+
+/// The most bytes one event of a page takes besides its payload: its
+/// `seq`, `type` and `idempotency_key` (each at most
+/// `wire::NAME_BYTES_MAX`, doubled by escaping at worst: names hold no
+/// control characters), `recorded_at`, and the punctuation
+/// (`wire::encode_events_page`; a test there holds it to this).
+pub const EVENT_FRAME_BYTES_MAX: usize = 1_200;
+/// The most bytes a page of events takes besides its events.
+pub const PAGE_FRAME_BYTES_MAX: usize = 256;
+
+/// The most bytes a page's answer takes besides `read_page_bytes_max` of
+/// payloads, for a page of at most `events` events: a page stops after
+/// the event whose payload reaches its budget, so one payload more, and
+/// every event's frame.
+pub fn page_overhead_bytes_max(limits: &Limits, events: usize) -> usize {
+    limits
+        .event_payload_bytes_max
+        .saturating_add(events.saturating_mul(EVENT_FRAME_BYTES_MAX))
+        .saturating_add(PAGE_FRAME_BYTES_MAX)
+}
 
 impl Default for Limits {
     fn default() -> Self {
@@ -1101,11 +1122,14 @@ pub fn resolve(
             cfg.limits.body_bytes_in_flight_max
         )));
     }
-    if cfg.limits.answer_bytes_in_flight_max < page.saturating_add(payload) {
+    let largest_page = page.saturating_add(page_overhead_bytes_max(
+        &cfg.limits,
+        cfg.limits.read_events_max,
+    ));
+    if cfg.limits.answer_bytes_in_flight_max < largest_page {
         return Err(ConfigError::Invalid(format!(
-            "limits.answer_bytes_in_flight_max ({}) must be at least limits.read_page_bytes_max plus limits.event_payload_bytes_max ({}): a page of the largest size must fit",
+            "limits.answer_bytes_in_flight_max ({}) must be at least {largest_page}: a page of the largest size must fit (limits.read_page_bytes_max, plus limits.event_payload_bytes_max, plus {EVENT_FRAME_BYTES_MAX} bytes for each of limits.read_events_max events, plus {PAGE_FRAME_BYTES_MAX})",
             cfg.limits.answer_bytes_in_flight_max,
-            page.saturating_add(payload)
         )));
     }
     Ok(cfg)
@@ -1780,8 +1804,8 @@ peer_addr = "127.0.0.1:7172"
                 "limits.body_bytes_in_flight_max (1000) must be at least limits.request_body_bytes_max (8388608)",
             ),
             (
-                "answer_bytes_in_flight_max = 5242879",
-                "limits.answer_bytes_in_flight_max (5242879) must be at least limits.read_page_bytes_max plus limits.event_payload_bytes_max (5242880)",
+                "answer_bytes_in_flight_max = 6443135",
+                "limits.answer_bytes_in_flight_max (6443135) must be at least 6443136: a page of the largest size must fit",
             ),
             (
                 "read_page_bytes_max = 0",

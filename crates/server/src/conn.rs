@@ -21,9 +21,7 @@
 //! requests are still answered in order.
 
 use crate::api::{self, Hot, RouteHeaders};
-use crate::budget::{
-    answer_budget_refusal, body_budget_refusal, ByteBudget, Held, ListenerIndex, OverBodyBudget,
-};
+use crate::budget::{body_budget_refusal, ByteBudget, Held, ListenerIndex, OverBodyBudget};
 use crate::headers::{self, content_length};
 use crate::App;
 use axum::body::Body;
@@ -134,9 +132,10 @@ pub(crate) async fn serve<S>(
                     &c.app,
                     body_budget_refusal(c.budget().max_bytes()).into_response(),
                 );
-                if write_response(refused, &mut out, None).await.is_err()
-                    || !c.write_out(&out).await
-                {
+                let Ok(tail) = write_response(refused, &mut out).await else {
+                    return;
+                };
+                if !c.write_answer(&out, tail).await {
                     return;
                 }
                 continue;
@@ -152,7 +151,10 @@ pub(crate) async fn serve<S>(
         }
         let body = request.slice(head.len..);
         out.clear();
-        let mut answer_held = None;
+        // A large answer's body, written after `out` (its head) as it is,
+        // not copied into it: kept until written, and with it what it
+        // holds of the listener's answer budget (`budget::hold_answer`).
+        let mut tail = Bytes::new();
         match head.kind {
             Kind::HotAppend { id, hops, path } => match api::hot_append(
                 &c.app,
@@ -164,11 +166,10 @@ pub(crate) async fn serve<S>(
             .await
             {
                 Hot::Appended { body, route } => write_appended(&c.app, &mut out, &body, &route),
-                Hot::Other(resp) => {
-                    if write_response(resp, &mut out, None).await.is_err() {
-                        return;
-                    }
-                }
+                Hot::Other(resp) => match write_response(resp, &mut out).await {
+                    Ok(t) => tail = t,
+                    Err(_) => return,
+                },
             },
             Kind::Plain(parts) => {
                 let read = parts.method == http::Method::GET;
@@ -195,27 +196,15 @@ pub(crate) async fn serve<S>(
                     Ok(r) => r,
                     Err(never) => match never {},
                 };
-                // A read's answer is held against the listener's budget
-                // from here until it is written.
-                let held = read.then(|| c.app.answer_budgets[c.listener].hold());
-                match write_response(resp, &mut out, held.as_ref()).await {
-                    Ok(true) => answer_held = held,
-                    Ok(false) => {
-                        out.clear();
-                        let refused = api::stamp(&c.app, c.answer_refusal());
-                        if write_response(refused, &mut out, None).await.is_err() {
-                            return;
-                        }
-                    }
+                match write_response(resp, &mut out).await {
+                    Ok(t) => tail = t,
                     Err(_) => return,
                 }
             }
         }
         drop(request);
         drop(body_held);
-        let written = c.write_out(&out).await;
-        drop(answer_held);
-        if !written || *c.stop.borrow() {
+        if !c.write_answer(&out, tail).await || *c.stop.borrow() {
             return;
         }
         if c.buf.is_empty() && c.buf.capacity() > BUF_KEEP_MAX {
@@ -243,77 +232,72 @@ async fn hung_up(tcp: &mut TcpStream, buf: &mut BytesMut) {
     std::future::pending().await
 }
 
-/// A read's answer on hyper's path: its bytes given to hyper a step at a
-/// time, and held against the listener's budget until hyper has taken the
-/// last of them (hyper takes the next step only once it has written most
-/// of the one before).
-struct HeldAnswer {
-    rest: Bytes,
-    _held: Held,
+/// How hyper serves the connections handed to it: its buffer bounded
+/// ([`HYPER_BUF_MAX`]), and a request head within `head_within`.
+fn hyper_server(head_within: Duration) -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(hyper_util::rt::TokioTimer::new())
+        .max_buf_size(HYPER_BUF_MAX)
+        .header_read_timeout(head_within);
+    b
 }
 
-/// A read's answer this small is not held against the listener's budget:
-/// like the read buffer, it is part of what a connection costs
-/// (`connections_max` bounds it), and so health checks, probes and the
-/// metrics are answered however full the budget is.
-pub(crate) const ANSWER_UNCOUNTED_MAX: usize = BUF_KEEP_MAX;
+/// An answer's body on hyper's path, handed over at most
+/// [`ANSWER_STEP`] at a time: hyper asks for the next step only once what
+/// it holds unwritten is under [`HYPER_BUF_MAX`]. A step it queues as it
+/// is (a socket that takes vectored writes) keeps the answer's bytes,
+/// and what they hold of their listener's answer budget
+/// (`budget::hold_answer`), until written; a step it copies into its own
+/// buffer lets them go once copied, so at most that buffer and one step
+/// of an answer are not counted, rather than all of it.
+struct Stepped {
+    inner: Body,
+    pending: Bytes,
+}
 
 /// The most of an answer on hyper's path handed over at once.
 const ANSWER_STEP: usize = 64 * 1024;
 
-impl http_body::Body for HeldAnswer {
+impl http_body::Body for Stepped {
     type Data = Bytes;
     type Error = axum::Error;
 
     fn poll_frame(
         self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
+        cx: &mut Context<'_>,
     ) -> Poll<Option<Result<http_body::Frame<Bytes>, axum::Error>>> {
         let this = self.get_mut();
-        if this.rest.is_empty() {
-            return Poll::Ready(None);
+        if this.pending.is_empty() {
+            match std::task::ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(data) => this.pending = data,
+                    Err(f) => return Poll::Ready(Some(Ok(f))),
+                },
+                other => return Poll::Ready(other),
+            }
         }
-        let step = this.rest.split_to(this.rest.len().min(ANSWER_STEP));
+        let step = this.pending.split_to(this.pending.len().min(ANSWER_STEP));
+        if this.pending.is_empty() {
+            // (The rest of the frame goes with its last step.)
+            this.pending = Bytes::new();
+        }
         Poll::Ready(Some(Ok(http_body::Frame::data(step))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.rest.is_empty()
+        self.pending.is_empty() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        http_body::SizeHint::with_exact(self.rest.len() as u64)
-    }
-}
-
-/// A read's answer on hyper's path, held against `budget` until written;
-/// or the refusal when the budget has no room for it.
-async fn hold_answer(app: &App, budget: &ByteBudget, resp: Response) -> Response {
-    let (parts, body) = resp.into_parts();
-    let bytes = match axum::body::to_bytes(body, usize::MAX).await {
-        Ok(b) => b,
-        Err(e) => {
-            return crate::error::ApiError::Internal(format!("making the answer: {e}"))
-                .into_response()
+        let inner = self.inner.size_hint();
+        let pending = self.pending.len() as u64;
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(inner.lower().saturating_add(pending));
+        if let Some(upper) = inner.upper() {
+            hint.set_upper(upper.saturating_add(pending));
         }
-    };
-    if bytes.len() <= ANSWER_UNCOUNTED_MAX {
-        return Response::from_parts(parts, Body::from(bytes));
+        hint
     }
-    let held = budget.hold();
-    if !held.cover(bytes.len()) {
-        return api::stamp(
-            app,
-            answer_budget_refusal(budget.max_bytes()).into_response(),
-        );
-    }
-    Response::from_parts(
-        parts,
-        Body::new(HeldAnswer {
-            rest: bytes,
-            _held: held,
-        }),
-    )
 }
 
 /// A body hyper streams, its bytes held in the listener's budget as they
@@ -416,6 +400,12 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 impl Conn {
+    /// Writes an answer: `out`, then the body [`write_response`] left
+    /// out of it (kept until written, as is what it holds).
+    async fn write_answer(&mut self, out: &[u8], tail: Bytes) -> bool {
+        self.write_out(out).await && (tail.is_empty() || self.write_out(&tail).await)
+    }
+
     async fn write_out(&mut self, out: &[u8]) -> bool {
         write_bounded(&self.app, &mut self.tcp, out, &mut self.stop).await
     }
@@ -452,12 +442,6 @@ impl Conn {
 
     fn budget(&self) -> &ByteBudget {
         &self.app.body_budgets[self.listener]
-    }
-
-    /// The answer to a read whose answer would take the listener's
-    /// answers past their budget.
-    fn answer_refusal(&self) -> Response {
-        answer_budget_refusal(self.app.answer_budgets[self.listener].max_bytes()).into_response()
     }
 
     /// Reads the request's body, to `total` bytes of `buf` (its head is
@@ -556,11 +540,8 @@ impl Conn {
         );
         let resp = crate::error::ApiError::RequestTimeout(ms).into_response();
         let mut out = Vec::with_capacity(256);
-        if write_response(crate::api::stamp(&self.app, resp), &mut out, None)
-            .await
-            .is_ok()
-        {
-            let _ = self.write_out(&out).await;
+        if let Ok(tail) = write_response(crate::api::stamp(&self.app, resp), &mut out).await {
+            let _ = self.write_answer(&out, tail).await;
         }
     }
 
@@ -601,7 +582,6 @@ impl Conn {
                 let (app, service) = (app.clone(), service.clone());
                 async move {
                     let held = Arc::new(app.body_budgets[listener].hold());
-                    let read = req.method() == http::Method::GET;
                     let mut req = req.map(|body| {
                         Body::new(Counted {
                             inner: body,
@@ -612,12 +592,14 @@ impl Conn {
                     req.extensions_mut().insert(ListenerIndex(listener));
                     let answer = service.oneshot(req).await;
                     drop(held);
-                    match answer {
-                        Ok(resp) if read => {
-                            Ok(hold_answer(&app, &app.answer_budgets[listener], resp).await)
-                        }
-                        other => other,
-                    }
+                    answer.map(|resp| {
+                        resp.map(|body| {
+                            Body::new(Stepped {
+                                inner: body,
+                                pending: Bytes::new(),
+                            })
+                        })
+                    })
                 }
             })
         };
@@ -627,11 +609,8 @@ impl Conn {
         // hyper bounds the time to read a request head the same way (it
         // closes without an answer); a body it streams (chunked) is bounded
         // where the service reads it (`api::read_body`, 408).
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(hyper_util::rt::TokioTimer::new())
-            .max_buf_size(HYPER_BUF_MAX)
-            .header_read_timeout(Duration::from_millis(self_timeout_ms))
-            .serve_connection(io, service);
+        let conn =
+            hyper_server(Duration::from_millis(self_timeout_ms)).serve_connection(io, service);
         tokio::pin!(conn);
         tokio::select! {
             r = conn.as_mut() => {
@@ -819,19 +798,12 @@ fn write_appended(app: &App, out: &mut Vec<u8>, body: &[u8], route: &RouteHeader
 
 /// Any answer of the service, its body collected (every answer of this API
 /// is a complete body, long-polls included: they answer once).
-/// With `held`, the answer's body is first covered by it (a read's answer,
-/// held against its listener's budget until written): false, and nothing
-/// written, when the budget has no room for it.
-async fn write_response(
-    resp: Response,
-    out: &mut Vec<u8>,
-    held: Option<&Held>,
-) -> Result<bool, axum::Error> {
+/// A body larger than [`BUF_KEEP_MAX`] is not copied into `out`: it is
+/// returned, to be written after it ([`Conn::write_answer`]); else the
+/// returned bytes are empty.
+async fn write_response(resp: Response, out: &mut Vec<u8>) -> Result<Bytes, axum::Error> {
     let (parts, body) = resp.into_parts();
     let body = axum::body::to_bytes(body, usize::MAX).await?;
-    if body.len() > ANSWER_UNCOUNTED_MAX && held.is_some_and(|h| !h.cover(body.len())) {
-        return Ok(false);
-    }
     let status = parts.status;
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
@@ -857,10 +829,14 @@ async fn write_response(
     }
     push_date(out);
     out.extend_from_slice(CRLF);
-    if !bodiless {
-        out.extend_from_slice(&body);
+    if bodiless {
+        return Ok(Bytes::new());
     }
-    Ok(true)
+    if body.len() > BUF_KEEP_MAX {
+        return Ok(body);
+    }
+    out.extend_from_slice(&body);
+    Ok(Bytes::new())
 }
 
 fn push_header(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
@@ -976,6 +952,69 @@ impl AsyncWrite for Rewind {
 mod tests {
     use super::*;
 
+    /// How many bytes of a 300 KB answer held against a budget a client
+    /// had taken from hyper (through a 16 KiB pipe, read a KiB at a time)
+    /// when the answer was let go, with hyper set up as `builder`.
+    async fn let_go_at(builder: hyper::server::conn::http1::Builder) -> usize {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        const LEN: usize = 300_000;
+        let budget = Arc::new(ByteBudget::new(
+            1 << 20,
+            Default::default(),
+            Default::default(),
+        ));
+        let full = budget.room();
+        let (mut client, server) = tokio::io::duplex(16 * 1024);
+        let b = budget.clone();
+        let service = hyper::service::service_fn(move |_: http::Request<hyper::body::Incoming>| {
+            let b = b.clone();
+            async move {
+                let answer = Response::new(Body::from(vec![b'x'; LEN]));
+                let resp = crate::budget::hold_answer(&b, answer).await;
+                Ok::<_, Infallible>(resp.map(|body| {
+                    Body::new(Stepped {
+                        inner: body,
+                        pending: Bytes::new(),
+                    })
+                }))
+            }
+        });
+        tokio::spawn(builder.serve_connection(hyper_util::rt::TokioIo::new(server), service));
+        client
+            .write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // The answer is made (and held) before its first byte is sent.
+        let (mut got, mut buf, mut let_go_at) = (0, [0u8; 1024], None);
+        while got < LEN {
+            let n = client.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the answer ended after {got} bytes");
+            got += n;
+            if let_go_at.is_none() && budget.room() == full {
+                let_go_at = Some(got);
+            }
+        }
+        assert_eq!(budget.room(), full, "the answer let go once written");
+        let_go_at.unwrap_or(got)
+    }
+
+    /// hyper lets a large answer go, and what it holds of its listener's
+    /// budget, only once all of it but what hyper's buffer, one step and
+    /// the pipe hold has gone to the client: whether hyper queues the
+    /// steps as they are (as on a socket) or copies them.
+    #[tokio::test]
+    async fn hyper_lets_a_large_answer_go_only_once_most_of_it_is_written() {
+        let most_ahead = ANSWER_STEP + HYPER_BUF_MAX + 16 * 1024;
+        let mut queued = hyper_server(Duration::from_secs(5));
+        queued.writev(true);
+        let at = let_go_at(queued).await;
+        assert!(at >= 300_000 - most_ahead, "queued: let go at {at}");
+        let mut copied = hyper_server(Duration::from_secs(5));
+        copied.writev(false);
+        let at = let_go_at(copied).await;
+        assert!(at >= 300_000 - most_ahead, "copied: let go at {at}");
+    }
+
     #[test]
     fn an_answer_buffer_grown_by_a_large_answer_is_let_go() {
         let mut out = Vec::with_capacity(OUT_INITIAL);
@@ -1089,7 +1128,8 @@ mod tests {
             .body(Body::from("{\"error\":\"x\"}"))
             .expect("response");
         let mut out = Vec::new();
-        write_response(resp, &mut out, None).await.expect("write");
+        let tail = write_response(resp, &mut out).await.expect("write");
+        out.extend_from_slice(&tail);
         let text = String::from_utf8(out).expect("utf8");
         assert!(text.starts_with("HTTP/1.1 409 Conflict\r\n"), "{text}");
         assert!(

@@ -293,6 +293,34 @@ fn push_str(out: &mut Vec<u8>, s: &str) {
 mod tests {
     use super::*;
 
+    /// A page's events take at most `EVENT_FRAME_BYTES_MAX` each besides
+    /// their payloads, and the page `PAGE_FRAME_BYTES_MAX` besides them,
+    /// with the longest names escaping to twice their length.
+    #[test]
+    fn a_pages_frame_is_within_its_bound() {
+        use crate::config::{EVENT_FRAME_BYTES_MAX, PAGE_FRAME_BYTES_MAX};
+        let name = "\"".repeat(NAME_BYTES_MAX);
+        let event = forkless_store::StoredEvent {
+            seq: u64::MAX,
+            event_type: name.clone(),
+            idempotency_key: Some(name),
+            // The last millisecond of year 9999.
+            recorded_at_ms: 253_402_300_799_999,
+            payload: Vec::new(),
+        };
+        let id = i64::MAX.to_string();
+        let empty = encode_events_page(&id, "cancelled", u64::MAX, &[], Some(u64::MAX));
+        assert!(empty.len() <= PAGE_FRAME_BYTES_MAX, "{}", empty.len());
+        let events = vec![event; 3];
+        let page = encode_events_page(&id, "cancelled", u64::MAX, &events, Some(u64::MAX));
+        let per_event = (page.len() - empty.len()).div_ceil(3);
+        assert!(per_event <= EVENT_FRAME_BYTES_MAX, "{per_event}");
+        assert!(
+            per_event > EVENT_FRAME_BYTES_MAX - 100,
+            "{per_event}: a loose bound"
+        );
+    }
+
     #[test]
     fn trailing_bytes_after_the_value_are_refused_on_both_paths() {
         let ok: Result<StartBody, _> = parse(&Bytes::from_static(br#"{"workflow":"a"}"#));
