@@ -244,6 +244,10 @@ struct Route {
     /// A read that may be answered by any replica of the shard this node
     /// holds, as it stands (`consistency=stale`).
     stale_ok: bool,
+    /// A page of events: the room this node's listener has for its answer,
+    /// told to the owner it is forwarded to (`ANSWER_ROOM_HEADER`), which
+    /// cuts the page short to it as to its own.
+    answer_room: Option<usize>,
 }
 
 /// The route headers' values for one answer: who owns the request's shard
@@ -1082,6 +1086,7 @@ async fn elsewhere(
                 peers: app.dir.node_count().saturating_sub(1),
                 waits: !route.extra_wait.is_zero(),
                 queue_within: app.cfg.peer.forward_timeout() / 2,
+                answer_room: route.answer_room,
             };
             let r = app.forwarder.forward(&to, req).await;
             app.metrics
@@ -1217,6 +1222,7 @@ fn id_route(id: ExecutionId, app: &App, hops_taken: u8) -> Route {
         hops_taken,
         extra_wait: Duration::ZERO,
         stale_ok: false,
+        answer_room: None,
     }
 }
 
@@ -1305,6 +1311,7 @@ async fn start_inner(
                 hops_taken: hops,
                 extra_wait: Duration::ZERO,
                 stale_ok: false,
+                answer_room: None,
             };
             (route, None)
         }
@@ -1321,6 +1328,7 @@ async fn start_inner(
                 hops_taken: hops,
                 extra_wait: Duration::ZERO,
                 stale_ok: false,
+                answer_room: None,
             };
             (route, placed)
         }
@@ -1827,7 +1835,14 @@ async fn read_events(
     let hops = hops_taken(&app, &headers)?;
     let id = path_execution_id(id)?;
     let p = read_params(&app, &q)?;
+    // The room the peer that forwarded this read has for its answer (its
+    // credentials were checked with its hop count).
+    let peers_room = (hops > 0)
+        .then(|| headers.get(crate::ANSWER_ROOM_HEADER))
+        .flatten()
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
     let mut route = id_route(id, &app, hops);
+    route.answer_room = Some(app.answer_budgets[listener].room());
     route.extra_wait = p.wait;
     route.stale_ok = stale_read(&q)?;
     if route.stale_ok && !p.wait.is_zero() {
@@ -1867,18 +1882,17 @@ async fn read_events(
                     w.enable();
                 }
                 // A page is cut short to what the listener's answers have
-                // room for, less one payload (a page stops after the event
-                // that reaches its budget) and its events' frames, and says
-                // where to go on; its answer is held against them until
-                // written (`budget::hold_answer`), and refused if it does
-                // not fit even so (another read took the room first).
-                let budget =
-                    app2.cfg
-                        .limits
-                        .read_page_bytes_max
-                        .min(answers.room().saturating_sub(
-                            crate::config::page_overhead_bytes_max(&app2.cfg.limits, p.limit),
-                        ));
+                // room for (and the forwarding peer's, for a read it
+                // forwarded: it holds the page again to relay it), less
+                // one payload (a page stops after the event that reaches
+                // its budget) and its events' frames, and says where to go
+                // on; its answer is held against them until written
+                // (`budget::hold_answer`), and refused if it does not fit
+                // even so (another read took the room first).
+                let room = answers.room().min(peers_room.unwrap_or(usize::MAX));
+                let budget = app2.cfg.limits.read_page_bytes_max.min(room.saturating_sub(
+                    crate::config::page_overhead_bytes_max(&app2.cfg.limits, p.limit),
+                ));
                 let (meta, events) = st
                     .read_events_within(id, p.after, p.limit, budget)
                     .map_err(|e| ApiError::Internal(e.to_string()))?
@@ -2001,6 +2015,7 @@ async fn by_key(
         hops_taken: hops,
         extra_wait: Duration::ZERO,
         stale_ok: stale_read(&q)?,
+        answer_room: None,
     };
     let app2 = app.clone();
     let answer =
@@ -2221,6 +2236,7 @@ async fn replace_replica(
         hops_taken: hops,
         extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
         stale_ok: false,
+        answer_room: None,
     };
     let app2 = app.clone();
     dispatch(&app, method, &uri, bytes, route, move |_, st| async move {
@@ -2456,6 +2472,7 @@ async fn replace_through_leader(
         hops_taken: 0,
         extra_wait: CATCH_UP_WITHIN + Duration::from_secs(30),
         stale_ok: false,
+        answer_room: None,
     };
     let path = format!("/api/shards/{}/replace", shard.get());
     let a = app.clone();

@@ -188,10 +188,15 @@ pub(crate) async fn hold_answer(budget: &ByteBudget, resp: Response) -> Response
         return Response::from_parts(parts, Body::from(bytes));
     }
     let held = budget.hold();
-    if !held.cover(bytes.len()) {
+    // An answer larger than the whole budget (a key's executions under a
+    // small budget, an event written under a higher payload limit) can
+    // never fit: it takes the whole budget, when nothing else holds any.
+    if !held.cover(bytes.len().min(budget.max_bytes())) {
         let mut refused = answer_budget_refusal(budget.max_bytes()).into_response();
+        // The route headers, not the node's: a relayed answer carries the
+        // owner's, and this node refused it.
         for (name, value) in &parts.headers {
-            if name.as_str().starts_with("x-forkless-") {
+            if name.as_str().starts_with("x-forkless-") && name != crate::NODE_HEADER {
                 refused.headers_mut().insert(name.clone(), value.clone());
             }
         }
@@ -236,6 +241,8 @@ mod tests {
             let mut r = Response::new(Body::from(vec![b'x'; len]));
             r.headers_mut()
                 .insert("x-forkless-shard", http::HeaderValue::from_static("3"));
+            r.headers_mut()
+                .insert("x-forkless-node", http::HeaderValue::from_static("1"));
             r
         };
         // Small: not held.
@@ -247,6 +254,10 @@ mod tests {
         let refused = hold_answer(&b, answer(100 * 1024)).await;
         assert_eq!(refused.status(), http::StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(refused.headers()["x-forkless-shard"], "3");
+        assert!(
+            !refused.headers().contains_key("x-forkless-node"),
+            "the node that refused stamps its own"
+        );
         let body = axum::body::to_bytes(refused.into_body(), usize::MAX)
             .await
             .unwrap();
@@ -262,6 +273,16 @@ mod tests {
         drop(bytes);
         assert_eq!(b.room(), 50 * 1024, "a slice of it still holds");
         drop(tail);
+        assert_eq!(b.room(), 200 * 1024);
+        // Larger than the whole budget: taken alone, refused beside another.
+        let huge = hold_answer(&b, answer(300 * 1024)).await;
+        assert_eq!(huge.status(), http::StatusCode::OK);
+        assert_eq!(b.room(), 0);
+        drop(huge);
+        let other = hold_answer(&b, answer(100 * 1024)).await;
+        let refused = hold_answer(&b, answer(300 * 1024)).await;
+        assert_eq!(refused.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+        drop(other);
         assert_eq!(b.room(), 200 * 1024);
     }
 }

@@ -60,6 +60,9 @@ const BODY_STEP: usize = 64 * 1024;
 /// A read buffer grown past this (a large body) is let go once empty, and
 /// so is an answer buffer after an answer larger than this.
 const BUF_KEEP_MAX: usize = 64 * 1024;
+// A held answer (`budget::hold_answer`) is written from its own bytes,
+// never copied into the answer buffer (and let go before it is written).
+const _: () = assert!(crate::budget::ANSWER_UNCOUNTED_MAX >= BUF_KEEP_MAX);
 /// Once the node is stopping, a write still blocked (a client that does
 /// not read) gets this long before the connection is dropped, so a stuck
 /// client cannot hold the shutdown up for the whole write timeout.

@@ -141,6 +141,9 @@ pub struct ForwardRequest<'a> {
     /// How long it may wait for a connection of the share, before its
     /// `timeout` starts (then 503, not sent).
     pub queue_within: Duration,
+    /// A page of events: the room this node has for its answer
+    /// ([`crate::ANSWER_ROOM_HEADER`]).
+    pub answer_room: Option<usize>,
 }
 
 /// How long after a forwarded write's forwarder gave up on it (its
@@ -330,12 +333,15 @@ impl Forwarder {
             reason,
             hint: Some(owner.clone()),
         };
-        let mut hops = itoa::Buffer::new();
-        let head = [
+        let (mut hops, mut room) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let mut head = vec![
             ("content-type", b"application/json".as_slice()),
             (HOPS_HEADER, hops.format(req.hops).as_bytes()),
             (PEER_TOKEN_HEADER, self.secret.as_bytes()),
         ];
+        if let Some(r) = req.answer_room {
+            head.push((crate::ANSWER_ROOM_HEADER, room.format(r).as_bytes()));
+        }
         let request = encode_request(
             &req.method,
             req.path_and_query,
@@ -981,6 +987,7 @@ mod tests {
                     peers: 1,
                     waits,
                     queue_within: timeout,
+                    answer_room: None,
                 };
                 f.forward(&owner, req).await.map(|r| r.status())
             })
@@ -1060,6 +1067,7 @@ mod tests {
             peers: 1,
             waits: false,
             queue_within: Duration::from_millis(300),
+            answer_room: None,
         };
         let unknown = |r: Result<Response, ApiError>| {
             matches!(

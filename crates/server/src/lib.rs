@@ -37,6 +37,10 @@ pub const PEER_PROTOCOL_VERSION: u32 = forkless_raftnet::PROTOCOL_VERSION;
 pub const PEER_TOKEN_HEADER: &str = "x-forkless-peer-token";
 /// The node that produced an answer.
 pub const NODE_HEADER: &str = "x-forkless-node";
+/// On a page of events forwarded by a peer: the bytes its listener has
+/// room for in its answer budget, which the owner cuts the page to as it
+/// does to its own room (read only with a peer's credentials).
+pub const ANSWER_ROOM_HEADER: &str = "x-forkless-answer-room";
 
 /// Everything a request handler needs.
 pub struct App {

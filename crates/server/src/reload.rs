@@ -533,7 +533,9 @@ async fn reload(app: &crate::App) -> Result<Outcome, Refused> {
         still_member(app, id).or_else(|| app.move_targets.moving_to(id))
     })?;
     check_fds(&app.cfg, &plan.cluster, app.fd_limit)?;
-    crate::warn_if_share_of_one(app.cfg.limits.connections_max, plan.cluster.nodes.len());
+    if !plan.added.is_empty() {
+        crate::warn_if_share_of_one(app.cfg.limits.connections_max, plan.cluster.nodes.len());
+    }
     for &id in &plan.removed {
         app.dir.remove_node(id);
         crate::peer::forget_peer(app, id);
