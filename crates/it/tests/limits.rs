@@ -701,6 +701,16 @@ fn answers_held_at_once_are_bounded() {
         )
         .expect(200);
     }
+    // Forty events of 1 KB: their page (about 45 KB) is not counted.
+    let small_id = id_of(&c.start(&json!({"workflow": "w"})));
+    let events: Vec<_> = (0..40)
+        .map(|_| json!({"type": "small", "payload": "z".repeat(1000)}))
+        .collect();
+    c.post(
+        &format!("/api/executions/{small_id}/events"),
+        &json!({ "events": events }),
+    )
+    .expect(200);
     let pages = format!("/api/executions/{id}/events?limit=10");
     let one = format!("/api/executions/{id}/events?after=1&limit=1");
     let full = c.get(&pages).expect(200).json();
@@ -733,18 +743,28 @@ fn answers_held_at_once_are_bounded() {
     wait_until("two pages held", Duration::from_secs(30), || {
         (held(&c) >= 2_400_000.0).then_some(())
     });
-    let pages_held = held_steady(&c);
-    assert!(
-        pages_held < 2_500_000.0,
-        "{pages_held} bytes held by two pages"
+    let two_held = held_steady(&c);
+    assert!(two_held < 2_500_000.0, "{two_held} bytes held by two pages");
+    // About 1.7 MiB left: a whole page (1.2 MB) still fits, and is whole
+    // (before, it was cut short by a payload's room and ten events'
+    // frames it did not need).
+    assert_eq!(
+        c.get(&pages).expect(200).json()["events"],
+        full["events"],
+        "a page that fits, read with 1.7 MiB of answers left"
     );
-    // About 1.7 MiB left: a page is cut short to fit (less one payload's
-    // room and its events' frames), and says where to go on.
+    stuck.push(stuck_on(&c, &pages, "", 40));
+    wait_until("three pages held", Duration::from_secs(30), || {
+        (held(&c) >= 3_600_000.0).then_some(())
+    });
+    let pages_held = held_steady(&c);
+    // About 0.56 MiB left: a page is cut short to fit, and says where to
+    // go on.
     let short = c.get(&pages).expect(200).json();
     let events = short["events"].as_array().map_or(0, Vec::len);
     assert!(
         (1..5).contains(&events),
-        "{events} events in a page read with 1.7 MiB of answers left"
+        "{events} events in a page read with 0.56 MiB of answers left"
     );
     assert_eq!(short["next_after"], short["events"][events - 1]["seq"]);
     // Clients stuck on single events of 300 KB fill the rest, until one's
@@ -788,13 +808,25 @@ fn answers_held_at_once_are_bounded() {
     other.send(format!("GET {one} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
     other.read().expect_error(503, "too_many_answer_bytes");
     // Small answers are served however full: the execution, a page of
-    // its small start event, the health check, the metrics.
+    // its small start event, the health check, the metrics; and a page of
+    // small events is whole, up to what is not counted (before, every
+    // page was cut to one event once the room was less than a payload and
+    // its frames).
     c.get(&format!("/api/executions/{id}")).expect(200);
     let small = c
         .get(&format!("/api/executions/{id}/events?limit=1"))
         .expect(200)
         .json();
     assert_eq!(small["events"][0]["seq"], 1);
+    let page = c
+        .get(&format!("/api/executions/{small_id}/events?limit=100"))
+        .expect(200)
+        .json();
+    assert_eq!(
+        (page["events"].as_array().map(Vec::len), &page["next_after"]),
+        (Some(41), &json!(null)),
+        "a page of 40 KB read with the budget full"
+    );
     c.get("/healthz").expect(200);
     // The stuck clients go: every byte is given back, and pages are whole.
     drop(stuck);

@@ -19,7 +19,7 @@ use forkless_routing::{
     decide, Decision, Directory, Facts, FailClosed, Owner, OwnerHint, PeerState,
 };
 use forkless_store::{
-    AppendRequest, ExecutionMeta, NewEvent, ShardStore, StartRequest, StoreError,
+    AppendRequest, ExecutionMeta, Fit, NewEvent, ShardStore, StartRequest, StoreError,
 };
 use forkless_types::{Epoch, ExecutionId, PartitionId, ShardId};
 use serde::Serialize;
@@ -1881,20 +1881,43 @@ async fn read_events(
                 if let Some(w) = woken.as_mut().as_pin_mut() {
                     w.enable();
                 }
-                // A page is cut short to what the listener's answers have
-                // room for (and the forwarding peer's, for a read it
-                // forwarded: it holds the page again to relay it), less
-                // one payload (a page stops after the event that reaches
-                // its budget) and its events' frames, and says where to go
-                // on; its answer is held against them until written
-                // (`budget::hold_answer`), and refused if it does not fit
-                // even so (another read took the room first).
-                let room = answers.room().min(peers_room.unwrap_or(usize::MAX));
-                let budget = app2.cfg.limits.read_page_bytes_max.min(room.saturating_sub(
-                    crate::config::page_overhead_bytes_max(&app2.cfg.limits, p.limit),
-                ));
+                // A page stops after the event whose payload reaches
+                // `read_page_bytes_max`, and before one that would take its
+                // answer past what the listener's answers have room for
+                // (and the forwarding peer's, for a read it forwarded: it
+                // holds the page again to relay it), and says where to go
+                // on. Never below what is not counted: a page that small
+                // is served however full the budget. The answer is held
+                // against the budget until written (`budget::hold_answer`),
+                // and refused if it does not fit even so (its one event
+                // is larger, or another read took the room first). Each
+                // event's bytes are counted only when a whole page might
+                // not fit.
+                let limits = &app2.cfg.limits;
+                let room = answers
+                    .room()
+                    .min(peers_room.unwrap_or(usize::MAX))
+                    .max(crate::budget::ANSWER_UNCOUNTED_MAX);
+                let count = room
+                    < limits
+                        .read_page_bytes_max
+                        .saturating_add(crate::config::page_overhead_bytes_max(limits, p.limit));
+                let (mut payloads, mut answer) = (0usize, crate::config::PAGE_FRAME_BYTES_MAX);
                 let (meta, events) = st
-                    .read_events_within(id, p.after, p.limit, budget)
+                    .read_events_fitting(id, p.after, p.limit, |e| {
+                        if count {
+                            answer = answer.saturating_add(wire::event_bytes_in_page(e));
+                            if answer > room {
+                                return Fit::End;
+                            }
+                        }
+                        payloads = payloads.saturating_add(e.payload.len());
+                        if payloads >= limits.read_page_bytes_max {
+                            Fit::TakeAndEnd
+                        } else {
+                            Fit::Take
+                        }
+                    })
                     .map_err(|e| ApiError::Internal(e.to_string()))?
                     .ok_or_else(|| ApiError::NotFound(format!("execution {id} not found")))?;
                 let done = !events.is_empty()

@@ -261,21 +261,7 @@ pub fn encode_events_page(
         if i > 0 {
             out.push(b',');
         }
-        out.extend_from_slice(format!("{{\"seq\":{},\"type\":", e.seq).as_bytes());
-        push_str(&mut out, &e.event_type);
-        out.extend_from_slice(b",\"payload\":");
-        if e.payload.is_empty() {
-            out.extend_from_slice(b"null");
-        } else {
-            out.extend_from_slice(&e.payload);
-        }
-        if let Some(k) = &e.idempotency_key {
-            out.extend_from_slice(b",\"idempotency_key\":");
-            push_str(&mut out, k);
-        }
-        out.extend_from_slice(b",\"recorded_at\":");
-        push_str(&mut out, &rfc3339(e.recorded_at_ms));
-        out.push(b'}');
+        put_event(&mut out, e);
     }
     match next_after {
         Some(n) => out.extend_from_slice(format!("],\"next_after\":{n}}}").as_bytes()),
@@ -284,9 +270,53 @@ pub fn encode_events_page(
     out
 }
 
-fn push_str(out: &mut Vec<u8>, s: &str) {
-    // Serializing a &str into a Vec cannot fail.
-    let _ = serde_json::to_writer(&mut *out, s);
+/// The bytes `e` takes in a page [`encode_events_page`] makes, with the
+/// comma before it: what a page is cut to fit by (counted, not made).
+pub fn event_bytes_in_page(e: &forkless_store::StoredEvent) -> usize {
+    /// Counts what is written to it.
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut n = Count(1);
+    put_event(&mut n, e);
+    n.0
+}
+
+/// One event of a page, written to `out` (a `Vec`, or a count of its
+/// bytes: neither fails).
+fn put_event(out: &mut impl std::io::Write, e: &forkless_store::StoredEvent) {
+    out_all(out, format!("{{\"seq\":{},\"type\":", e.seq).as_bytes());
+    push_str(&mut *out, &e.event_type);
+    out_all(out, b",\"payload\":");
+    if e.payload.is_empty() {
+        out_all(out, b"null");
+    } else {
+        out_all(out, &e.payload);
+    }
+    if let Some(k) = &e.idempotency_key {
+        out_all(out, b",\"idempotency_key\":");
+        push_str(&mut *out, k);
+    }
+    out_all(out, b",\"recorded_at\":");
+    push_str(&mut *out, &rfc3339(e.recorded_at_ms));
+    out_all(out, b"}");
+}
+
+fn out_all(out: &mut impl std::io::Write, b: &[u8]) {
+    // Writing to a Vec or a count cannot fail.
+    let _ = out.write_all(b);
+}
+
+fn push_str(out: &mut impl std::io::Write, s: &str) {
+    // Serializing a &str into a Vec or a count cannot fail.
+    let _ = serde_json::to_writer(out, s);
 }
 
 #[cfg(test)]
@@ -319,6 +349,32 @@ mod tests {
             per_event > EVENT_FRAME_BYTES_MAX - 100,
             "{per_event}: a loose bound"
         );
+    }
+
+    /// What a page is cut to fit by is what its events take in it, to
+    /// the byte: names that escape, no payload, no key.
+    #[test]
+    fn an_events_bytes_in_a_page_are_counted_exactly() {
+        let ev =
+            |seq, event_type: &str, payload: &str, key: Option<&str>| forkless_store::StoredEvent {
+                seq,
+                event_type: event_type.to_string(),
+                idempotency_key: key.map(str::to_string),
+                recorded_at_ms: 1_765_000_000_123,
+                payload: payload.as_bytes().to_vec(),
+            };
+        let events = [
+            ev(2, "a", r#"{"x":1}"#, None),
+            ev(3, "tab\there \"quoted\" \u{1}", "", Some("k\\1")),
+            ev(u64::MAX, "\u{e9}t\u{e9}", "[1,2,3]", Some("key")),
+        ];
+        let empty = encode_events_page("7", "running", 9, &[], None);
+        for n in 1..=events.len() {
+            let page = encode_events_page("7", "running", 9, &events[..n], None);
+            let counted: usize = events[..n].iter().map(event_bytes_in_page).sum();
+            // (The first event has no comma before it.)
+            assert_eq!(page.len(), empty.len() + counted - 1, "{n} events");
+        }
     }
 
     #[test]

@@ -135,8 +135,8 @@ pub use raft_net::{
     Replication, Rpc, RpcReply, SnapshotChunk, APPENDS_IN_FLIGHT, APPEND_BYTES_MAX,
 };
 pub use shard::{
-    Finished, MoveBounds, ReadConfirm, Replaced, ShardStore, StoreConfig, CACHE_BYTES_PER_SHARD,
-    JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT, WRITE_BUFFER_BYTES,
+    Finished, Fit, MoveBounds, ReadConfirm, Replaced, ShardStore, StoreConfig,
+    CACHE_BYTES_PER_SHARD, JOURNAL_BYTES_MIN, RAFT_GROUPS_IN_FLIGHT, WRITE_BUFFER_BYTES,
 };
 pub use supervise::{restart_backoff, Restarts, RESTARTS_FORGOTTEN_AFTER};
 pub use waiters::Interest;

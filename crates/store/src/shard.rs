@@ -644,6 +644,18 @@ fn reindex(
     Ok(n)
 }
 
+/// What a page of events read with [`ShardStore::read_events_fitting`]
+/// does with the next event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// Takes it, and asks of the one after.
+    Take,
+    /// Takes it, and ends after it.
+    TakeAndEnd,
+    /// Ends before it (after it, if it is the page's first).
+    End,
+}
+
 /// A handle on one shard's durable state. Cheap to share (`Arc`).
 pub struct ShardStore {
     shard: ShardId,
@@ -1954,7 +1966,7 @@ impl ShardStore {
         after: u64,
         limit: usize,
     ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
-        self.read_events_within(id, after, limit, usize::MAX)
+        self.read_events_fitting(id, after, limit, |_| Fit::Take)
     }
 
     /// Like [`ShardStore::read_events`], but the page also stops once the
@@ -1968,6 +1980,29 @@ impl ShardStore {
         limit: usize,
         bytes_max: usize,
     ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
+        let mut bytes = 0usize;
+        self.read_events_fitting(id, after, limit, |e| {
+            bytes = bytes.saturating_add(e.payload.len());
+            if bytes >= bytes_max {
+                Fit::TakeAndEnd
+            } else {
+                Fit::Take
+            }
+        })
+    }
+
+    /// Like [`ShardStore::read_events`], but the page ends where `fit`
+    /// says: it is asked of each event in turn, the first too (so that it
+    /// can count it), and the page always holds at least one event (if
+    /// any follows `after`: a first event it would end before, it takes
+    /// and ends after). A caller continues after the last event returned.
+    pub fn read_events_fitting(
+        &self,
+        id: ExecutionId,
+        after: u64,
+        limit: usize,
+        mut fit: impl FnMut(&StoredEvent) -> Fit,
+    ) -> Result<Option<(ExecutionMeta, Vec<StoredEvent>)>, StoreError> {
         let (snap, tail) = view(&self.ks, &self.tail, id, after, limit);
         let Some(meta) = read_meta(&self.ks, &snap, id, tail.as_ref())? else {
             return Ok(None);
@@ -1979,14 +2014,16 @@ impl ShardStore {
             // corruption and must not be papered over.
             let locs = index::locations(&self.ks, &snap, id, after, through, tail.as_ref())?;
             events.reserve(locs.len());
-            let mut bytes = 0usize;
             for (seq, loc) in locs {
                 let value = self.events.read_event(loc, id, seq)?;
                 let event = codec::decode_event(seq, &value)?;
-                bytes = bytes.saturating_add(event.payload.len());
-                events.push(event);
-                if bytes >= bytes_max {
-                    break;
+                match fit(&event) {
+                    Fit::Take => events.push(event),
+                    Fit::End if !events.is_empty() => break,
+                    Fit::End | Fit::TakeAndEnd => {
+                        events.push(event);
+                        break;
+                    }
                 }
             }
         }
