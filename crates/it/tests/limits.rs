@@ -701,6 +701,13 @@ fn answers_held_at_once_are_bounded() {
         )
         .expect(200);
     }
+    // One event of 270 KB.
+    let filler_id = id_of(&c.start(&json!({"workflow": "w"})));
+    c.post(
+        &format!("/api/executions/{filler_id}/events"),
+        &json!({"events": [{"type": "filler", "payload": "f".repeat(270_000)}]}),
+    )
+    .expect(200);
     // Forty events of 1 KB: their page (about 45 KB) is not counted.
     let small_id = id_of(&c.start(&json!({"workflow": "w"})));
     let events: Vec<_> = (0..40)
@@ -807,6 +814,19 @@ fn answers_held_at_once_are_bounded() {
     let mut other = RawConn::open(c.addr);
     other.send(format!("GET {one} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes());
     other.read().expect_error(503, "too_many_answer_bytes");
+    // A client stuck on the 270 KB event leaves less room than the 64 KiB
+    // an answer may take uncounted.
+    stuck.push(stuck_on(
+        &c,
+        &format!("/api/executions/{filler_id}/events?after=1&limit=1"),
+        "",
+        100,
+    ));
+    wait_until("the 270 KB event held", Duration::from_secs(30), || {
+        (held(&c) >= h + 260_000.0).then_some(())
+    });
+    let h = held_steady(&c);
+    assert!(BUDGET - h < 65_536.0, "{h} bytes held");
     // Small answers are served however full: the execution, a page of
     // its small start event, the health check, the metrics; and a page of
     // small events is whole, up to what is not counted (before, every
@@ -825,7 +845,7 @@ fn answers_held_at_once_are_bounded() {
     assert_eq!(
         (page["events"].as_array().map(Vec::len), &page["next_after"]),
         (Some(41), &json!(null)),
-        "a page of 40 KB read with the budget full"
+        "a page of 45 KB read with less than 64 KiB of room left"
     );
     c.get("/healthz").expect(200);
     // The stuck clients go: every byte is given back, and pages are whole.

@@ -1891,25 +1891,33 @@ async fn read_events(
                 // against the budget until written (`budget::hold_answer`),
                 // and refused if it does not fit even so (its one event
                 // is larger, or another read took the room first). Each
-                // event's bytes are counted only when a whole page might
-                // not fit.
+                // event's bytes are counted exactly when a whole page might
+                // not fit, else bounded by its payload and the most its
+                // frame takes, and counted once the bound would not fit
+                // (an event written under a higher payload limit).
                 let limits = &app2.cfg.limits;
                 let room = answers
                     .room()
                     .min(peers_room.unwrap_or(usize::MAX))
                     .max(crate::budget::ANSWER_UNCOUNTED_MAX);
-                let count = room
+                let mut exact = room
                     < limits
                         .read_page_bytes_max
                         .saturating_add(crate::config::page_overhead_bytes_max(limits, p.limit));
                 let (mut payloads, mut answer) = (0usize, crate::config::PAGE_FRAME_BYTES_MAX);
                 let (meta, events) = st
                     .read_events_fitting(id, p.after, p.limit, |e| {
-                        if count {
-                            answer = answer.saturating_add(wire::event_bytes_in_page(e));
-                            if answer > room {
-                                return Fit::End;
-                            }
+                        let mut bytes = e
+                            .payload
+                            .len()
+                            .saturating_add(crate::config::EVENT_FRAME_BYTES_MAX);
+                        if exact || answer.saturating_add(bytes) > room {
+                            exact = true;
+                            bytes = wire::event_bytes_in_page(e);
+                        }
+                        answer = answer.saturating_add(bytes);
+                        if answer > room {
+                            return Fit::End;
                         }
                         payloads = payloads.saturating_add(e.payload.len());
                         if payloads >= limits.read_page_bytes_max {

@@ -88,3 +88,39 @@ async fn a_budgeted_read_stops_at_the_budget_with_at_least_one_event() {
     assert_eq!(seqs(11, 100, 1), Vec::<u64>::new());
     assert_eq!(seqs(0, 100, usize::MAX).len(), 11);
 }
+
+/// A page read with a verdict per event ends before the first event it
+/// ends at, or after it when told so; a first event is taken either way;
+/// every event the page holds was asked of, in order.
+#[tokio::test]
+async fn a_fitted_read_ends_where_its_verdict_says() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Store::open(dir.path(), ShardCount::ONE, StoreConfig::default()).expect("open");
+    let s = store.open_shard(ShardId(0), Epoch(1)).expect("shard");
+    s.start(start(1)).await.expect("start");
+    for _ in 0..5 {
+        s.append(append(1, b"1".to_vec())).await.expect("append");
+    }
+    let read = |after, verdict: &dyn Fn(u64) -> Fit| -> (Vec<u64>, Vec<u64>) {
+        let mut asked = Vec::new();
+        let (_, events) = s
+            .read_events_fitting(id(1), after, 100, |e| {
+                asked.push(e.seq);
+                verdict(e.seq)
+            })
+            .expect("read")
+            .expect("exists");
+        (events.iter().map(|e| e.seq).collect(), asked)
+    };
+    let end_at = |n| move |seq| if seq == n { Fit::End } else { Fit::Take };
+    assert_eq!(read(1, &end_at(4)), (vec![2, 3], vec![2, 3, 4]));
+    assert_eq!(
+        read(1, &end_at(2)),
+        (vec![2], vec![2]),
+        "a first event is taken"
+    );
+    let last_at = |n| move |seq| if seq == n { Fit::TakeAndEnd } else { Fit::Take };
+    assert_eq!(read(1, &last_at(4)), (vec![2, 3, 4], vec![2, 3, 4]));
+    assert_eq!(read(0, &|_| Fit::Take).0, vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(read(6, &|_| Fit::End), (vec![], vec![]));
+}
