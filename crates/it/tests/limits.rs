@@ -692,15 +692,7 @@ fn answers_held_at_once_are_bounded() {
     let c = n.client;
     // Twelve events of 300 KB: a full page is the start event and four of
     // them (it stops after the one that reaches 1 MiB).
-    let id = id_of(&c.start(&json!({"workflow": "w"})));
-    let event = json!({"type": "mid", "payload": "y".repeat(300_000)});
-    for _ in 0..3 {
-        c.post(
-            &format!("/api/executions/{id}/events"),
-            &json!({"events": [event, event, event, event]}),
-        )
-        .expect(200);
-    }
+    let id = start_with_300_kb_events(&c);
     // One event of 270 KB.
     let filler_id = id_of(&c.start(&json!({"workflow": "w"})));
     c.post(
@@ -907,15 +899,7 @@ fn a_page_read_through_another_node_is_cut_short_to_its_room() {
     std::fs::write(&cfg, text).expect("config");
     start(&mut cl, &cfg, &[1, 2]);
     let (c1, c2) = (cl.client(1), cl.client(2));
-    let id = id_of(&c1.start(&json!({"workflow": "w"})));
-    let event = json!({"type": "mid", "payload": "y".repeat(300_000)});
-    for _ in 0..3 {
-        c1.post(
-            &format!("/api/executions/{id}/events"),
-            &json!({"events": [event, event, event, event]}),
-        )
-        .expect(200);
-    }
+    let id = start_with_300_kb_events(&c1);
     let pages = format!("/api/executions/{id}/events?limit=10");
     // Three clients of node 2 stuck on pages node 1 made: node 2 holds
     // them (over 3 MB of its 4 MiB).
@@ -939,6 +923,21 @@ fn a_page_read_through_another_node_is_cut_short_to_its_room() {
     assert!((1..5).contains(&events), "{events} events");
     assert_eq!(v["next_after"], v["events"][events - 1]["seq"]);
     drop(stuck);
+}
+
+/// Starts an execution and appends twelve events of 300 KB to it, four
+/// a request; returns its id.
+fn start_with_300_kb_events(c: &Client) -> String {
+    let id = id_of(&c.start(&json!({"workflow": "w"})));
+    let event = json!({"type": "mid", "payload": "y".repeat(300_000)});
+    for _ in 0..3 {
+        c.post(
+            &format!("/api/executions/{id}/events"),
+            &json!({"events": [event, event, event, event]}),
+        )
+        .expect(200);
+    }
+    id
 }
 
 /// Sends `n` pipelined GETs of `path` (with `headers`, each line ending
